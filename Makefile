@@ -1,0 +1,35 @@
+# The two set-up commands: `make run` and `make test`. Both create .venv and install what is
+# missing; a second run installs nothing.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint typecheck unit clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch==2.13.0 resolves to the CPU wheel on this machine's disk (pip, not uv).
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/prefixgate demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest
+
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,414 @@
+"""The KV cache manager: decides which blocks a request gets, reuses, commits and gives back.
+
+The block pool owns memory, the prefix cache maps keys to blocks, the hasher makes keys; this
+module decides. It enforces per-owner quotas and reservations:
+- an owner that would go over its quota evicts its own least recently used idle blocks first;
+- a full pool evicts the global LRU idle block among owners above their reservation (or the
+  requesting owners themselves), never a block another owner has reserved;
+- what cannot be satisfied is refused with `QuotaExceeded` or `PoolExhausted` and changes
+  nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.block_hash import BlockHash, BlockHasher, encode_token_ids
+from engine.block_pool import Block, BlockPool
+from engine.budget import PUBLIC_OWNER, Owner, PoolExhausted, QuotaExceeded, Refusal, TenantBudget
+from engine.cache_stats import CacheStats, OwnerCounters, OwnerStats
+from engine.prefix_cache import PrefixCache
+from engine.scope import NO_CACHE, CacheScope, Public, Segment, block_scopes, privacy
+
+
+@dataclass(frozen=True, slots=True)
+class CacheRequest:
+    """What the manager needs to know about a request: tokens, scopes, who pays."""
+
+    request_id: str
+    tenant_id: str
+    prompt_token_ids: Sequence[int]
+    segments: Sequence[Segment]
+    # Scope of the tokens no segment covers: the generated text.
+    tail_scope: CacheScope = NO_CACHE
+    budget: TenantBudget | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Sequence:
+    request: CacheRequest
+    token_bytes: bytearray
+    scopes: list[CacheScope]
+    blocks: list[Block] = field(default_factory=list)
+    keys: list[BlockHash] = field(default_factory=list)
+    cached_tokens: int = 0
+    committed_blocks: int = 0
+    # The cached block the next committed block extends (None: the chain's root).
+    chain_parent: Block | None = None
+    commit_stopped: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The verified cached prefix of a request, valid until the cache next changes."""
+
+    blocks: list[Block]
+    generations: list[int]
+    block_size: int
+    sequence: _Sequence
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+
+class KVCacheManager:
+    """Allocates, matches, commits and frees KV blocks for requests, under tenant budgets."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        hasher: BlockHasher,
+        root: BlockHash,
+        public_budget: TenantBudget | None = None,
+        default_budget: TenantBudget | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        if hasher.block_size != pool.spec.block_size:
+            raise ValueError("hasher and pool disagree on block_size")
+        self.pool = pool
+        self.hasher = hasher
+        self.root = root
+        self.block_size = pool.spec.block_size
+        self.prefix_cache = PrefixCache()
+        self.enable_prefix_caching = enable_prefix_caching
+        self.default_budget = default_budget or TenantBudget(pool.num_blocks)
+        self._budgets: dict[Owner, TenantBudget] = {}
+        self._counters: dict[Owner, OwnerCounters] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self.peak_active_blocks = 0
+        self.set_budget(PUBLIC_OWNER, public_budget or TenantBudget(pool.num_blocks))
+
+    # -- budgets ------------------------------------------------------------------------------
+
+    def budget(self, owner: Owner) -> TenantBudget:
+        return self._budgets.get(owner, self.default_budget)
+
+    def set_budget(self, owner: Owner, budget: TenantBudget) -> int:
+        """Set an owner's quota and reservation now; returns how many idle blocks it evicted.
+
+        Shrinking below what the owner holds evicts its least recently used idle blocks at
+        once; blocks in use stay until their requests end and are not kept cached after that
+        while the owner is over quota.
+        """
+        others = sum(b.reserved_blocks for o, b in self._budgets.items() if o != owner)
+        if others + budget.reserved_blocks > self.pool.num_blocks:
+            raise ValueError(
+                f"reservations would total {others + budget.reserved_blocks} blocks, "
+                f"more than the pool's {self.pool.num_blocks}"
+            )
+        self._budgets[owner] = budget
+        evicted = self._evict_over_quota(owner)
+        self.pool.flush_zeroing()
+        return evicted
+
+    # -- request lifecycle --------------------------------------------------------------------
+
+    def match(self, request: CacheRequest) -> PrefixMatch:
+        """The longest verified chain of cached blocks for the request's prompt.
+
+        The last prompt token is never served from cache: its logits are needed.
+        """
+        if request.request_id in self._sequences:
+            raise ValueError(f"request {request.request_id!r} is already admitted")
+        sequence = self._new_sequence(request)
+        blocks: list[Block] = []
+        if self.enable_prefix_caching:
+            limit = (len(request.prompt_token_ids) - 1) // self.block_size
+            self._extend_keys(sequence, limit)
+            parent: Block | None = None
+            parent_key = self.root
+            for index, key in enumerate(sequence.keys[:limit]):
+                block = self.prefix_cache.lookup(
+                    key, parent_key, parent, sequence.scopes[index], self._chunk(sequence, index)
+                )
+                if block is None:
+                    break
+                blocks.append(block)
+                parent, parent_key = block, key
+        generations = [block.generation for block in blocks]
+        return PrefixMatch(blocks, generations, self.block_size, sequence)
+
+    def admit(self, hit: PrefixMatch, num_new_tokens: int) -> Refusal | None:
+        """Start a request: reference its cached prefix and allocate for `num_new_tokens` more.
+
+        Atomic: a refusal leaves the pool, the cache and the request untouched.
+        """
+        sequence = hit.sequence
+        request = sequence.request
+        if request.request_id in self._sequences:
+            raise ValueError(f"request {request.request_id!r} is already admitted")
+        if [block.generation for block in hit.blocks] != hit.generations:
+            raise ValueError("stale prefix match: the cache changed since match()")
+        if request.budget is not None and request.budget != self.budget(request.tenant_id):
+            self.set_budget(request.tenant_id, request.budget)
+        pinned = Counter(b.owner for b in hit.blocks if b.ref_count == 0 and b.owner is not None)
+        total_tokens = hit.cached_tokens + num_new_tokens
+        refusal = self._allocate(sequence, total_tokens, pinned, hit.blocks)
+        if refusal is not None:
+            return refusal
+        self._sequences[request.request_id] = sequence
+        sequence.cached_tokens = hit.cached_tokens
+        sequence.committed_blocks = len(hit.blocks)
+        sequence.chain_parent = hit.blocks[-1] if hit.blocks else None
+        counters = self._counter(request.tenant_id)
+        counters.prompt_tokens += len(request.prompt_token_ids)
+        counters.cached_tokens += hit.cached_tokens
+        return None
+
+    def allocate(self, request_id: str, total_tokens: int) -> Refusal | None:
+        """Make sure an admitted request has blocks for its first `total_tokens` tokens."""
+        return self._allocate(self._sequences[request_id], total_tokens, Counter(), [])
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Record generated tokens so their full blocks can be keyed and committed."""
+        self._sequences[request_id].token_bytes += encode_token_ids(token_ids)
+
+    def commit(self, request_id: str, num_computed_tokens: int) -> int:
+        """Cache the request's full, computed blocks under their scopes; returns how many.
+
+        Stops for good at the first `NoCache` block and at the first key collision, so a
+        cached block's parent is always a cached block with exactly its real predecessor's
+        contents.
+        """
+        sequence = self._sequences[request_id]
+        if not self.enable_prefix_caching or sequence.commit_stopped:
+            return 0
+        full_blocks = min(num_computed_tokens // self.block_size, len(sequence.blocks))
+        self._extend_keys(sequence, full_blocks)
+        committed = 0
+        while sequence.committed_blocks < full_blocks:
+            index = sequence.committed_blocks
+            if index >= len(sequence.keys):  # a NoCache block: nothing from here on is cached
+                sequence.commit_stopped = True
+                break
+            block = sequence.blocks[index]
+            cached = self.prefix_cache.insert(
+                block,
+                sequence.keys[index],
+                sequence.keys[index - 1] if index else self.root,
+                sequence.chain_parent,
+                sequence.scopes[index],
+                self._chunk(sequence, index),
+            )
+            if cached is None:
+                sequence.commit_stopped = True
+                break
+            committed += cached is block
+            sequence.chain_parent = cached
+            sequence.committed_blocks += 1
+        return committed
+
+    def free(self, request_id: str) -> None:
+        """Give back a finished or cancelled request's blocks, tail first.
+
+        Cached blocks turn idle (the chain's tail least recently used), uncached ones go to
+        be zeroed, and an owner over its quota sheds idle blocks at once.
+        """
+        sequence = self._sequences.pop(request_id, None)
+        if sequence is None:
+            return
+        for block in reversed(sequence.blocks):
+            self.pool.unref(block)
+        for owner in {block.owner for block in sequence.blocks}:
+            if owner is not None:
+                self._evict_over_quota(owner)
+
+    def purge(self, tenant_id: str) -> int:
+        """Drop every block the tenant owns from the cache and zero the idle ones now.
+
+        Blocks still in use by the tenant's running requests lose their keys (nobody can hit
+        them any more) and are zeroed when those requests end; cancel them first for an
+        immediate wipe.
+        """
+        purged = 0
+        for block in self.pool.idle_blocks(tenant_id):
+            self._evict(block, count_eviction=False)
+            purged += 1
+        for block in self.pool.blocks:
+            if block.owner == tenant_id and block.key is not None:
+                self.prefix_cache.remove(block)
+                self.pool.forget(block)
+                purged += 1
+        self.pool.flush_zeroing()
+        self._counter(tenant_id).purged_blocks += purged
+        return purged
+
+    def end_step(self) -> int:
+        """Zero, in one batched operation, every block that left a scope during this step."""
+        return self.pool.flush_zeroing()
+
+    def cached_tokens(self, request_id: str) -> int:
+        return self._sequences[request_id].cached_tokens
+
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block table."""
+        return [block.block_id for block in self._sequences[request_id].blocks]
+
+    def num_blocks(self, request_id: str) -> int:
+        return len(self._sequences[request_id].blocks)
+
+    # -- stats --------------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        """A snapshot of per-owner block counts and reuse, and pool-wide counters."""
+        owners = set(self.pool.owners()) | set(self._counters) | set(self._budgets)
+        per_owner = {}
+        for owner in owners:
+            budget = self.budget(owner)
+            owned, idle = self.pool.owned(owner), self.pool.idle_count(owner)
+            per_owner[owner] = OwnerStats(
+                active_blocks=owned - idle,
+                cached_blocks=idle,
+                reserved_blocks=budget.reserved_blocks,
+                quota_blocks=budget.quota_blocks,
+                counters=dataclasses.replace(self._counters.get(owner, OwnerCounters())),
+            )
+        return CacheStats(
+            num_blocks=self.pool.num_blocks,
+            free_blocks=self.pool.num_available,
+            cached_keys=len(self.prefix_cache),
+            blocks_zeroed=self.pool.blocks_zeroed,
+            zero_operations=self.pool.zero_operations,
+            collisions=self.prefix_cache.collisions,
+            peak_active_blocks=self.peak_active_blocks,
+            owners=per_owner,
+        )
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _new_sequence(self, request: CacheRequest) -> _Sequence:
+        if not request.prompt_token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        # The prompt's last block is scoped as if generation filled it: its tail belongs to
+        # the generated text.
+        padded = -(-len(request.prompt_token_ids) // self.block_size) * self.block_size
+        scopes = block_scopes(request.segments, padded, self.block_size, request.tail_scope)
+        token_bytes = bytearray(encode_token_ids(request.prompt_token_ids))
+        return _Sequence(request, token_bytes, scopes)
+
+    def _extend_scopes(self, sequence: _Sequence, num_blocks: int) -> None:
+        """Scopes for blocks of generated text: the tail scope, never less private."""
+        tail = sequence.request.tail_scope
+        while len(sequence.scopes) < num_blocks:
+            last = sequence.scopes[-1]
+            sequence.scopes.append(tail if privacy(tail) >= privacy(last) else last)
+
+    def _extend_keys(self, sequence: _Sequence, num_blocks: int) -> None:
+        self._extend_scopes(sequence, num_blocks)
+        have = len(sequence.keys)
+        if have < num_blocks:
+            parent = sequence.keys[-1] if have else self.root
+            sequence.keys += self.hasher.chain(
+                parent, sequence.token_bytes, sequence.scopes, have, num_blocks
+            )
+
+    def _owner_of(self, sequence: _Sequence, index: int) -> Owner:
+        if isinstance(sequence.scopes[index], Public):
+            return PUBLIC_OWNER
+        return sequence.request.tenant_id
+
+    def _allocate(
+        self,
+        sequence: _Sequence,
+        total_tokens: int,
+        pinned: Counter[Owner],
+        hits: list[Block],
+    ) -> Refusal | None:
+        """Reference `hits`, then add blocks up to `total_tokens`, evicting as planned."""
+        have = len(sequence.blocks) + len(hits)
+        needed_blocks = -(-total_tokens // self.block_size)
+        self._extend_scopes(sequence, needed_blocks)
+        owners = [self._owner_of(sequence, index) for index in range(have, needed_blocks)]
+        needs = Counter(owners)
+
+        # Plan: first each owner's own evictions to stay within its quota...
+        own_evictions: Counter[Owner] = Counter()
+        for owner, need in needs.items():
+            quota = self.budget(owner).quota_blocks
+            evictable = self.pool.idle_count(owner) - pinned[owner]
+            over = self.pool.owned(owner) + need - quota
+            if over > evictable:
+                active = self.pool.owned(owner) - self.pool.idle_count(owner) + pinned[owner]
+                return QuotaExceeded(owner, need, quota, active)
+            own_evictions[owner] = max(0, over)
+        # ...then global LRU evictions if the pool itself is short.
+        available = self.pool.num_available + own_evictions.total()
+        shortfall = len(owners) - available
+        allowance: dict[Owner, int] = {}
+        if shortfall > 0:
+            for owner in self.pool.idle_owners():
+                idle = self.pool.idle_count(owner) - pinned[owner] - own_evictions[owner]
+                if owner not in needs:  # others' pressure stops at the owner's reservation
+                    above = self.pool.owned(owner) - self.budget(owner).reserved_blocks
+                    idle = min(idle, above)
+                if idle > 0:
+                    allowance[owner] = idle
+            if sum(allowance.values()) < shortfall:
+                return PoolExhausted(len(owners), available + sum(allowance.values()))
+
+        # Execute: nothing below can fail.
+        for block in hits:
+            self.pool.ref(block)
+        sequence.blocks += hits
+        for owner, count in own_evictions.items():
+            for _ in range(count):
+                self._evict_oldest(owner)
+        for _ in range(max(0, shortfall)):
+            owner = min((o for o, left in allowance.items() if left), key=self._oldest_release)
+            allowance[owner] -= 1
+            self._evict_oldest(owner)
+        for owner in owners:
+            sequence.blocks += self.pool.take(owner, 1)
+        self.peak_active_blocks = max(self.peak_active_blocks, self.pool.num_active)
+        return None
+
+    def _oldest_release(self, owner: Owner) -> int:
+        block = self.pool.oldest_idle(owner)
+        assert block is not None
+        return block.last_released
+
+    def _evict_oldest(self, owner: Owner) -> None:
+        block = self.pool.oldest_idle(owner)
+        assert block is not None
+        self._evict(block)
+
+    def _evict_over_quota(self, owner: Owner) -> int:
+        evicted = 0
+        while self.pool.owned(owner) > self.budget(owner).quota_blocks:
+            if self.pool.oldest_idle(owner) is None:
+                break
+            self._evict_oldest(owner)
+            evicted += 1
+        return evicted
+
+    def _evict(self, block: Block, count_eviction: bool = True) -> None:
+        assert block.owner is not None
+        if count_eviction:
+            self._counter(block.owner).evicted_blocks += 1
+        self.prefix_cache.remove(block)
+        self.pool.evict(block)
+
+    def _chunk(self, sequence: _Sequence, index: int) -> bytes:
+        """The encoded token ids of block `index`."""
+        stride = 4 * self.block_size
+        return bytes(sequence.token_bytes[index * stride : (index + 1) * stride])
+
+    def _counter(self, owner: Owner) -> OwnerCounters:
+        counters = self._counters.get(owner)
+        if counters is None:
+            counters = self._counters[owner] = OwnerCounters()
+        return counters
