@@ -1,80 +1,95 @@
-"""A walk through the cache manager: public sharing, private isolation, quotas, zeroing.
+"""The engine's demo: a few tenants chatting with the embedded model through the prefix cache.
 
-No model runs here; the demo shows which prompt tokens each request could skip and what the
-pool holds afterwards.
+A shared system prompt is scoped public, everything else private to the user, the way the
+policy module will scope them. The demo shows which prompt tokens each request reused and
+what that did to its time to first token.
 """
 
 from __future__ import annotations
 
-import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
-from engine.block_hash import BlockHasher
-from engine.block_pool import BlockPool
-from engine.budget import TenantBudget
 from engine.cache_stats import CacheStats
-from engine.kv_cache_manager import CacheRequest, KVCacheManager
-from engine.kv_spec import KVSpec
-from engine.scope import Public, Segment, Tenant, User
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model_loader import LoadedModel
+from engine.request import GenerationRequest
+from engine.sampler import SamplingParams
+from engine.scope import Public, Segment, User
+
+SYSTEM_PROMPT = (
+    "You are a concise assistant for a travel agency. Answer in one short sentence. "
+    "Prefer facts about European cities: their capitals, rivers, landmarks and museums. "
+    "If you do not know, say so plainly."
+)
 
 
 @dataclass(frozen=True, slots=True)
-class DemoStep:
-    description: str
+class DemoTurn:
     tenant_id: str
+    user_id: str
+    question: str
+    answer: str
     prompt_tokens: int
     cached_tokens: int
-    outcome: str
+    ttft_s: float
 
 
-def run_demo(seed: int = 0) -> tuple[list[DemoStep], CacheStats]:
-    """Serve a scripted multi-tenant workload through a small cache; returns steps and stats."""
-    rng = random.Random(seed)
-    spec = KVSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.float32, block_size=16)
-    pool = BlockPool(spec, num_blocks=160)
-    hasher = BlockHasher(spec.block_size)
-    manager = KVCacheManager(pool, hasher, hasher.root("demo-model", "", "float32"))
-    manager.set_budget("acme", TenantBudget(quota_blocks=96, reserved_blocks=32))
-    manager.set_budget("globex", TenantBudget(quota_blocks=48))
-
-    system = [rng.randrange(49_152) for _ in range(512)]
-    conversation = [rng.randrange(49_152) for _ in range(300)]
-    counter = iter(range(1_000_000))
-    steps: list[DemoStep] = []
-
-    def serve(description: str, tenant: str, user: str | None, tokens: list[int]) -> None:
-        private = User(tenant, user) if user else Tenant(tenant)
-        segments = [Segment(0, len(system), Public("default"))]
-        segments.append(Segment(len(system), len(tokens), private))
-        request = CacheRequest(f"demo-{next(counter)}", tenant, tokens, segments, private)
-        hit = manager.match(request)
-        refusal = manager.admit(hit, len(tokens) - hit.cached_tokens)
-        if refusal is not None:
-            steps.append(DemoStep(description, tenant, len(tokens), 0, f"refused: {refusal}"))
-            return
-        manager.commit(request.request_id, len(tokens))
-        manager.free(request.request_id)
-        manager.end_step()
-        steps.append(DemoStep(description, tenant, len(tokens), hit.cached_tokens, "served"))
-
-    for step in _script(system, conversation, rng):
-        serve(*step)
-    purged = manager.purge("globex")
-    steps.append(DemoStep("purge tenant globex", "globex", 0, 0, f"{purged} blocks zeroed"))
-    return steps, manager.stats()
+def render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    rendered = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=True
+    )
+    return list(rendered["input_ids"])
 
 
-def _script(
-    system: list[int], conversation: list[int], rng: random.Random
-) -> Iterator[tuple[str, str, str | None, list[int]]]:
-    first_turn = system + conversation
-    yield "acme/alice: first turn (cold)", "acme", "alice", first_turn
-    yield "acme/alice: second turn", "acme", "alice", first_turn + [7] * 40
-    yield "acme/bob: alice's words, another user", "acme", "bob", first_turn
-    yield "globex/carol: same system prompt", "globex", "carol", system + [9] * 100
-    yield "initech (tenant-wide): same system", "initech", None, system + [3] * 50
-    noise = [rng.randrange(49_152) for _ in range(700)]
-    yield "globex/carol: long private prompt", "globex", "carol", system + noise
+def segments_for(tokenizer: Any, token_ids: list[int], tenant: str, user: str) -> list[Segment]:
+    """The rendered system message public, the rest private to the user."""
+    system = render(tokenizer, [{"role": "system", "content": SYSTEM_PROMPT}], False)
+    private = User(tenant, user)
+    if token_ids[: len(system)] != system:
+        return [Segment(0, len(token_ids), private)]
+    return [Segment(0, len(system), Public("demo")), Segment(len(system), len(token_ids), private)]
+
+
+def script() -> Iterator[tuple[str, str, list[str]]]:
+    yield "acme", "alice", ["What is the capital of France?", "Which river flows through it?"]
+    yield "acme", "bob", ["What is the capital of Italy?"]
+    yield "globex", "carol", ["What is the capital of France?"]
+
+
+def run_demo(loaded: LoadedModel) -> tuple[list[DemoTurn], CacheStats]:
+    """Serve the scripted conversations one turn at a time; returns the turns and the cache."""
+    tokenizer = loaded.tokenizer
+    engine = Engine(loaded, EngineConfig(num_blocks=512, max_num_seqs=4)).start()
+    turns: list[DemoTurn] = []
+    for tenant, user, questions in script():
+        messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+        for question in questions:
+            messages.append({"role": "user", "content": question})
+            token_ids = render(tokenizer, messages, True)
+            request = GenerationRequest(
+                f"demo-{len(turns)}",
+                tenant,
+                token_ids,
+                SamplingParams(max_tokens=48, temperature=0.0),
+                segments_for(tokenizer, token_ids, tenant, user),
+                User(tenant, user),
+            )
+            started = time.perf_counter()
+            first_token = 0.0
+            answer = ""
+            for delta in engine.generate_sync(request):
+                first_token = first_token or time.perf_counter() - started
+                answer += delta.text
+                usage = delta.usage
+            assert usage is not None
+            messages.append({"role": "assistant", "content": answer})
+            turns.append(
+                DemoTurn(tenant, user, question, answer.strip(), usage.prompt_tokens,
+                         usage.cached_tokens, first_token)
+            )  # fmt: skip
+    engine.stop()
+    return turns, engine.cache_stats()

@@ -65,6 +65,18 @@ class PrefixMatch:
         return len(self.blocks) * self.block_size
 
 
+def request_block_scopes(request: CacheRequest, block_size: int) -> list[CacheScope]:
+    """One scope per prompt block; raises ValueError for segments that cannot be honoured.
+
+    The prompt's last block is scoped as if generation filled it: its tail belongs to the
+    generated text.
+    """
+    if not request.prompt_token_ids:
+        raise ValueError("a request needs at least one prompt token")
+    padded = -(-len(request.prompt_token_ids) // block_size) * block_size
+    return block_scopes(request.segments, padded, block_size, request.tail_scope)
+
+
 class KVCacheManager:
     """Allocates, matches, commits and frees KV blocks for requests, under tenant budgets."""
 
@@ -291,12 +303,7 @@ class KVCacheManager:
     # -- internals ----------------------------------------------------------------------------
 
     def _new_sequence(self, request: CacheRequest) -> _Sequence:
-        if not request.prompt_token_ids:
-            raise ValueError("a request needs at least one prompt token")
-        # The prompt's last block is scoped as if generation filled it: its tail belongs to
-        # the generated text.
-        padded = -(-len(request.prompt_token_ids) // self.block_size) * self.block_size
-        scopes = block_scopes(request.segments, padded, self.block_size, request.tail_scope)
+        scopes = request_block_scopes(request, self.block_size)
         token_bytes = bytearray(encode_token_ids(request.prompt_token_ids))
         return _Sequence(request, token_bytes, scopes)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -101,44 +102,104 @@ def plan(
 
 
 @app.command()
-def demo() -> None:
-    """Show the prefix cache at work on a scripted multi-tenant workload (no model)."""
+def demo(
+    model: Annotated[
+        Path | None, typer.Option(help="A local model directory (default: embedded).")
+    ] = None,
+) -> None:
+    """Chat as several tenants through the prefix cache and show what each turn reused."""
     from rich.console import Console
     from rich.table import Table
 
     from engine.budget import describe_owner
     from engine.demo import run_demo
+    from engine.model_loader import ModelLoadError, load_model
 
-    steps, stats = run_demo()
+    try:
+        loaded = load_model(model)
+    except ModelLoadError as error:
+        fail(str(error))
+    if loaded.tokenizer is None:
+        fail(f"{loaded.name} has no tokenizer")
+    turns, stats = run_demo(loaded)
     console = Console()
-    served = Table(title="Requests through the KV cache manager")
-    for column in ("request", "prompt tokens", "cached tokens", "outcome"):
-        served.add_column(column)
-    for step in steps:
-        served.add_row(
-            step.description, f"{step.prompt_tokens:,}", f"{step.cached_tokens:,}", step.outcome
+    table = Table(title=f"{loaded.name} on the paged engine: a public system prompt, private chats")
+    for column in ("tenant/user", "question", "answer", "prompt", "cached", "TTFT"):
+        table.add_column(column)
+    for turn in turns:
+        table.add_row(
+            f"{turn.tenant_id}/{turn.user_id}",
+            turn.question,
+            turn.answer,
+            str(turn.prompt_tokens),
+            str(turn.cached_tokens),
+            f"{turn.ttft_s * 1000:.0f} ms",
         )
-    console.print(served)
-    owners = Table(title="Blocks per owner")
-    for column in ("owner", "active", "cached", "reserved", "quota", "reuse", "evicted"):
-        owners.add_column(column)
+    console.print(table)
     for owner, owner_stats in sorted(stats.owners.items(), key=lambda item: str(item[0])):
-        counters = owner_stats.counters
-        owners.add_row(
-            describe_owner(owner),
-            str(owner_stats.active_blocks),
-            str(owner_stats.cached_blocks),
-            str(owner_stats.reserved_blocks),
-            str(owner_stats.quota_blocks),
-            f"{counters.reuse:.0%}",
-            str(counters.evicted_blocks),
-        )
-    console.print(owners)
+        if owner_stats.cached_blocks or owner_stats.counters.prompt_tokens:
+            console.print(
+                f"{describe_owner(owner)}: {owner_stats.cached_blocks} cached blocks, "
+                f"reuse {owner_stats.counters.reuse:.0%}"
+            )
     console.print(
-        f"pool: {stats.num_blocks} blocks, {stats.free_blocks} free; "
-        f"{stats.blocks_zeroed} blocks zeroed in {stats.zero_operations} batched operations; "
-        f"{stats.collisions} verified key collisions"
+        f"{stats.blocks_zeroed} blocks zeroed in {stats.zero_operations} batched operations. "
+        "Alice's second turn reuses her first; Bob and Carol reuse only the public system prompt."
     )
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Option(help="The user message.")],
+    model: Annotated[
+        Path | None, typer.Option(help="A local Hugging Face model directory (default: embedded).")
+    ] = None,
+    system: Annotated[str | None, typer.Option(help="An optional system message.")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 for greedy.")] = 0.0,
+    seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
+) -> None:
+    """Generate a chat answer on the paged engine and stream it to the terminal."""
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.errors import EngineError
+    from engine.model_loader import ModelLoadError, load_model
+    from engine.request import GenerationRequest
+    from engine.sampler import InvalidSampling, SamplingParams
+    from engine.scope import User
+
+    try:
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        loaded = load_model(model)
+    except InvalidSampling as error:
+        fail(f"--{error.param.replace('_', '-')}: {error}")
+    except ModelLoadError as error:
+        fail(str(error))
+    if loaded.tokenizer is None or not getattr(loaded.tokenizer, "chat_template", None):
+        fail(f"{loaded.name} has no tokenizer with a chat template")
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": prompt})
+    token_ids = loaded.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+    engine = Engine(loaded, EngineConfig(max_num_seqs=1)).start()
+    request = GenerationRequest(
+        "cli", "local", token_ids, sampling, tail_scope=User("local", "cli")
+    )
+    try:
+        for delta in engine.generate_sync(request):
+            typer.echo(delta.text, nl=False)
+            if delta.usage is not None:
+                typer.echo("")
+                typer.echo(
+                    f"[{delta.usage.prompt_tokens} prompt tokens, "
+                    f"{delta.usage.completion_tokens} generated, finish: {delta.finish_reason}]",
+                    err=True,
+                )
+    except EngineError as error:
+        fail(str(error))
+    finally:
+        engine.stop()
 
 
 def main() -> None:

@@ -1,0 +1,32 @@
+"""Engine settings: pool size, batching limits, timeouts, backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.budget import TenantBudget
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How big the KV pool is and how the scheduler batches.
+
+    The pool holds `num_blocks` blocks if given, else as many as fit in `kv_cache_bytes`.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 1 << 30
+    kv_dtype: torch.dtype | None = None  # default: the model's dtype
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    max_waiting: int = 4096
+    queue_timeout_s: float = 30.0
+    enable_prefix_caching: bool = True
+    attention_backend: str = "torch"
+    adapter_id: str = ""
+    public_budget: TenantBudget | None = None
+    default_budget: TenantBudget | None = None

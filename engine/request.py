@@ -1,0 +1,51 @@
+"""What callers hand the engine, and what streams back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.budget import TenantBudget
+from engine.sampler import SamplingParams
+from engine.scope import NO_CACHE, CacheScope, Segment
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """Token ids plus the scopes the caller's policy gave them; the engine decides nothing else.
+
+    `segments` tile the prompt; generated tokens take `tail_scope`. An empty `segments` means
+    the whole prompt is `tail_scope`.
+    """
+
+    request_id: str
+    tenant_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    segments: Sequence[Segment] = ()
+    tail_scope: CacheScope = NO_CACHE
+    budget: TenantBudget | None = None
+
+    def prompt_segments(self) -> list[Segment]:
+        if self.segments:
+            return list(self.segments)
+        return [Segment(0, len(self.prompt_token_ids), self.tail_scope)]
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token accounting of one request, as the OpenAI `usage` object reports it."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDelta:
+    """New output since the last delta; the last one has `finish_reason` and `usage`."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None

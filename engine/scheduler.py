@@ -1,0 +1,160 @@
+"""The scheduler: continuous batching with chunked prefill under a per-step token budget.
+
+Each step, running sequences go first (decodes and unfinished prefill chunks), then waiting
+sequences are admitted in arrival order while the token budget, the sequence limit and the
+cache allow. When a running sequence cannot get a block, the newest running sequence that
+competes for the same blocks is preempted (its blocks freed, recomputed later, mostly from the
+prefix cache); a waiting sequence whose blocks stay refused past the queue timeout fails with a
+typed error.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.budget import PoolExhausted, QuotaExceeded, Refusal
+from engine.errors import CacheQuotaTimeout, EngineError, PoolTimeout
+from engine.kv_cache_manager import KVCacheManager
+from engine.sequence import Sequence, Status
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    queue_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    sequence: Sequence
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    failed: list[tuple[Sequence, EngineError]] = field(default_factory=list)
+    preempted: int = 0
+
+
+class Scheduler:
+    """Decides, each step, which sequences compute how many tokens."""
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        config: SchedulerConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.manager = manager
+        self.config = config
+        self.clock = clock
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.preemptions = 0
+
+    def add(self, sequence: Sequence) -> None:
+        sequence.status = Status.WAITING
+        sequence.waiting_since = self.clock()
+        self.waiting.append(sequence)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, sequence: Sequence) -> None:
+        """Take a sequence out (finished, failed or cancelled) and free its blocks now."""
+        if sequence in self.running:
+            self.running.remove(sequence)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+        self.manager.free(sequence.request_id)
+        sequence.status = Status.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            sequence = self.running[index]
+            count = min(sequence.num_tokens - sequence.num_computed, budget)
+            if self._grow(sequence, count, index, output):
+                output.chunks.append(ScheduledChunk(sequence, count))
+                budget -= count
+                index += 1
+        if output.preempted:
+            return output  # memory is tight: let the running sequences finish first
+        for sequence in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            count = self._admit(sequence, budget, output)
+            if count:
+                output.chunks.append(ScheduledChunk(sequence, count))
+                budget -= count
+        return output
+
+    def _grow(self, sequence: Sequence, count: int, index: int, output: SchedulerOutput) -> bool:
+        """Give a running sequence blocks for `count` more tokens, preempting if needed."""
+        while True:
+            refusal = self.manager.allocate(sequence.request_id, sequence.num_computed + count)
+            if refusal is None:
+                return True
+            victim = self._victim(refusal, sequence, index)
+            self._preempt(victim)
+            output.preempted += 1
+            if victim is sequence:
+                return False
+
+    def _victim(self, refusal: Refusal, sequence: Sequence, index: int) -> Sequence:
+        """The newest running sequence after `index` whose blocks would help, else `sequence`."""
+        for candidate in reversed(self.running[index + 1 :]):
+            if isinstance(refusal, PoolExhausted):
+                return candidate
+            if candidate.request.tenant_id == sequence.request.tenant_id:
+                return candidate
+        return sequence
+
+    def _preempt(self, sequence: Sequence) -> None:
+        self.running.remove(sequence)
+        self.manager.free(sequence.request_id)
+        sequence.num_computed = 0
+        sequence.preemptions += 1
+        sequence.status = Status.WAITING
+        sequence.waiting_since = self.clock()
+        self.waiting.appendleft(sequence)
+        self.preemptions += 1
+
+    def _admit(self, sequence: Sequence, budget: int, output: SchedulerOutput) -> int:
+        """Admit a waiting sequence for a first chunk; returns its size, 0 if it must wait."""
+        hit = self.manager.match(sequence.cache_request())
+        count = min(sequence.num_tokens - hit.cached_tokens, budget)
+        refusal = self.manager.admit(hit, count)
+        if refusal is not None:
+            sequence.last_refusal = refusal
+            if self.clock() - sequence.waiting_since > self.config.queue_timeout_s:
+                self.waiting.remove(sequence)
+                sequence.status = Status.FINISHED
+                output.failed.append((sequence, _timeout_error(refusal, self.config)))
+            return 0
+        self.waiting.remove(sequence)
+        self.running.append(sequence)
+        sequence.status = Status.RUNNING
+        sequence.num_computed = hit.cached_tokens
+        sequence.last_refusal = None
+        if sequence.cached_at_first_admission is None:
+            sequence.cached_at_first_admission = hit.cached_tokens
+        return count
+
+
+def _timeout_error(refusal: Refusal, config: SchedulerConfig) -> EngineError:
+    waited = f"after waiting {config.queue_timeout_s:g} s"
+    if isinstance(refusal, QuotaExceeded):
+        return CacheQuotaTimeout(f"{refusal} {waited}")
+    return PoolTimeout(f"{refusal} {waited}")

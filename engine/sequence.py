@@ -1,0 +1,97 @@
+"""One request's life inside the engine: its tokens, progress and output."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.budget import Refusal
+from engine.detokenizer import Detokenizer
+from engine.kv_cache_manager import CacheRequest
+from engine.request import GenerationDelta, GenerationRequest, Usage
+from engine.sampler import make_generator
+
+# Receives deltas, and at most one exception, from the engine thread.
+Sink = Callable[[GenerationDelta | Exception], None]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+def cache_request(request: GenerationRequest, token_ids: list[int]) -> CacheRequest:
+    """What the cache manager sees of a request whose tokens so far are `token_ids`."""
+    return CacheRequest(
+        request_id=request.request_id,
+        tenant_id=request.tenant_id,
+        prompt_token_ids=token_ids,
+        segments=request.prompt_segments(),
+        tail_scope=request.tail_scope,
+        budget=request.budget,
+    )
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request being served: prompt plus generated tokens, and how much KV is computed."""
+
+    request: GenerationRequest
+    sink: Sink
+    token_ids: list[int]
+    prompt_len: int
+    generator: torch.Generator | None
+    detokenizer: Detokenizer | None
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    waiting_since: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    last_refusal: Refusal | None = None
+    preemptions: int = 0
+    cached_at_first_admission: int | None = None
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+
+    @classmethod
+    def create(
+        cls, request: GenerationRequest, sink: Sink, tokenizer: Any, device: torch.device
+    ) -> Sequence:
+        prompt = list(request.prompt_token_ids)
+        stop = request.sampling.stop
+        detokenizer = Detokenizer(tokenizer, prompt, stop) if tokenizer is not None else None
+        generator = make_generator(request.sampling, device)
+        return cls(request, sink, prompt, len(prompt), generator, detokenizer)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+    @property
+    def in_prefill(self) -> bool:
+        """Still computing tokens it already has (the prompt, or everything after preemption)."""
+        return self.num_tokens - self.num_computed > 1
+
+    def cache_request(self) -> CacheRequest:
+        """The cache manager's view: everything generated so far counts as prompt on re-entry."""
+        return cache_request(self.request, self.token_ids)
+
+    def usage(self, computed_prompt_positions: int) -> Usage:
+        """OpenAI usage; cached tokens are prompt positions the model never computed (I6)."""
+        cached = max(0, self.prompt_len - computed_prompt_positions)
+        return Usage(self.prompt_len, cached, len(self.output_ids))

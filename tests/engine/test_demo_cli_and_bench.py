@@ -1,0 +1,88 @@
+"""`prefixgate demo`, `prefixgate generate` and `bench.prefix`, run for real."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.demo import run_demo
+from engine.model_loader import LoadedModel
+
+
+def prefixgate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    executable = shutil.which("prefixgate") or f"{sys.prefix}/bin/prefixgate"
+    return subprocess.run([executable, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def bench(*args: str) -> dict[str, object]:
+    completed = subprocess.run(
+        [sys.executable, "-m", "bench.prefix", *args, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    result: dict[str, object] = json.loads(completed.stdout)
+    return result
+
+
+def test_demo_reuses_own_turns_and_only_the_public_prompt_across_users(
+    smollm2: LoadedModel,
+) -> None:
+    turns, stats = run_demo(smollm2)
+    alice_first, alice_second, bob, carol = turns
+    assert "Paris" in alice_first.answer
+    assert alice_first.cached_tokens == 0
+    # Alice's second turn reuses her whole first turn (in whole blocks); Bob and Carol only
+    # the public system prompt, never Alice's question.
+    assert alice_second.cached_tokens >= alice_first.prompt_tokens - 16
+    assert 0 < bob.cached_tokens < alice_first.prompt_tokens - 16
+    assert carol.cached_tokens == bob.cached_tokens
+    assert stats.blocks_zeroed > 0
+
+
+def test_generate_streams_an_answer_from_the_embedded_model(smollm2_dir: Path) -> None:
+    completed = prefixgate("generate", "--prompt", "What is the capital of France?")
+    assert completed.returncode == 0, completed.stderr
+    assert "Paris" in completed.stdout
+
+
+def test_generate_rejects_a_bad_model_directory(tmp_path: Path) -> None:
+    completed = prefixgate("generate", "--prompt", "hi", "--model", str(tmp_path))
+    assert completed.returncode == 2
+    assert completed.stderr.strip().splitlines() == [
+        f"prefixgate: error: {tmp_path} is not a model directory (no config.json)"
+    ]
+
+
+def test_sysprompt_bench_accounts_fresh_prefill_exactly() -> None:
+    result = bench(
+        "--workload", "sysprompt", "--requests", "4", "--prefix-tokens", "128",
+        "--suffix-tokens", "64", "--output-tokens", "2", "--max-num-seqs", "2",
+    )  # fmt: skip
+    assert result["fresh_prefill_tokens"] == 128 + 4 * 64
+    assert result["cached_tokens"] == 4 * 128
+    for key in ("ttft_cold_median_s", "ttft_warm_median_s", "warm_cold_ttft_ratio",
+                "output_tokens_per_s", "peak_blocks_shared", "peak_blocks_unshared"):  # fmt: skip
+        assert isinstance(result[key], int | float) and result[key] > 0, key
+    assert result["peak_blocks_shared"] < result["peak_blocks_unshared"]  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("workload", ["gsp", "unique"])
+def test_other_workloads_and_the_hf_baseline_run(workload: str) -> None:
+    result = bench(
+        "--workload", workload, "--groups", "2", "--prompts-per-group", "2",
+        "--system-tokens", "64", "--question-tokens", "16", "--requests", "3",
+        "--prefix-tokens", "32", "--suffix-tokens", "16", "--output-tokens", "2",
+        "--baseline", "hf",
+    )  # fmt: skip
+    assert result["hf_output_tokens_per_s"] > 0  # type: ignore[operator]
+    if workload == "gsp":
+        assert result["requests"] == 4 and result["cached_tokens"] == 4 * 64
+    else:
+        assert result["cached_tokens"] == 0

@@ -1,0 +1,80 @@
+"""Model loading, fingerprints, and the embedded SmolLM2 answering for real."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model_loader import LoadedModel, ModelLoadError, fingerprint, load_model
+from engine.sampler import SamplingParams
+from tests.support.models import Collector, make_request, run_one, tiny_model
+
+
+def save_tiny(directory: Path, architecture: str, seed: int) -> Path:
+    tiny_model(architecture, seed).save_pretrained(directory)
+    return directory
+
+
+def test_different_checkpoints_never_share_a_fingerprint(tmp_path: Path) -> None:
+    first = save_tiny(tmp_path / "a", "llama", seed=0)
+    second = save_tiny(tmp_path / "b", "llama", seed=1)
+    same_again = save_tiny(tmp_path / "c", "llama", seed=0)
+    assert fingerprint(first) != fingerprint(second)
+    assert fingerprint(first) == fingerprint(same_again)
+    assert fingerprint(first) != fingerprint(first, adapter_id="lora-1")
+
+
+def test_fingerprint_follows_changed_files(tmp_path: Path) -> None:
+    directory = save_tiny(tmp_path / "m", "qwen2", seed=0)
+    before = fingerprint(directory)
+    assert fingerprint(directory) == before  # remembered, same answer
+    config = directory / "config.json"
+    config.write_text(config.read_text().replace('"rms_norm_eps"', '"rms_norm_eps" ', 1))
+    assert fingerprint(directory) != before
+
+
+def test_loading_a_directory_that_is_not_a_model_fails_clearly(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
+        load_model(tmp_path)
+
+
+def test_loaded_tiny_model_reports_its_shape(tmp_path: Path) -> None:
+    loaded = load_model(save_tiny(tmp_path / "mistral-tiny", "mistral", seed=0))
+    assert (loaded.name, loaded.num_layers, loaded.num_kv_heads, loaded.head_dim) == (
+        "mistral-tiny",
+        2,
+        2,
+        16,
+    )
+    assert loaded.tokenizer is None
+
+
+def test_smollm2_answers_the_capital_of_france(smollm2: LoadedModel) -> None:
+    engine = Engine(smollm2, EngineConfig(num_blocks=256))
+    prompt = smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )["input_ids"]
+    result = run_one(engine, make_request("paris", prompt, sampling=SamplingParams(32, 0.0)))
+    assert "Paris" in result.text
+    assert result.deltas[-1].finish_reason == "stop"  # ended on <|im_end|> from the config
+
+
+def test_smollm2_stop_string_cuts_the_answer(smollm2: LoadedModel) -> None:
+    engine = Engine(smollm2, EngineConfig(num_blocks=256))
+    prompt = smollm2.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+        tokenize=True,
+    )["input_ids"]
+    collector = Collector()
+    sampling = SamplingParams(32, 0.0, stop=("Paris",))
+    engine.submit(make_request("cut", prompt, sampling=sampling), collector)
+    while engine.step():
+        pass
+    assert collector.deltas[-1].finish_reason == "stop"
+    assert "Paris" not in collector.text and collector.text.startswith("The capital")
