@@ -11,7 +11,7 @@ Backends implement `write` and `attend`; the torch reference backend runs anywhe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -35,6 +35,8 @@ class PagedBatch:
     context_lens: list[int]
     block_tables: torch.Tensor  # [num_sequences, max_blocks], padded with 0
     backend: AttentionBackend
+    # Backends keep per-step indexing here, built by the first layer, reused by the rest.
+    plans: dict[Any, Any] = field(default_factory=dict)
 
     @property
     def block_size(self) -> int:
@@ -59,12 +61,32 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
+@dataclass(slots=True)
+class _Prefill:
+    start: int
+    length: int
+    blocks: torch.Tensor
+    context: int
+    mask: torch.Tensor | None  # None: plain causal (no cached context, no window)
+
+
+@dataclass(slots=True)
+class _Plan:
+    """Per-step indexing shared by every layer with the same sliding window."""
+
+    decode_rows: torch.Tensor | None
+    decode_blocks: torch.Tensor | None  # [sequences * max_blocks], flattened
+    decode_mask: torch.Tensor | None  # [sequences, 1, 1, max_blocks * block_size]
+    prefills: list[_Prefill]
+
+
 class TorchAttention:
     """The reference backend: plain torch, CPU or GPU.
 
     Decode tokens (one query per sequence) are attended in one padded batch; prefill chunks
     one sequence at a time, with a lower-right causal mask (queries sit at the end of the
-    context).
+    context). Gathers use `index_select` over K and V together, and the indexing plan is
+    built once per step, not once per layer.
     """
 
     name = "torch"
@@ -84,80 +106,88 @@ class TorchAttention:
         scaling: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        plan = batch.plans.get(sliding_window)
+        if plan is None:
+            plan = batch.plans[sliding_window] = _make_plan(batch, sliding_window)
         output = torch.empty_like(query)
-        decode = [i for i, length in enumerate(batch.query_lens) if length == 1]
-        starts = _starts(batch.query_lens)
-        if decode:
-            rows = torch.tensor([starts[i] for i in decode], device=query.device)
-            output[rows] = self._decode(
-                query[rows], layer_kv, batch, decode, scaling, sliding_window
+        if plan.decode_rows is not None:
+            output[plan.decode_rows] = self._decode(
+                query[plan.decode_rows], layer_kv, plan, scaling
             )
-        for index, length in enumerate(batch.query_lens):
-            if length > 1:
-                start = starts[index]
-                output[start : start + length] = self._prefill(
-                    query[start : start + length], layer_kv, batch, index, scaling, sliding_window
-                )
+        for prefill in plan.prefills:
+            rows = slice(prefill.start, prefill.start + prefill.length)
+            output[rows] = self._prefill(query[rows], layer_kv, prefill, scaling)
         return output
 
     def _prefill(
-        self,
-        query: torch.Tensor,
-        layer_kv: torch.Tensor,
-        batch: PagedBatch,
-        index: int,
-        scaling: float,
-        sliding_window: int | None,
+        self, query: torch.Tensor, layer_kv: torch.Tensor, prefill: _Prefill, scaling: float
     ) -> torch.Tensor:
-        context = batch.context_lens[index]
-        blocks = batch.block_tables[index, : -(-context // batch.block_size)]
-        key = _gather(layer_kv[0], blocks, context)  # [context, kv_heads, dim]
-        value = _gather(layer_kv[1], blocks, context)
-        query_len = query.shape[0]
-        query_positions = torch.arange(context - query_len, context, device=query.device)
-        key_positions = torch.arange(context, device=query.device)
-        mask = key_positions[None, :] <= query_positions[:, None]
-        if sliding_window is not None:
-            mask &= key_positions[None, :] > query_positions[:, None] - sliding_window
+        gathered = layer_kv.index_select(1, prefill.blocks)  # [2, blocks, slots, heads, dim]
+        heads, dim = gathered.shape[-2], gathered.shape[-1]
+        key_value = gathered.view(2, -1, heads, dim)[:, : prefill.context].transpose(1, 2)
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1).unsqueeze(0),
-            key.transpose(0, 1).unsqueeze(0),
-            value.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
+            key_value[0].unsqueeze(0),
+            key_value[1].unsqueeze(0),
+            attn_mask=prefill.mask,
+            is_causal=prefill.mask is None,
             scale=scaling,
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)
 
     def _decode(
-        self,
-        query: torch.Tensor,
-        layer_kv: torch.Tensor,
-        batch: PagedBatch,
-        rows: list[int],
-        scaling: float,
-        sliding_window: int | None,
+        self, query: torch.Tensor, layer_kv: torch.Tensor, plan: _Plan, scaling: float
     ) -> torch.Tensor:
-        contexts = torch.tensor([batch.context_lens[i] for i in rows], device=query.device)
-        max_blocks = -(-int(contexts.max()) // batch.block_size)
-        tables = batch.block_tables[rows, :max_blocks]
-        length = max_blocks * batch.block_size
-        heads, dim = layer_kv.shape[-2], layer_kv.shape[-1]
-        key = layer_kv[0][tables].view(len(rows), length, heads, dim).transpose(1, 2)
-        value = layer_kv[1][tables].view(len(rows), length, heads, dim).transpose(1, 2)
-        positions = torch.arange(length, device=query.device)
-        mask = positions[None, :] < contexts[:, None]
-        if sliding_window is not None:
-            mask &= positions[None, :] >= contexts[:, None] - sliding_window
+        assert plan.decode_blocks is not None and plan.decode_mask is not None
+        sequences = query.shape[0]
+        gathered = layer_kv.index_select(1, plan.decode_blocks)
+        heads, dim = gathered.shape[-2], gathered.shape[-1]
+        key_value = gathered.view(2, sequences, -1, heads, dim).transpose(2, 3)
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),  # [sequences, heads, 1, dim]
-            key,
-            value,
-            attn_mask=mask[:, None, None, :],
+            key_value[0],
+            key_value[1],
+            attn_mask=plan.decode_mask,
             scale=scaling,
             enable_gqa=True,
         )
         return out[:, :, 0]
+
+
+def _make_plan(batch: PagedBatch, sliding_window: int | None) -> _Plan:
+    device = batch.block_tables.device
+    block_size = batch.block_size
+    starts = _starts(batch.query_lens)
+    decode = [i for i, length in enumerate(batch.query_lens) if length == 1]
+    decode_rows: torch.Tensor | None = None
+    decode_blocks: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    if decode:
+        decode_rows = torch.tensor([starts[i] for i in decode], device=device)
+        contexts = torch.tensor([batch.context_lens[i] for i in decode], device=device)
+        max_blocks = -(-int(contexts.max()) // block_size)
+        decode_blocks = batch.block_tables[decode, :max_blocks].reshape(-1)
+        positions = torch.arange(max_blocks * block_size, device=device)
+        mask = positions[None, :] < contexts[:, None]
+        if sliding_window is not None:
+            mask &= positions[None, :] >= contexts[:, None] - sliding_window
+        decode_mask = mask[:, None, None, :]
+    prefills = []
+    for index, length in enumerate(batch.query_lens):
+        if length == 1:
+            continue
+        context = batch.context_lens[index]
+        blocks = batch.block_tables[index, : -(-context // block_size)]
+        prefill_mask: torch.Tensor | None = None
+        if context != length or sliding_window is not None:
+            query_positions = torch.arange(context - length, context, device=device)
+            key_positions = torch.arange(context, device=device)
+            prefill_mask = key_positions[None, :] <= query_positions[:, None]
+            if sliding_window is not None:
+                prefill_mask &= key_positions[None, :] > query_positions[:, None] - sliding_window
+        prefills.append(_Prefill(starts[index], length, blocks, context, prefill_mask))
+    return _Plan(decode_rows, decode_blocks, decode_mask, prefills)
 
 
 def _starts(lengths: list[int]) -> list[int]:
@@ -166,12 +196,6 @@ def _starts(lengths: list[int]) -> list[int]:
         starts.append(total)
         total += length
     return starts
-
-
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, context: int) -> torch.Tensor:
-    """A sequence's first `context` slots from its blocks: [context, kv_heads, head_dim]."""
-    gathered = cache[blocks]  # [blocks, block_size, kv_heads, head_dim]
-    return gathered.reshape(-1, *gathered.shape[2:])[:context]
 
 
 def paged_attention(
