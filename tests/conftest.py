@@ -2,25 +2,85 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine.model_loader import LoadedModel, embedded_model_dir, load_model
-
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2 model as a safetensors directory (converted once per machine)."""
+    from engine.model_loader import embedded_model_dir
+
     return embedded_model_dir()
 
 
 @pytest.fixture(scope="session")
-def smollm2(smollm2_dir: Path) -> LoadedModel:
+def smollm2(smollm2_dir: Path) -> Any:
+    from engine.model_loader import load_model
+
     return load_model(smollm2_dir)
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2: LoadedModel) -> Any:
+def smollm2_tokenizer(smollm2: Any) -> Any:
     return smollm2.tokenizer
+
+
+@pytest.fixture(scope="session")
+def migrated_template() -> Iterator[str]:
+    """A PostgreSQL database at the newest schema, copied for each test that needs one."""
+    from tenancy.migrate import upgrade
+    from tests.support.postgres import create_database, database_url, drop_database
+
+    name = create_database("prefixgate_template")
+    upgrade(database_url(name))
+    yield name
+    drop_database(name)
+
+
+@pytest.fixture
+def postgres_url(migrated_template: str) -> Iterator[str]:
+    """A fresh PostgreSQL database at the newest schema, dropped after the test."""
+    from tests.support.postgres import create_database, database_url, drop_database
+
+    name = create_database(template=migrated_template)
+    yield database_url(name)
+    drop_database(name)
+
+
+@pytest.fixture
+def empty_postgres_url() -> Iterator[str]:
+    from tests.support.postgres import create_database, database_url, drop_database
+
+    name = create_database()
+    yield database_url(name)
+    drop_database(name)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    from tenancy.migrate import upgrade
+
+    url = f"sqlite:///{tmp_path / 'prefixgate.db'}"
+    upgrade(url)
+    return url
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+def database(request: pytest.FixtureRequest) -> str:
+    """Each test using this runs on PostgreSQL and on the embedded SQLite default."""
+    fixture = "postgres_url" if request.param == "postgresql" else "sqlite_url"
+    url: str = request.getfixturevalue(fixture)
+    return url
+
+
+@pytest.fixture
+def store(database: str, tmp_path: Path) -> Iterator[Any]:
+    from tenancy.store import Store
+
+    opened = Store.open(database, tmp_path / "audit.spool", "key-secret", "signing-key", 5)
+    yield opened
+    opened.close()

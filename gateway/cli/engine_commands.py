@@ -1,34 +1,14 @@
-"""The `prefixgate` command line."""
+"""Engine commands: `plan`, `demo`, `generate`."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
 
-from engine.capacity import plan_capacity
-from engine.kv_spec import KVSpec, parse_dtype
-
-app = typer.Typer(
-    help="PrefixGate: a multi-tenant LLM gateway with a safely shared prefix cache.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
-
-
-@app.callback()
-def root() -> None:
-    """PrefixGate: a multi-tenant LLM gateway with a safely shared prefix cache."""
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    """Print a one-line error and exit non-zero."""
-    typer.echo(f"prefixgate: error: {message}", err=True)
-    raise typer.Exit(code)
+from gateway.cli.common import app, fail
 
 
 def human_bytes(count: float) -> str:
@@ -52,6 +32,9 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Plan KV memory and prefill work for requests sharing one prefix."""
+    from engine.capacity import plan_capacity
+    from engine.kv_spec import KVSpec, parse_dtype
+
     positive = {"--layers": layers, "--kv-heads": kv_heads, "--head-dim": head_dim}
     positive["--block-size"] = block_size
     for flag, value in positive.items():
@@ -200,11 +183,3 @@ def generate(
         fail(str(error))
     finally:
         engine.stop()
-
-
-def main() -> None:
-    """Entry point that keeps click's own usage errors but never shows a traceback."""
-    try:
-        app()
-    except KeyboardInterrupt:
-        sys.exit(130)

@@ -1,0 +1,179 @@
+"""SQLAlchemy models: tenants, API keys, admins, public prefixes, the audit log.
+
+Constraint names follow one convention (`NAMING_CONVENTION`) so migrations are static and
+reversible on every database. Times are timezone-aware UTC.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+    Uuid,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+TENANT_STATUSES = ("active", "suspended", "deleted")
+SHARING_MODES = ("user", "tenant")
+KEY_ROLES = ("inference", "tenant-admin")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _one_of(column: str, values: tuple[str, ...]) -> str:
+    quoted = ", ".join(f"'{value}'" for value in values)
+    return f"{column} IN ({quoted})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+    __table_args__ = (
+        CheckConstraint(_one_of("status", TENANT_STATUSES), name="status"),
+        CheckConstraint(_one_of("sharing_mode", SHARING_MODES), name="sharing_mode"),
+        CheckConstraint("cache_quota_blocks >= 0", name="quota_not_negative"),
+        CheckConstraint(
+            "cache_reservation_blocks >= 0 AND cache_reservation_blocks <= cache_quota_blocks",
+            name="reservation_within_quota",
+        ),
+        CheckConstraint(
+            "requests_per_minute >= 0 AND tokens_per_minute >= 0 AND max_concurrent >= 0",
+            name="limits_not_negative",
+        ),
+    )
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    slug: Mapped[str] = mapped_column(String(63), unique=True)
+    display_name: Mapped[str] = mapped_column(String(200))
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    sharing_mode: Mapped[str] = mapped_column(String(16), default="user")
+    may_use_public_prefixes: Mapped[bool] = mapped_column(Boolean, default=True)
+    cache_quota_blocks: Mapped[int] = mapped_column(Integer, default=1024)
+    cache_reservation_blocks: Mapped[int] = mapped_column(Integer, default=0)
+    requests_per_minute: Mapped[int] = mapped_column(Integer, default=600)
+    tokens_per_minute: Mapped[int] = mapped_column(Integer, default=1_000_000)
+    max_concurrent: Mapped[int] = mapped_column(Integer, default=16)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow, onupdate=utcnow
+    )
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    __table_args__ = (CheckConstraint(_one_of("role", KEY_ROLES), name="role"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    tenant_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    name: Mapped[str] = mapped_column(String(200))
+    key_id: Mapped[str] = mapped_column(String(32), unique=True)
+    # HMAC-SHA256 of the secret under the server's key-hashing secret; never the secret.
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    role: Mapped[str] = mapped_column(String(16), default="inference")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    rotated_from_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("api_keys.id", ondelete="SET NULL")
+    )
+    # After a rotation the old key keeps working until this time.
+    grace_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Admin(Base):
+    __tablename__ = "admins"
+    __table_args__ = (CheckConstraint("role = 'admin'", name="role"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    username: Mapped[str] = mapped_column(String(100), unique=True)
+    password_hash: Mapped[str] = mapped_column(String(255))
+    role: Mapped[str] = mapped_column(String(16), default="admin")
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class PublicPrefix(Base):
+    __tablename__ = "public_prefixes"
+    __table_args__ = (UniqueConstraint("model", "namespace", "name"),)
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
+    namespace: Mapped[str] = mapped_column(String(100))
+    model: Mapped[str] = mapped_column(String(200))
+    name: Mapped[str] = mapped_column(String(200))
+    text: Mapped[str] = mapped_column(Text)
+    created_by: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+
+
+class AuditEvent(Base):
+    """One link of the hash chain: `hash = SHA-256(prev_hash || canonical JSON of the event)`."""
+
+    __tablename__ = "audit_events"
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    event_id: Mapped[uuid.UUID] = mapped_column(Uuid, unique=True)
+    time: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    actor_type: Mapped[str] = mapped_column(String(32))
+    actor_id: Mapped[str | None] = mapped_column(String(200))
+    tenant_id: Mapped[str | None] = mapped_column(String(64), index=True)
+    action: Mapped[str] = mapped_column(String(100))
+    resource_type: Mapped[str | None] = mapped_column(String(64))
+    resource_id: Mapped[str | None] = mapped_column(String(200))
+    outcome: Mapped[str] = mapped_column(String(32))
+    request_id: Mapped[str | None] = mapped_column(String(100))
+    source_ip: Mapped[str | None] = mapped_column(String(64))
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    prev_hash: Mapped[str] = mapped_column(String(64))
+    hash: Mapped[str] = mapped_column(String(64))
+
+
+class AuditHead(Base):
+    """The chain's tip, one row, locked while appending so the chain has a single order."""
+
+    __tablename__ = "audit_head"
+    __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger)
+    hash: Mapped[str] = mapped_column(String(64))
+
+
+class AuditCheckpoint(Base):
+    """A signed statement that the chain reached `seq` with `hash`."""
+
+    __tablename__ = "audit_checkpoints"
+
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    hash: Mapped[str] = mapped_column(String(64))
+    signature: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

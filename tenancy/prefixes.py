@@ -1,0 +1,80 @@
+"""Storage of admin-registered public prefixes (the policy module decides what they mean)."""
+
+from __future__ import annotations
+
+import re
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from tenancy.errors import Conflict, InvalidInput, NotFound
+from tenancy.models import PublicPrefix
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+def add_prefix(
+    session: Session, model: str, namespace: str, name: str, text: str, created_by: str
+) -> PublicPrefix:
+    for field, value in (("namespace", namespace), ("name", name)):
+        if not _NAME.match(value):
+            raise InvalidInput(f"{field}: 1-100 letters, digits or _ . - (got {value!r})", field)
+    if not model:
+        raise InvalidInput("model must not be empty", "model")
+    if not text.strip():
+        raise InvalidInput("the prefix text is empty", "text")
+    existing = session.scalar(
+        select(PublicPrefix.id).where(
+            PublicPrefix.model == model,
+            PublicPrefix.namespace == namespace,
+            PublicPrefix.name == name,
+        )
+    )
+    if existing is not None:
+        raise Conflict(f"prefix {namespace}/{name} already exists for model {model!r}")
+    prefix = PublicPrefix(
+        model=model, namespace=namespace, name=name, text=text, created_by=created_by
+    )
+    session.add(prefix)
+    session.flush()
+    return prefix
+
+
+def list_prefixes(
+    session: Session, model: str | None = None, enabled_only: bool = False
+) -> list[PublicPrefix]:
+    query = select(PublicPrefix).order_by(
+        PublicPrefix.model, PublicPrefix.namespace, PublicPrefix.name
+    )
+    if model is not None:
+        query = query.where(PublicPrefix.model == model)
+    if enabled_only:
+        query = query.where(PublicPrefix.enabled.is_(True))
+    return list(session.scalars(query))
+
+
+def get_prefix(session: Session, model: str, namespace: str, name: str) -> PublicPrefix:
+    prefix = session.scalar(
+        select(PublicPrefix).where(
+            PublicPrefix.model == model,
+            PublicPrefix.namespace == namespace,
+            PublicPrefix.name == name,
+        )
+    )
+    if prefix is None:
+        raise NotFound(f"no prefix {namespace}/{name} for model {model!r}")
+    return prefix
+
+
+def set_enabled(
+    session: Session, model: str, namespace: str, name: str, enabled: bool
+) -> PublicPrefix:
+    prefix = get_prefix(session, model, namespace, name)
+    prefix.enabled = enabled
+    session.flush()
+    return prefix
+
+
+def delete_prefix(session: Session, model: str, namespace: str, name: str) -> None:
+    session.delete(get_prefix(session, model, namespace, name))
+    session.flush()

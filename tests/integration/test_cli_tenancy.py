@@ -1,0 +1,105 @@
+"""`prefixgate tenants|keys|admins|db` end to end through the real console script."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from tenancy import api_keys
+from tenancy.api_keys import KeyPrincipal
+from tenancy.models import AuditEvent
+from tenancy.store import Store
+from tests.support.cli import Cli
+
+
+def test_tenant_lifecycle_with_json_output(postgres_url: str, tmp_path: Path) -> None:
+    cli = Cli(postgres_url, tmp_path / "state")
+    created = cli.json("tenants", "create", "acme", "--name", "Acme Corp", "--quota", "64")
+    assert (created["slug"], created["display_name"], created["cache_quota_blocks"]) == (
+        "acme",
+        "Acme Corp",
+        64,
+    )
+    cli.ok("tenants", "create", "globex", "--sharing", "tenant")
+    assert [t["slug"] for t in cli.json("tenants", "list")] == ["acme", "globex"]
+    updated = cli.json("tenants", "set-quota", "acme", "--quota", "32", "--reservation", "8")
+    assert (updated["cache_quota_blocks"], updated["cache_reservation_blocks"]) == (32, 8)
+    assert cli.json("tenants", "set-sharing", "acme", "tenant")["sharing_mode"] == "tenant"
+    cli.ok("tenants", "suspend", "acme")
+    assert cli.json("tenants", "show", "acme")["status"] == "suspended"
+    cli.ok("tenants", "delete", "globex")
+    assert [t["slug"] for t in cli.json("tenants", "list")] == ["acme"]
+    assert "globex" in cli.ok("tenants", "list", "--all")
+
+
+def test_keys_create_list_rotate_revoke(postgres_url: str, tmp_path: Path) -> None:
+    cli = Cli(postgres_url, tmp_path / "state")
+    cli.ok("tenants", "create", "acme")
+    created = cli.json("keys", "create", "--tenant", "acme", "--name", "ci")
+    assert created["key"].startswith(f"pgk_{created['key_id']}_")
+    rotated = cli.json("keys", "rotate", "--tenant", "acme", created["key_id"], "--grace", "1h")
+    listed = {row["key_id"]: row for row in cli.json("keys", "list", "--tenant", "acme")}
+    assert set(listed) == {created["key_id"], rotated["key_id"]}
+    assert listed[created["key_id"]]["grace_until"] is not None
+    assert "key" not in listed[created["key_id"]]  # secrets are never listed
+    store = Store.open(postgres_url, tmp_path / "spool", "cli-key-secret", "s", 100)
+    with store.transaction() as session:
+        principal = api_keys.authenticate(session, rotated["key"], store.key_secret)
+        assert isinstance(principal, KeyPrincipal) and principal.tenant_slug == "acme"
+    cli.ok("keys", "revoke", "--tenant", "acme", rotated["key_id"])
+    with store.transaction() as session:
+        assert not isinstance(
+            api_keys.authenticate(session, rotated["key"], store.key_secret), KeyPrincipal
+        )
+        actions = [e.action for e in session.scalars(select(AuditEvent).order_by(AuditEvent.seq))]
+    store.close()
+    assert actions == ["tenant.create", "key.create", "key.rotate", "key.revoke"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["tenants", "show", "nope"], "no tenant 'nope'"),
+        (["tenants", "create", "acme"], "a tenant with slug 'acme' already exists"),
+        (["tenants", "create", "Bad Slug!"], "invalid tenant slug 'Bad Slug!'"),
+        (["tenants", "set-quota", "acme", "--quota", "-5"], "cache quota must not be negative"),
+        (["tenants", "set-quota", "acme", "--quota", "4", "--reservation", "9"],
+         "cache reservation (9) must not exceed the quota (4)"),
+        (["tenants", "set-sharing", "acme", "everyone"], "sharing mode must be one of"),
+        (["keys", "create", "--tenant", "nope"], "no tenant 'nope'"),
+        (["keys", "revoke", "--tenant", "acme", "zzzzzzzzzzzz"], "no key 'zzzzzzzzzzzz'"),
+        (["keys", "rotate", "--tenant", "acme", "x", "--grace", "soon"], "--grace: expected"),
+        (["audit", "export", "--out", "/nonexistent/dir/a.jsonl"], "cannot write"),
+    ],
+)  # fmt: skip
+def test_bad_input_gets_one_line_and_a_non_zero_exit(
+    args: list[str], message: str, postgres_url: str, tmp_path: Path
+) -> None:
+    cli = Cli(postgres_url, tmp_path / "state")
+    cli.ok("tenants", "create", "acme")
+    line = cli.error(*args)
+    assert line.startswith("prefixgate: error: ") and message in line, line
+
+
+def test_admins_create_reads_the_password_from_stdin(postgres_url: str, tmp_path: Path) -> None:
+    cli = Cli(postgres_url, tmp_path / "state")
+    assert "created admin ops" in cli.ok("admins", "create", "ops", stdin="correct horse battery\n")
+    assert "at least 12 characters" in cli.error("admins", "create", "ops2", stdin="short\n")
+    assert "already exists" in cli.error("admins", "create", "ops", stdin="another long pass\n")
+
+
+def test_embedded_sqlite_default_and_stale_schema_refusal(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'prefixgate.db'}"
+    cli = Cli(url, tmp_path / "state")
+    line = cli.error("tenants", "list")
+    assert "run `prefixgate db upgrade`" in line
+    assert "database schema at 0001" in cli.ok("db", "upgrade")
+    cli.ok("tenants", "create", "local")
+    assert cli.json("tenants", "list")[0]["slug"] == "local"
+    # Secrets were generated once, privately, for this state directory.
+    secrets_file = tmp_path / "state" / "secrets.json"
+    cli.env.pop("PREFIXGATE_KEY_HASH_SECRET")
+    cli.json("keys", "create", "--tenant", "local")
+    assert secrets_file.stat().st_mode & 0o777 == 0o600
