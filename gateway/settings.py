@@ -34,6 +34,7 @@ class Settings(BaseSettings):
     jwt_secret: SecretStr | None = None
     audit_spool_path: Path | None = None
     audit_checkpoint_every: int = Field(default=100, ge=1)
+    policy_file: Path | None = None
 
     def secret(self, name: str) -> str:
         """A configured secret, or the one generated for this state directory."""

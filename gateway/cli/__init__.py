@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from gateway.cli import audit_commands, engine_commands, tenancy_commands
+# Importing the command modules registers their commands on `app`.
+from gateway.cli import audit_commands, engine_commands, policy_commands, tenancy_commands
 from gateway.cli.common import app
 
-__all__ = ["app", "audit_commands", "engine_commands", "main", "tenancy_commands"]
+__all__ = ["app", "main"]
+COMMAND_MODULES = (audit_commands, engine_commands, policy_commands, tenancy_commands)
 
 
 def main() -> None:

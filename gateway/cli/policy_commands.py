@@ -1,0 +1,126 @@
+"""Public-prefix commands: `prefixes add|list|enable|disable|delete`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from sqlalchemy.orm import Session
+
+from gateway.cli.common import app, fail, open_store, operator, print_json
+from gateway.cli.tenancy_commands import audited_change
+from tenancy import prefixes
+from tenancy.models import PublicPrefix
+from tenancy.store import Store
+
+prefixes_app = typer.Typer(
+    help="Admin-registered public system prompts, shared across tenants.", no_args_is_help=True
+)
+app.add_typer(prefixes_app, name="prefixes")
+
+ModelOption = Annotated[str, typer.Option(help="Served model name, e.g. smollm2-135m-instruct.")]
+NamespaceOption = Annotated[str, typer.Option(help="Namespace (a cache scope of its own).")]
+NameOption = Annotated[str, typer.Option(help="Name of the prefix.")]
+
+
+def prefix_json(prefix: PublicPrefix) -> dict[str, Any]:
+    return {
+        "model": prefix.model,
+        "namespace": prefix.namespace,
+        "name": prefix.name,
+        "enabled": prefix.enabled,
+        "created_by": prefix.created_by,
+        "created_at": prefix.created_at,
+        "characters": len(prefix.text),
+    }
+
+
+def allowed_namespaces() -> tuple[str, ...]:
+    from gateway.settings import Settings
+    from policies.config import PolicyFileError, load_policy
+
+    try:
+        return load_policy(Settings().policy_file).namespaces
+    except PolicyFileError as error:
+        fail(str(error))
+
+
+@prefixes_app.command("add")
+def prefixes_add(
+    model: ModelOption,
+    namespace: NamespaceOption,
+    name: NameOption,
+    text_file: Annotated[Path, typer.Option(help="The system prompt as clients send it.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Register a system prompt as public: its KV blocks are shared across tenants."""
+    if namespace not in allowed_namespaces():
+        fail(f"namespace {namespace!r} is not in the policy's namespaces")
+    try:
+        text = text_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        fail(f"cannot read {text_file}: {error}")
+
+    def add(session: Session, _: Store) -> dict[str, Any]:
+        created = prefixes.add_prefix(session, model, namespace, name, text, f"cli:{operator()}")
+        return prefix_json(created)
+
+    result = audited_change(
+        "prefix.add", "public_prefix", f"{model}/{namespace}/{name}", add,
+        details={"characters": len(text)},
+    )  # fmt: skip
+    if as_json:
+        print_json(result)
+    else:
+        typer.echo(f"registered {namespace}/{name} for {model} ({len(text)} characters)")
+
+
+@prefixes_app.command("list")
+def prefixes_list(
+    model: Annotated[str | None, typer.Option(help="Only this model's prefixes.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List registered public prefixes."""
+    with open_store() as store, store.transaction() as session:
+        rows = [prefix_json(p) for p in prefixes.list_prefixes(session, model)]
+    if as_json:
+        print_json(rows)
+        return
+    for row in rows:
+        state = "enabled" if row["enabled"] else "disabled"
+        typer.echo(f"{row['model']}  {row['namespace']}/{row['name']}  {state}")
+
+
+def _set_enabled(model: str, namespace: str, name: str, enabled: bool) -> None:
+    audited_change(
+        "prefix.enable" if enabled else "prefix.disable",
+        "public_prefix",
+        f"{model}/{namespace}/{name}",
+        lambda s, _: prefix_json(prefixes.set_enabled(s, model, namespace, name, enabled)),
+    )
+    typer.echo(f"{namespace}/{name}: {'enabled' if enabled else 'disabled'}")
+
+
+@prefixes_app.command("enable")
+def prefixes_enable(model: ModelOption, namespace: NamespaceOption, name: NameOption) -> None:
+    """Share a disabled prefix again."""
+    _set_enabled(model, namespace, name, True)
+
+
+@prefixes_app.command("disable")
+def prefixes_disable(model: ModelOption, namespace: NamespaceOption, name: NameOption) -> None:
+    """Stop sharing a prefix (requests with it become private) without deleting it."""
+    _set_enabled(model, namespace, name, False)
+
+
+@prefixes_app.command("delete")
+def prefixes_delete(model: ModelOption, namespace: NamespaceOption, name: NameOption) -> None:
+    """Remove a prefix from the registry."""
+    audited_change(
+        "prefix.delete",
+        "public_prefix",
+        f"{model}/{namespace}/{name}",
+        lambda s, _: prefixes.delete_prefix(s, model, namespace, name),
+    )
+    typer.echo(f"deleted {namespace}/{name}")
