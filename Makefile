@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/prefixgate demo
+	$(BIN)/prefixgate serve --demo
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -35,7 +35,7 @@ from engine.kv_spec import KVSpec, dtype_name
 from engine.metrics import EngineMetrics
 from engine.model_loader import LoadedModel
 from engine.model_runner import Chunk, ModelRunner
-from engine.request import GenerationDelta, GenerationRequest
+from engine.request import GenerationDelta, GenerationRequest, Timings
 from engine.sampler import sample
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, Sink, Status, cache_request
@@ -96,6 +96,11 @@ class Engine:
             )
             self._thread.start()
         return self
+
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish what is running and waiting, then stop the thread."""
@@ -278,6 +283,7 @@ class Engine:
         self.cache.append_tokens(sequence.request_id, [token])
         if sequence.first_token_at is None:
             sequence.first_token_at = time.monotonic()
+            sequence.first_token_wall = time.time()
             self.metrics.record_ttft(sequence.first_token_at - sequence.arrival)
         finish = None
         text = ""
@@ -306,7 +312,16 @@ class Engine:
         usage = sequence.usage(self.runner.forget(sequence.request_id))
         self.metrics.record_finish(usage)
         self._forget(sequence)
-        sequence.sink(GenerationDelta(last.text, last.token_ids, last.finish_reason, usage))
+        now = time.time()
+        timings = Timings(
+            sequence.arrived_wall,
+            sequence.admitted_wall or now,
+            sequence.first_token_wall or now,
+            now,
+        )
+        sequence.sink(
+            GenerationDelta(last.text, last.token_ids, last.finish_reason, usage, timings)
+        )
 
     def _fail(self, sequence: Sequence, error: EngineError) -> None:
         self.scheduler.remove(sequence)

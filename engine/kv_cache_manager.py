@@ -99,6 +99,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.default_budget = default_budget or TenantBudget(pool.num_blocks)
         self._budgets: dict[Owner, TenantBudget] = {}
+        # Budgets as requests carried them, before any reservation was clamped to fit the pool.
+        self._requested: dict[Owner, TenantBudget] = {}
         self._counters: dict[Owner, OwnerCounters] = {}
         self._sequences: dict[str, _Sequence] = {}
         self.peak_active_blocks = 0
@@ -126,6 +128,14 @@ class KVCacheManager:
         evicted = self._evict_over_quota(owner)
         self.pool.flush_zeroing()
         return evicted
+
+    def _apply_requested_budget(self, owner: Owner, budget: TenantBudget) -> None:
+        """A budget that came with a request: its reservation is cut to what the pool has
+        left rather than failing the request (reservations of all owners cannot exceed it)."""
+        others = sum(b.reserved_blocks for o, b in self._budgets.items() if o != owner)
+        reserved = max(0, min(budget.reserved_blocks, self.pool.num_blocks - others))
+        self.set_budget(owner, TenantBudget(budget.quota_blocks, reserved))
+        self._requested[owner] = budget
 
     # -- request lifecycle --------------------------------------------------------------------
 
@@ -165,8 +175,8 @@ class KVCacheManager:
             raise ValueError(f"request {request.request_id!r} is already admitted")
         if [block.generation for block in hit.blocks] != hit.generations:
             raise ValueError("stale prefix match: the cache changed since match()")
-        if request.budget is not None and request.budget != self.budget(request.tenant_id):
-            self.set_budget(request.tenant_id, request.budget)
+        if request.budget is not None and request.budget != self._requested.get(request.tenant_id):
+            self._apply_requested_budget(request.tenant_id, request.budget)
         pinned = Counter(b.owner for b in hit.blocks if b.ref_count == 0 and b.owner is not None)
         total_tokens = hit.cached_tokens + num_new_tokens
         refusal = self._allocate(sequence, total_tokens, pinned, hit.blocks)

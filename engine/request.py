@@ -42,10 +42,21 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class Timings:
+    """Wall-clock seconds (time.time()) of a request's phases, for tracing."""
+
+    arrived: float
+    admitted: float
+    first_token: float
+    finished: float
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationDelta:
-    """New output since the last delta; the last one has `finish_reason` and `usage`."""
+    """New output since the last delta; the last one has `finish_reason`, `usage`, `timings`."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     usage: Usage | None = None
+    timings: Timings | None = None

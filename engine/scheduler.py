@@ -150,6 +150,7 @@ class Scheduler:
         sequence.last_refusal = None
         if sequence.cached_at_first_admission is None:
             sequence.cached_at_first_admission = hit.cached_tokens
+            sequence.admitted_wall = time.time()
         return count
 
 

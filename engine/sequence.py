@@ -51,14 +51,15 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed: int = 0
     arrival: float = field(default_factory=time.monotonic)
+    arrived_wall: float = field(default_factory=time.time)
+    admitted_wall: float | None = None
+    first_token_wall: float | None = None
     waiting_since: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finish_reason: str | None = None
     last_refusal: Refusal | None = None
     preemptions: int = 0
     cached_at_first_admission: int | None = None
-    pending_ids: list[int] = field(default_factory=list)
-    pending_text: str = ""
 
     @classmethod
     def create(

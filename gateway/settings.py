@@ -36,6 +36,34 @@ class Settings(BaseSettings):
     audit_checkpoint_every: int = Field(default=100, ge=1)
     policy_file: Path | None = None
 
+    # Serving
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    model_dir: Path | None = None  # default: the embedded SmolLM2
+    served_model_name: str | None = None  # default: the model directory's name
+    block_size: int = Field(default=16, ge=1)
+    kv_cache_bytes: int = Field(default=1 << 30, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    public_cache_blocks: int | None = None  # default: the whole pool
+    enable_prefix_caching: bool = True
+
+    # Limits
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    max_prompt_tokens: int | None = None  # default: the model's context length
+    max_output_tokens: int = Field(default=4096, ge=1)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+
+    # Auth and background work
+    auth_cache_ttl_s: float = Field(default=30.0, ge=0)
+    auth_stale_ttl_s: float = Field(default=300.0, ge=0)
+    registry_refresh_s: float = Field(default=10.0, gt=0)
+
+    # Observability
+    otlp_endpoint: str | None = None  # e.g. http://collector:4318/v1/traces; off when unset
+
     def secret(self, name: str) -> str:
         """A configured secret, or the one generated for this state directory."""
         if name not in _GENERATED_SECRETS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 # Two user messages that share no first character, so renderings diverge at the user text.
@@ -43,14 +44,39 @@ def system_prompt_tokens(tokenizer: Any, system_text: str) -> list[int]:
 def render_with_spans(
     tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool = True
 ) -> tuple[list[int], list[Any]]:
-    """Token ids of a conversation and where each message lies in them."""
+    """Token ids of a conversation and where each message lies in them.
+
+    One tokenization: the template renders each prefix of the conversation as text (cheap),
+    and character offsets map those boundaries onto the tokens of the whole rendering. The
+    last message's span runs to the end, generation prompt included.
+    """
     from policies.planner import MessageSpan
 
-    token_ids = render(tokenizer, messages, generation_prompt)
-    spans, start = [], 0
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=False
+    )
+    token_ids, starts = _encode_with_offsets(tokenizer, text)
+    spans, start_token = [], 0
     for index, message in enumerate(messages):
-        end = len(render(tokenizer, messages[: index + 1], generation_prompt=False))
-        end = min(max(end, start), len(token_ids))
-        spans.append(MessageSpan(message["role"], start, end))
-        start = end
+        if index == len(messages) - 1:  # the last one runs to the end (generation prompt too)
+            end_token = len(token_ids)
+        else:
+            prefix = tokenizer.apply_chat_template(
+                messages[: index + 1], add_generation_prompt=False, tokenize=False
+            )
+            end_char = len(prefix) if text.startswith(prefix) else len(text)
+            end_token = bisect.bisect_left(starts, end_char, lo=start_token)
+        spans.append(MessageSpan(message["role"], start_token, end_token))
+        start_token = end_token
     return token_ids, spans
+
+
+def _encode_with_offsets(tokenizer: Any, text: str) -> tuple[list[int], list[int]]:
+    """Token ids and each token's first character; the Rust backend directly when there is one
+    (the Python wrapper costs as much again)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        encoding = backend.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [start for start, _ in encoding.offsets]
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [int(i) for i in encoded["input_ids"]], [s for s, _ in encoded["offset_mapping"]]

@@ -18,13 +18,14 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import insert, select, update
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tenancy.audit_chain import AuditRecord, chain_hash, event_payload, sign
-from tenancy.models import AuditCheckpoint, AuditEvent, AuditHead
+from tenancy.models import AuditCheckpoint, AuditEvent, AuditHead, utcnow
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +48,22 @@ class AuditLog:
 
     def record(self, record: AuditRecord) -> bool:
         """Append one event; returns True if it reached the database, False if spooled."""
+        return self.record_many([record])
+
+    def record_many(self, records: list[AuditRecord]) -> bool:
+        """Append events in order, in one transaction; False if they had to be spooled."""
         with self._lock, self._spool_locked():
             if self._spool_pending():
-                self._append_to_spool(record)
+                for record in records:
+                    self._append_to_spool(record)
                 return self._flush_spool()
             try:
-                self._insert([record])
+                self._insert(records)
                 return True
             except (OperationalError, DBAPIError) as error:
                 logger.warning("audit database unavailable, spooling: %s", error.__class__.__name__)
-                self._append_to_spool(record)
+                for record in records:
+                    self._append_to_spool(record)
                 return False
 
     def flush(self) -> bool:
@@ -71,27 +78,34 @@ class AuditLog:
 
     # -- database ----------------------------------------------------------------------------
 
-    def _insert(self, records: list[AuditRecord]) -> None:
+    def _insert(self, records: list[AuditRecord], replay: bool = False) -> None:
+        """Chain and insert in one transaction (Core executemany: one round trip)."""
         with self._sessions.begin() as session:
-            head = session.scalars(
-                select(AuditHead).where(AuditHead.id == 1).with_for_update()
+            seq, digest = session.execute(
+                select(AuditHead.seq, AuditHead.hash).where(AuditHead.id == 1).with_for_update()
             ).one()
-            known = set(
-                session.scalars(
-                    select(AuditEvent.event_id).where(
-                        AuditEvent.event_id.in_([r.event_id for r in records])
+            if replay:  # from the spool: skip events a crash left already written
+                known = set(
+                    session.scalars(
+                        select(AuditEvent.event_id).where(
+                            AuditEvent.event_id.in_([r.event_id for r in records])
+                        )
                     )
                 )
-            )
+                records = [record for record in records if record.event_id not in known]
+            if not records:
+                return
+            rows, checkpoints = [], []
             for record in records:
-                if record.event_id in known:  # replayed from the spool after a crash
-                    continue
-                seq = head.seq + 1
-                digest = chain_hash(head.hash, event_payload(record, seq))
-                session.add(_row(record, seq, head.hash, digest))
-                head.seq, head.hash = seq, digest
+                prev_hash, seq = digest, seq + 1
+                digest = chain_hash(prev_hash, event_payload(record, seq))
+                rows.append(_row(record, seq, prev_hash, digest))
                 if seq % self._checkpoint_every == 0:
-                    session.add(self._checkpoint(seq, digest))
+                    checkpoints.append(self._checkpoint(seq, digest))
+            session.execute(insert(AuditEvent), rows)
+            if checkpoints:
+                session.execute(insert(AuditCheckpoint), checkpoints)
+            session.execute(update(AuditHead).where(AuditHead.id == 1).values(seq=seq, hash=digest))
 
     def checkpoint_now(self) -> AuditCheckpoint | None:
         """Sign the current head (used before exports and on shutdown)."""
@@ -101,13 +115,13 @@ class AuditLog:
                 return None
             if session.get(AuditCheckpoint, head.seq) is not None:
                 return None
-            checkpoint = self._checkpoint(head.seq, head.hash)
+            checkpoint = AuditCheckpoint(**self._checkpoint(head.seq, head.hash))
             session.add(checkpoint)
             return checkpoint
 
-    def _checkpoint(self, seq: int, digest: str) -> AuditCheckpoint:
+    def _checkpoint(self, seq: int, digest: str) -> dict[str, Any]:
         signature = sign({"seq": seq, "hash": digest}, self._signing_key)
-        return AuditCheckpoint(seq=seq, hash=digest, signature=signature)
+        return {"seq": seq, "hash": digest, "signature": signature, "created_at": utcnow()}
 
     # -- spool -------------------------------------------------------------------------------
 
@@ -157,7 +171,7 @@ class AuditLog:
             self._clear_spool()
             return True
         try:
-            self._insert(records)
+            self._insert(records, replay=True)
         except (OperationalError, DBAPIError):
             return False
         self._clear_spool()
@@ -169,24 +183,24 @@ class AuditLog:
             os.fsync(spool.fileno())
 
 
-def _row(record: AuditRecord, seq: int, prev_hash: str, digest: str) -> AuditEvent:
-    return AuditEvent(
-        seq=seq,
-        event_id=record.event_id,
-        time=record.time,
-        actor_type=record.actor_type,
-        actor_id=record.actor_id,
-        tenant_id=record.tenant_id,
-        action=record.action,
-        resource_type=record.resource_type,
-        resource_id=record.resource_id,
-        outcome=record.outcome,
-        request_id=record.request_id,
-        source_ip=record.source_ip,
-        details=record.details,
-        prev_hash=prev_hash,
-        hash=digest,
-    )
+def _row(record: AuditRecord, seq: int, prev_hash: str, digest: str) -> dict[str, Any]:
+    return {
+        "seq": seq,
+        "event_id": record.event_id,
+        "time": record.time,
+        "actor_type": record.actor_type,
+        "actor_id": record.actor_id,
+        "tenant_id": record.tenant_id,
+        "action": record.action,
+        "resource_type": record.resource_type,
+        "resource_id": record.resource_id,
+        "outcome": record.outcome,
+        "request_id": record.request_id,
+        "source_ip": record.source_ip,
+        "details": record.details,
+        "prev_hash": prev_hash,
+        "hash": digest,
+    }
 
 
 def record_from_row(row: AuditEvent) -> AuditRecord:

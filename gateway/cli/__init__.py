@@ -5,11 +5,23 @@ from __future__ import annotations
 import sys
 
 # Importing the command modules registers their commands on `app`.
-from gateway.cli import audit_commands, engine_commands, policy_commands, tenancy_commands
+from gateway.cli import (
+    audit_commands,
+    engine_commands,
+    policy_commands,
+    serve_command,
+    tenancy_commands,
+)
 from gateway.cli.common import app
 
 __all__ = ["app", "main"]
-COMMAND_MODULES = (audit_commands, engine_commands, policy_commands, tenancy_commands)
+COMMAND_MODULES = (
+    audit_commands,
+    engine_commands,
+    policy_commands,
+    serve_command,
+    tenancy_commands,
+)
 
 
 def main() -> None:

@@ -134,3 +134,11 @@ def test_budget_carried_by_a_request_applies_immediately() -> None:
     run_prompt(manager, request("t1", [9], Tenant("t1"), budget=small))
     assert manager.budget("t1") == small
     assert cached_blocks(manager, "t1") <= 2
+
+
+def test_reservations_carried_by_requests_are_cut_to_fit_the_pool() -> None:
+    manager = make_manager(num_blocks=8)
+    manager.set_budget("t1", TenantBudget(quota_blocks=8, reserved_blocks=6))
+    greedy = TenantBudget(quota_blocks=8, reserved_blocks=5)
+    run_prompt(manager, request("t2", list(range(9)), Tenant("t2"), budget=greedy))
+    assert manager.budget("t2") == TenantBudget(quota_blocks=8, reserved_blocks=2)

@@ -1,0 +1,90 @@
+"""`prefixgate serve`: the OpenAI-compatible gateway under uvicorn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from gateway.cli.common import app, fail
+
+DEMO_TENANT = "demo"
+
+
+@app.command()
+def serve(
+    host: Annotated[str | None, typer.Option(help="Interface to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="A local model directory (default: embedded SmolLM2).")
+    ] = None,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model id clients use (default: the directory name).")
+    ] = None,
+    demo: Annotated[
+        bool, typer.Option("--demo", help="Create a demo tenant and print its key once.")
+    ] = False,
+) -> None:
+    """Serve the OpenAI-compatible API (settings from PREFIXGATE_* and .env)."""
+    import uvicorn
+    from pydantic import ValidationError
+
+    from gateway.app import create_app
+    from gateway.settings import Settings
+    from policies.config import PolicyFileError, load_policy
+
+    overrides: dict[str, Any] = {
+        "host": host, "port": port, "model_dir": model, "served_model_name": served_model_name,
+    }  # fmt: skip
+    try:
+        settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+        load_policy(settings.policy_file)
+    except ValidationError as error:
+        first = error.errors()[0]
+        fail(f"setting {'.'.join(map(str, first['loc']))}: {first['msg']}")
+    except PolicyFileError as error:
+        fail(str(error))
+    if model is not None and not (model / "config.json").is_file():
+        fail(f"{model} is not a model directory (no config.json)")
+    application = create_app(settings, on_ready=_create_demo_tenant if demo else None)
+    config = uvicorn.Config(
+        application,
+        host=settings.host,
+        port=settings.port,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+        log_level="info",
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:
+        raise typer.Exit(1)
+
+
+def _create_demo_tenant(state: Any) -> None:
+    from tenancy import api_keys, tenants
+    from tenancy.audit_chain import AuditRecord
+    from tenancy.errors import NotFound
+
+    store = state.store
+    with store.transaction() as session:
+        try:
+            tenants.get_tenant(session, DEMO_TENANT)
+            exists = True
+        except NotFound:
+            exists = False
+        if exists:
+            typer.echo(
+                f"demo tenant exists; make another key with "
+                f"`prefixgate keys create --tenant {DEMO_TENANT}`"
+            )
+            return
+        tenant = tenants.create_tenant(session, DEMO_TENANT, "Demo tenant")
+        created = api_keys.create_key(session, tenant, "demo", store.key_secret)
+    store.record(
+        AuditRecord("cli", "tenant.create", "success", actor_id="serve --demo",
+                    tenant_id=str(tenant.id), resource_type="tenant", resource_id=DEMO_TENANT)
+    )  # fmt: skip
+    url = f"http://{state.settings.host}:{state.settings.port}/v1"
+    typer.echo(f"demo tenant created; its API key (shown only now):\n  {created.secret}")
+    typer.echo(f"try: OPENAI_BASE_URL={url} OPENAI_API_KEY=<key> with model {state.model_name}")

@@ -1,0 +1,106 @@
+"""Per-tenant request, token and concurrency limits (token buckets, in this process)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gateway.auth import Principal
+from gateway.errors import APIError
+
+
+@dataclass
+class _Bucket:
+    capacity: float
+    level: float
+    updated: float
+
+    def take(self, amount: float, per_minute: float, now: float) -> float:
+        """Take `amount`; returns 0 on success, else seconds until it would fit."""
+        self.level = min(self.capacity, self.level + (now - self.updated) * per_minute / 60.0)
+        self.updated = now
+        if amount <= self.level:
+            self.level -= amount
+            return 0.0
+        return (amount - self.level) * 60.0 / per_minute if per_minute else math.inf
+
+    def give_back(self, amount: float) -> None:
+        self.level = min(self.capacity, self.level + amount)
+
+
+@dataclass
+class _TenantState:
+    requests: _Bucket
+    tokens: _Bucket
+    active: int = 0
+
+
+@dataclass
+class Admission:
+    """A request let in: release it exactly once when it ends."""
+
+    limiter: RateLimiter
+    tenant_id: str
+    reserved_tokens: int
+    released: bool = field(default=False)
+
+    def release(self, used_tokens: int | None = None) -> None:
+        if not self.released:
+            self.released = True
+            self.limiter._release(self.tenant_id, self.reserved_tokens, used_tokens)
+
+
+class RateLimiter:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._tenants: dict[str, _TenantState] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, principal: Principal, tokens: int) -> Admission:
+        """Count a request costing up to `tokens` tokens, or raise a 429 with Retry-After."""
+        limits = principal.tenant
+        now = self._clock()
+        with self._lock:
+            state = self._tenants.get(principal.tenant_id)
+            if state is None:
+                state = _TenantState(
+                    _Bucket(limits.requests_per_minute, limits.requests_per_minute, now),
+                    _Bucket(limits.tokens_per_minute, limits.tokens_per_minute, now),
+                )
+                self._tenants[principal.tenant_id] = state
+            # Limits can change while the process runs: follow the tenant's current values.
+            state.requests.capacity = limits.requests_per_minute
+            state.tokens.capacity = limits.tokens_per_minute
+            if state.active >= limits.max_concurrent:
+                raise _too_many("too many concurrent requests for this tenant", 1.0)
+            if tokens > limits.tokens_per_minute:
+                raise APIError(
+                    429, "the request needs more tokens than the tenant's per-minute limit",
+                    "rate_limit_error", "max_tokens", "tokens_per_minute_exceeded",
+                    {"Retry-After": "60"},
+                )  # fmt: skip
+            wait = state.requests.take(1, limits.requests_per_minute, now)
+            if wait:
+                raise _too_many("request rate limit reached for this tenant", wait)
+            wait = state.tokens.take(tokens, limits.tokens_per_minute, now)
+            if wait:
+                state.requests.give_back(1)
+                raise _too_many("token rate limit reached for this tenant", wait)
+            state.active += 1
+        return Admission(self, principal.tenant_id, tokens)
+
+    def _release(self, tenant_id: str, reserved: int, used: int | None) -> None:
+        with self._lock:
+            state = self._tenants[tenant_id]
+            state.active -= 1
+            if used is not None and used < reserved:
+                state.tokens.give_back(reserved - used)
+
+
+def _too_many(message: str, wait: float) -> APIError:
+    retry_after = str(max(1, math.ceil(wait))) if math.isfinite(wait) else "60"
+    return APIError(429, message, "rate_limit_error", None, "rate_limit_exceeded",
+                    {"Retry-After": retry_after})  # fmt: skip

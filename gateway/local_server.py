@@ -1,0 +1,90 @@
+"""The gateway in this process: a real uvicorn server on a localhost port, in a thread.
+
+For benchmarks and tests that need a running server and also its internals (the engine's
+pool, the audit queue). `tiny_chat_model` builds a small random Llama with the embedded
+SmolLM2 tokenizer, so the HTTP path is exercised with a real chat template at low cost.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvicorn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from gateway.app import create_app
+from gateway.settings import Settings
+from gateway.state import GatewayState
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def tiny_chat_model(directory: Path, tokenizer_dir: Path) -> Path:
+    """A small random Llama with SmolLM2's real tokenizer and chat template."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(directory)
+    for path in tokenizer_dir.iterdir():
+        if path.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(path, directory / path.name)
+    return directory
+
+
+class RunningServer:
+    def __init__(self, server: uvicorn.Server, thread: threading.Thread, port: int) -> None:
+        self.server = server
+        self.thread = thread
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.state: GatewayState | None = None
+
+    @property
+    def gateway(self) -> GatewayState:
+        assert self.state is not None
+        return self.state
+
+
+@contextmanager
+def serve(settings_overrides: dict[str, Any], loaded: Any = None) -> Iterator[RunningServer]:
+    """Start the gateway; yields once it answers, stops it (gracefully) afterwards."""
+    port = free_port()
+    settings = Settings(host="127.0.0.1", port=port, **settings_overrides)
+    holder: dict[str, GatewayState] = {}
+
+    def remember(state: GatewayState) -> None:
+        holder["state"] = state
+
+    app = create_app(settings, loaded=loaded, announce=lambda _: None, on_ready=remember)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            timeout_graceful_shutdown=5)  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.05)
+    running = RunningServer(server, thread, port)
+    running.state = holder["state"]
+    try:
+        yield running
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -1,0 +1,98 @@
+"""Prometheus metrics: per-app registry, request counters, latency histograms, and the engine's
+cache and queue read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.budget import PUBLIC_OWNER, Owner
+from engine.engine import Engine
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    def __init__(self, engine: Engine, tenant_name: Callable[[str], str]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "prefixgate_requests", "HTTP API requests by endpoint and status.",
+            ["endpoint", "status"], registry=self.registry,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "prefixgate_time_to_first_token_seconds", "Time from arrival to the first token.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "prefixgate_request_duration_seconds", "End-to-end request latency.",
+            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            "prefixgate_prompt_tokens", "Prompt tokens per tenant.", ["tenant"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.cached_tokens = Counter(
+            "prefixgate_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+            ["tenant"], registry=self.registry,
+        )  # fmt: skip
+        self.completion_tokens = Counter(
+            "prefixgate_completion_tokens", "Generated tokens per tenant.", ["tenant"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.registry.register(EngineCollector(engine, tenant_name))
+
+
+class EngineCollector(Collector):
+    """Cache blocks per owner vs quota, evictions, zeroing and queue depth, read on scrape."""
+
+    def __init__(self, engine: Engine, tenant_name: Callable[[str], str]) -> None:
+        self._engine = engine
+        self._tenant_name = tenant_name
+
+    def _owner(self, owner: Owner) -> str:
+        return "public" if owner is PUBLIC_OWNER else self._tenant_name(str(owner))
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.cache_stats()
+        blocks = GaugeMetricFamily(
+            "prefixgate_kv_cache_blocks", "KV blocks per owner by state (and its quota).",
+            labels=["owner", "state"],
+        )  # fmt: skip
+        evictions = CounterMetricFamily(
+            "prefixgate_kv_cache_evictions", "Cached blocks evicted, per owner.", labels=["owner"]
+        )
+        for owner, owner_stats in stats.owners.items():
+            name = self._owner(owner)
+            blocks.add_metric([name, "active"], owner_stats.active_blocks)
+            blocks.add_metric([name, "cached"], owner_stats.cached_blocks)
+            blocks.add_metric([name, "reserved"], owner_stats.reserved_blocks)
+            blocks.add_metric([name, "quota"], owner_stats.quota_blocks)
+            evictions.add_metric([name], owner_stats.counters.evicted_blocks)
+        yield blocks
+        yield evictions
+        pool = GaugeMetricFamily("prefixgate_kv_cache_pool_blocks", "KV pool blocks by state.",
+                                 labels=["state"])  # fmt: skip
+        pool.add_metric(["total"], stats.num_blocks)
+        pool.add_metric(["free"], stats.free_blocks)
+        yield pool
+        yield CounterMetricFamily(
+            "prefixgate_kv_cache_zeroed_blocks", "KV blocks zeroed before reuse.",
+            value=stats.blocks_zeroed,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            "prefixgate_kv_cache_key_collisions", "Block-key hits rejected by verification.",
+            value=stats.collisions,
+        )  # fmt: skip
+        waiting, running = self._engine.queue_depth()
+        depth = GaugeMetricFamily("prefixgate_queue_depth", "Sequences in the engine.",
+                                  labels=["state"])  # fmt: skip
+        depth.add_metric(["waiting"], waiting)
+        depth.add_metric(["running"], running)
+        yield depth
+        yield CounterMetricFamily(
+            "prefixgate_engine_preemptions", "Sequences preempted for recompute.",
+            value=self._engine.metrics.preemptions,
+        )  # fmt: skip

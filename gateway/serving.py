@@ -1,0 +1,221 @@
+"""Running a prepared request: limits, the engine stream, JSON or SSE, disconnects, timeouts.
+
+The first delta is awaited before any response starts, so failures that happen before the
+first token (quota timeouts, overload) still get their proper HTTP status. After that, a
+streamed error is an `{"error": ...}` event. A client that goes away cancels the engine
+request, which frees its KV blocks at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette.sse import EventSourceResponse
+
+from engine.request import GenerationDelta, Usage
+from gateway.errors import APIError
+from gateway.inference import Prepared, engine_failure, finish
+from gateway.responses import chat_chunk, chat_completion, text_completion
+from gateway.state import GatewayState
+
+_DISCONNECT_POLL_S = 0.05
+T = TypeVar("T")
+
+
+async def respond(state: GatewayState, prepared: Prepared, http_request: Request) -> Response:
+    sampling = prepared.request.sampling
+    cost = len(prepared.request.prompt_token_ids) + sampling.max_tokens
+    try:
+        prepared.admission = state.limiter.admit(prepared.principal, cost)
+    except APIError as error:
+        finish(state, prepared, "rejected", status=error.status, error=error.code)
+        raise
+    stream = state.engine.generate(prepared.request)
+    try:
+        first = await _first_delta(state, prepared, stream, http_request)
+    except APIError as error:
+        finish(state, prepared, "failure", status=error.status, error=error.code)
+        raise
+    except asyncio.CancelledError:
+        finish(state, prepared, "cancelled", status=499)
+        raise
+    if prepared.stream:
+        # On shutdown, let in-flight streams finish (within uvicorn's graceful timeout).
+        grace = max(0.0, state.settings.shutdown_grace_s - 1)
+        return EventSourceResponse(
+            _events(state, prepared, first, stream), ping=15, sep="\n", shutdown_grace_period=grace
+        )
+    return await _complete(state, prepared, first, stream, http_request)
+
+
+async def _first_delta(
+    state: GatewayState,
+    prepared: Prepared,
+    stream: AsyncIterator[GenerationDelta],
+    http_request: Request,
+) -> GenerationDelta:
+    try:
+        return await _unless_disconnected(state, anext(stream), stream, http_request)
+    except StopAsyncIteration as error:  # pragma: no cover - the engine always ends with usage
+        raise APIError(500, "the engine produced no output", "server_error") from error
+    except APIError:
+        raise
+    except Exception as error:
+        raise engine_failure(error) from error
+
+
+async def _unless_disconnected(
+    state: GatewayState,
+    work: Awaitable[T],
+    stream: AsyncIterator[GenerationDelta],
+    http_request: Request,
+) -> T:
+    """Await `work`, giving up (and cancelling the request) if the client leaves or time runs
+    out. One task for the whole wait, not one per token."""
+    task = asyncio.ensure_future(work)
+    deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http_request.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+            if asyncio.get_running_loop().time() > deadline:
+                raise APIError(504, "the request timed out", "server_error", None, "timeout")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            await _close(stream)
+
+
+async def _close(stream: AsyncIterator[GenerationDelta]) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(BaseException):
+            await aclose()
+
+
+async def _complete(
+    state: GatewayState,
+    prepared: Prepared,
+    first: GenerationDelta,
+    stream: AsyncIterator[GenerationDelta],
+    http_request: Request,
+) -> Response:
+
+    async def rest() -> tuple[str, GenerationDelta]:
+        text, last = first.text, first
+        while last.finish_reason is None:
+            last = await anext(stream)
+            text += last.text
+        return text, last
+
+    try:
+        text, last = await _unless_disconnected(state, rest(), stream, http_request)
+    except asyncio.CancelledError:
+        finish(state, prepared, "cancelled", status=499)
+        raise
+    except APIError as error:
+        finish(state, prepared, "failure", status=error.status, error=error.code)
+        raise
+    except Exception as error:
+        api_error = engine_failure(error)
+        finish(state, prepared, "failure", status=api_error.status, error=api_error.code)
+        raise api_error from error
+    usage = last.usage or Usage(len(prepared.request.prompt_token_ids), 0, 0)
+    finish(state, prepared, "success", usage, last=last)
+    headers = _server_timing(http_request, last)
+    model = state.model_name
+    if prepared.endpoint == "chat":
+        body = chat_completion(
+            prepared.response_id, prepared.created, model, text, last.finish_reason, usage
+        )
+    else:
+        body = text_completion(
+            prepared.response_id, prepared.created, model, text, last.finish_reason, usage
+        )
+    return JSONResponse(body, headers=headers)
+
+
+def _server_timing(http_request: Request, last: GenerationDelta) -> dict[str, str]:
+    """`Server-Timing`: time in the engine, and what the HTTP path added on top."""
+    arrived = getattr(http_request.state, "arrived", None)
+    if arrived is None or last.timings is None:
+        return {}
+    total_ms = (time.perf_counter() - arrived) * 1000
+    engine_ms = (last.timings.finished - last.timings.arrived) * 1000
+    gateway_ms = max(0.0, total_ms - engine_ms)
+    return {"Server-Timing": f"engine;dur={engine_ms:.3f}, gateway;dur={gateway_ms:.3f}"}
+
+
+async def _events(
+    state: GatewayState,
+    prepared: Prepared,
+    first: GenerationDelta,
+    stream: AsyncIterator[GenerationDelta],
+) -> AsyncIterator[dict[str, Any]]:
+    model, response_id, created = state.model_name, prepared.response_id, prepared.created
+    chat = prepared.endpoint == "chat"
+
+    def piece(text: str, finish_reason: str | None) -> dict[str, Any]:
+        if chat:
+            delta = {"content": text} if text or not finish_reason else {}
+            return chat_chunk(response_id, created, model, delta, finish_reason)
+        return text_completion(response_id, created, model, text, finish_reason, None)
+
+    def event(payload: dict[str, Any]) -> dict[str, Any]:
+        return {"data": json.dumps(payload, ensure_ascii=False)}
+
+    outcome, status, error_code, last = "cancelled", 499, None, first
+    try:
+        if chat:
+            yield event(
+                chat_chunk(response_id, created, model, {"role": "assistant", "content": ""})
+            )
+        delta = first
+        deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
+        while True:
+            if delta.text or delta.finish_reason:
+                yield event(piece(delta.text, delta.finish_reason))
+            if delta.finish_reason is not None:
+                last = delta
+                break
+            try:
+                async with asyncio.timeout_at(deadline):
+                    delta = await anext(stream)
+            except TimeoutError as error:
+                raise APIError(
+                    504, "the request timed out", "server_error", None, "timeout"
+                ) from error
+        usage = last.usage or Usage(len(prepared.request.prompt_token_ids), 0, 0)
+        if prepared.include_usage:
+            usage_chunk = (
+                chat_chunk(response_id, created, model, None, usage=usage)
+                if chat
+                else text_completion(response_id, created, model, None, None, usage)
+            )
+            yield event(usage_chunk)
+        yield {"data": "[DONE]"}
+        outcome, status = "success", 200
+        finish(state, prepared, outcome, usage, last=last)
+    except APIError as error:
+        outcome, status, error_code = "failure", error.status, error.code
+        yield event(error.body())
+    except Exception as error:
+        api_error = engine_failure(error)
+        outcome, status, error_code = "failure", api_error.status, api_error.code
+        yield event(api_error.body())
+    finally:
+        await _close(stream)
+        if outcome != "success":
+            finish(state, prepared, outcome, status=status, error=error_code)
