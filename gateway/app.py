@@ -30,7 +30,6 @@ from gateway.tracing import make_tracer_provider
 from policies.config import load_policy
 from tenancy.db import make_engine
 from tenancy.migrate import current_revision, ensure_current, upgrade
-from tenancy.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -95,13 +94,7 @@ def build_state(
 ) -> GatewayState:
     created = prepare_database(settings, announce)
     policy_config = load_policy(settings.policy_file)
-    store = Store.open(
-        settings.database_url,
-        settings.spool_path,
-        settings.secret("key_hash_secret"),
-        settings.secret("audit_signing_key"),
-        settings.audit_checkpoint_every,
-    )
+    store = settings.open_store()
     if loaded is None:
         loaded = load_model(settings.model_dir)
     model_name = settings.served_model_name or (

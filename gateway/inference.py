@@ -50,6 +50,7 @@ class Prepared:
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.perf_counter)
     admission: Admission | None = None
+    finished: bool = False
 
 
 def user_scope_id(body: SamplingFields, header_user: str | None, principal: Principal) -> str:
@@ -206,7 +207,10 @@ def finish(
     error: str | None = None,
     last: GenerationDelta | None = None,
 ) -> None:
-    """Metrics, audit event, tracing and limiter release for a request that ended."""
+    """Metrics, audit event, tracing and limiter release for a request that ended (once)."""
+    if prepared.finished:
+        return
+    prepared.finished = True
     seconds = time.perf_counter() - prepared.started
     tenant = prepared.principal.tenant_slug
     metrics = state.metrics

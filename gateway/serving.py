@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -49,8 +49,12 @@ async def respond(state: GatewayState, prepared: Prepared, http_request: Request
     if prepared.stream:
         # On shutdown, let in-flight streams finish (within uvicorn's graceful timeout).
         grace = max(0.0, state.settings.shutdown_grace_s - 1)
-        return EventSourceResponse(
-            _events(state, prepared, first, stream), ping=15, sep="\n", shutdown_grace_period=grace
+        return _StreamResponse(
+            _events(state, prepared, first, stream),
+            cleanup=lambda: _abandon(state, prepared, stream),
+            ping=15,
+            sep="\n",
+            shutdown_grace_period=grace,
         )
     return await _complete(state, prepared, first, stream, http_request)
 
@@ -96,6 +100,29 @@ async def _unless_disconnected(
             with contextlib.suppress(BaseException):
                 await task
             await _close(stream)
+
+
+class _StreamResponse(EventSourceResponse):
+    """An SSE response that always settles its request, even if its body never started
+    (a client that left between the first token and the first byte)."""
+
+    def __init__(self, content: Any, cleanup: Callable[[], Awaitable[None]], **options: Any):
+        super().__init__(content, **options)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
+
+
+async def _abandon(
+    state: GatewayState, prepared: Prepared, stream: AsyncIterator[GenerationDelta]
+) -> None:
+    if not prepared.finished:
+        await _close(stream)
+        finish(state, prepared, "cancelled", status=499)
 
 
 async def _close(stream: AsyncIterator[GenerationDelta]) -> None:

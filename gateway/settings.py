@@ -18,6 +18,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from tenancy.db import DEFAULT_DATABASE_URL
+from tenancy.store import Store
 
 _GENERATED_SECRETS = ("key_hash_secret", "audit_signing_key", "jwt_secret")
 
@@ -76,6 +77,17 @@ class Settings(BaseSettings):
     @property
     def spool_path(self) -> Path:
         return self.audit_spool_path or self.state_dir / "audit.spool"
+
+    def open_store(self, check_schema: bool = True) -> Store:
+        """The tenancy store these settings describe (raises SchemaOutOfDate if behind)."""
+        return Store.open(
+            self.database_url,
+            self.spool_path,
+            self.secret("key_hash_secret"),
+            self.secret("audit_signing_key"),
+            self.audit_checkpoint_every,
+            check_schema=check_schema,
+        )
 
     @cached_property
     def _generated_secrets(self) -> dict[str, str]:

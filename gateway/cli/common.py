@@ -67,18 +67,9 @@ def open_store(check_schema: bool = True) -> Iterator[Any]:
 
     from gateway.settings import Settings
     from tenancy.migrate import SchemaOutOfDate
-    from tenancy.store import Store
 
-    settings = Settings()
     try:
-        store = Store.open(
-            settings.database_url,
-            settings.spool_path,
-            settings.secret("key_hash_secret"),
-            settings.secret("audit_signing_key"),
-            settings.audit_checkpoint_every,
-            check_schema=check_schema,
-        )
+        store = Settings().open_store(check_schema)
     except SchemaOutOfDate as error:
         fail(str(error))
     except OperationalError as error:

@@ -10,7 +10,8 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import LoadedModel, ModelLoadError, fingerprint, load_model
 from engine.sampler import SamplingParams
-from tests.support.models import Collector, make_request, run_one, tiny_model
+from policies.templates import render
+from tests.support.models import make_request, run_one, tiny_model
 
 
 def save_tiny(directory: Path, architecture: str, seed: int) -> Path:
@@ -52,29 +53,22 @@ def test_loaded_tiny_model_reports_its_shape(tmp_path: Path) -> None:
     assert loaded.tokenizer is None
 
 
+def france_prompt(smollm2: LoadedModel) -> list[int]:
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    return render(smollm2.tokenizer, question, generation_prompt=True)
+
+
 def test_smollm2_answers_the_capital_of_france(smollm2: LoadedModel) -> None:
     engine = Engine(smollm2, EngineConfig(num_blocks=256))
-    prompt = smollm2.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True,
-        tokenize=True,
-    )["input_ids"]
-    result = run_one(engine, make_request("paris", prompt, sampling=SamplingParams(32, 0.0)))
+    sampling = SamplingParams(32, 0.0)
+    result = run_one(engine, make_request("paris", france_prompt(smollm2), sampling=sampling))
     assert "Paris" in result.text
     assert result.deltas[-1].finish_reason == "stop"  # ended on <|im_end|> from the config
 
 
 def test_smollm2_stop_string_cuts_the_answer(smollm2: LoadedModel) -> None:
     engine = Engine(smollm2, EngineConfig(num_blocks=256))
-    prompt = smollm2.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True,
-        tokenize=True,
-    )["input_ids"]
-    collector = Collector()
     sampling = SamplingParams(32, 0.0, stop=("Paris",))
-    engine.submit(make_request("cut", prompt, sampling=sampling), collector)
-    while engine.step():
-        pass
-    assert collector.deltas[-1].finish_reason == "stop"
-    assert "Paris" not in collector.text and collector.text.startswith("The capital")
+    result = run_one(engine, make_request("cut", france_prompt(smollm2), sampling=sampling))
+    assert result.deltas[-1].finish_reason == "stop"
+    assert "Paris" not in result.text and result.text.startswith("The capital")
