@@ -21,6 +21,7 @@ from engine.attention import make_backend
 from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool
 from engine.budget import Owner, TenantBudget
+from engine.cache_request import request_block_scopes
 from engine.cache_stats import CacheStats
 from engine.config import EngineConfig
 from engine.errors import (
@@ -30,7 +31,7 @@ from engine.errors import (
     EngineStopped,
     InvalidRequest,
 )
-from engine.kv_cache_manager import KVCacheManager, request_block_scopes
+from engine.kv_cache_manager import KVCacheManager
 from engine.kv_spec import KVSpec, dtype_name
 from engine.metrics import EngineMetrics
 from engine.model_loader import LoadedModel

@@ -14,67 +14,14 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash, BlockHasher, encode_token_ids
 from engine.block_pool import Block, BlockPool
 from engine.budget import PUBLIC_OWNER, Owner, PoolExhausted, QuotaExceeded, Refusal, TenantBudget
+from engine.cache_request import CacheRequest, CacheSequence, PrefixMatch, request_block_scopes
 from engine.cache_stats import CacheStats, OwnerCounters, OwnerStats
 from engine.prefix_cache import PrefixCache
-from engine.scope import NO_CACHE, CacheScope, Public, Segment, block_scopes, privacy
-
-
-@dataclass(frozen=True, slots=True)
-class CacheRequest:
-    """What the manager needs to know about a request: tokens, scopes, who pays."""
-
-    request_id: str
-    tenant_id: str
-    prompt_token_ids: Sequence[int]
-    segments: Sequence[Segment]
-    # Scope of the tokens no segment covers: the generated text.
-    tail_scope: CacheScope = NO_CACHE
-    budget: TenantBudget | None = None
-
-
-@dataclass(slots=True, eq=False)
-class _Sequence:
-    request: CacheRequest
-    token_bytes: bytearray
-    scopes: list[CacheScope]
-    blocks: list[Block] = field(default_factory=list)
-    keys: list[BlockHash] = field(default_factory=list)
-    cached_tokens: int = 0
-    committed_blocks: int = 0
-    # The cached block the next committed block extends (None: the chain's root).
-    chain_parent: Block | None = None
-    commit_stopped: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """The verified cached prefix of a request, valid until the cache next changes."""
-
-    blocks: list[Block]
-    generations: list[int]
-    block_size: int
-    sequence: _Sequence
-
-    @property
-    def cached_tokens(self) -> int:
-        return len(self.blocks) * self.block_size
-
-
-def request_block_scopes(request: CacheRequest, block_size: int) -> list[CacheScope]:
-    """One scope per prompt block; raises ValueError for segments that cannot be honoured.
-
-    The prompt's last block is scoped as if generation filled it: its tail belongs to the
-    generated text.
-    """
-    if not request.prompt_token_ids:
-        raise ValueError("a request needs at least one prompt token")
-    padded = -(-len(request.prompt_token_ids) // block_size) * block_size
-    return block_scopes(request.segments, padded, block_size, request.tail_scope)
+from engine.scope import Public, privacy
 
 
 class KVCacheManager:
@@ -102,7 +49,7 @@ class KVCacheManager:
         # Budgets as requests carried them, before any reservation was clamped to fit the pool.
         self._requested: dict[Owner, TenantBudget] = {}
         self._counters: dict[Owner, OwnerCounters] = {}
-        self._sequences: dict[str, _Sequence] = {}
+        self._sequences: dict[str, CacheSequence] = {}
         self.peak_active_blocks = 0
         self.set_budget(PUBLIC_OWNER, public_budget or TenantBudget(pool.num_blocks))
 
@@ -312,19 +259,19 @@ class KVCacheManager:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _new_sequence(self, request: CacheRequest) -> _Sequence:
+    def _new_sequence(self, request: CacheRequest) -> CacheSequence:
         scopes = request_block_scopes(request, self.block_size)
         token_bytes = bytearray(encode_token_ids(request.prompt_token_ids))
-        return _Sequence(request, token_bytes, scopes)
+        return CacheSequence(request, token_bytes, scopes)
 
-    def _extend_scopes(self, sequence: _Sequence, num_blocks: int) -> None:
+    def _extend_scopes(self, sequence: CacheSequence, num_blocks: int) -> None:
         """Scopes for blocks of generated text: the tail scope, never less private."""
         tail = sequence.request.tail_scope
         while len(sequence.scopes) < num_blocks:
             last = sequence.scopes[-1]
             sequence.scopes.append(tail if privacy(tail) >= privacy(last) else last)
 
-    def _extend_keys(self, sequence: _Sequence, num_blocks: int) -> None:
+    def _extend_keys(self, sequence: CacheSequence, num_blocks: int) -> None:
         self._extend_scopes(sequence, num_blocks)
         have = len(sequence.keys)
         if have < num_blocks:
@@ -333,14 +280,14 @@ class KVCacheManager:
                 parent, sequence.token_bytes, sequence.scopes, have, num_blocks
             )
 
-    def _owner_of(self, sequence: _Sequence, index: int) -> Owner:
+    def _owner_of(self, sequence: CacheSequence, index: int) -> Owner:
         if isinstance(sequence.scopes[index], Public):
             return PUBLIC_OWNER
         return sequence.request.tenant_id
 
     def _allocate(
         self,
-        sequence: _Sequence,
+        sequence: CacheSequence,
         total_tokens: int,
         pinned: Counter[Owner],
         hits: list[Block],
@@ -419,7 +366,7 @@ class KVCacheManager:
         self.prefix_cache.remove(block)
         self.pool.evict(block)
 
-    def _chunk(self, sequence: _Sequence, index: int) -> bytes:
+    def _chunk(self, sequence: CacheSequence, index: int) -> bytes:
         """The encoded token ids of block `index`."""
         stride = 4 * self.block_size
         return bytes(sequence.token_bytes[index * stride : (index + 1) * stride])

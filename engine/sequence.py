@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from engine.budget import Refusal
+from engine.cache_request import CacheRequest
 from engine.detokenizer import Detokenizer
-from engine.kv_cache_manager import CacheRequest
 from engine.request import GenerationDelta, GenerationRequest, Usage
 from engine.sampler import make_generator
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from engine.block_hash import BlockHasher, encode_token_ids
-from engine.kv_cache_manager import CacheRequest, request_block_scopes
+from engine.cache_request import CacheRequest, request_block_scopes
 from engine.scope import Public, User
 from policies.config import PolicyConfig
 from policies.planner import Plan, Principal, SharingPolicy, TenantPolicy

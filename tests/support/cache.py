@@ -10,7 +10,8 @@ import torch
 from engine.block_hash import DEFAULT_HASH, BlockHasher, HashConstructor
 from engine.block_pool import BlockPool
 from engine.budget import TenantBudget
-from engine.kv_cache_manager import CacheRequest, KVCacheManager
+from engine.cache_request import CacheRequest
+from engine.kv_cache_manager import KVCacheManager
 from engine.kv_spec import KVSpec
 from engine.scope import CacheScope, Segment
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.budget import PUBLIC_OWNER, Owner, PoolExhausted, QuotaExceeded, TenantBudget
-from engine.kv_cache_manager import CacheRequest
+from engine.cache_request import CacheRequest
 from engine.scope import NO_CACHE, Public, Segment, Tenant, User
 from tests.support.cache import make_manager
 

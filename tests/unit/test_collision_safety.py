@@ -6,7 +6,7 @@ import hashlib
 
 from engine.block_hash import HashObject
 from engine.budget import PUBLIC_OWNER, TenantBudget
-from engine.kv_cache_manager import CacheRequest
+from engine.cache_request import CacheRequest
 from engine.scope import Public, Segment, Tenant, User
 from tests.support.cache import make_manager, request, run_prompt
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine.budget import PUBLIC_OWNER, PoolExhausted, QuotaExceeded, TenantBudget
-from engine.kv_cache_manager import CacheRequest, KVCacheManager
+from engine.cache_request import CacheRequest
+from engine.kv_cache_manager import KVCacheManager
 from engine.scope import Public, Segment, Tenant
 from tests.support.cache import make_manager, request, run_prompt
 
