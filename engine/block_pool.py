@@ -75,10 +75,6 @@ class BlockPool:
         return len(self._free) + len(self._dirty)
 
     @property
-    def num_dirty(self) -> int:
-        return len(self._dirty)
-
-    @property
     def num_active(self) -> int:
         """Blocks with at least one user."""
         return self.num_blocks - self.num_available - self._num_idle

@@ -59,7 +59,6 @@ class Scheduler:
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.preemptions = 0
 
     def add(self, sequence: Sequence) -> None:
         sequence.status = Status.WAITING
@@ -125,11 +124,9 @@ class Scheduler:
         self.running.remove(sequence)
         self.manager.free(sequence.request_id)
         sequence.num_computed = 0
-        sequence.preemptions += 1
         sequence.status = Status.WAITING
         sequence.waiting_since = self.clock()
         self.waiting.appendleft(sequence)
-        self.preemptions += 1
 
     def _admit(self, sequence: Sequence, budget: int, output: SchedulerOutput) -> int:
         """Admit a waiting sequence for a first chunk; returns its size, 0 if it must wait."""
@@ -137,7 +134,6 @@ class Scheduler:
         count = min(sequence.num_tokens - hit.cached_tokens, budget)
         refusal = self.manager.admit(hit, count)
         if refusal is not None:
-            sequence.last_refusal = refusal
             if self.clock() - sequence.waiting_since > self.config.queue_timeout_s:
                 self.waiting.remove(sequence)
                 sequence.status = Status.FINISHED
@@ -147,9 +143,7 @@ class Scheduler:
         self.running.append(sequence)
         sequence.status = Status.RUNNING
         sequence.num_computed = hit.cached_tokens
-        sequence.last_refusal = None
-        if sequence.cached_at_first_admission is None:
-            sequence.cached_at_first_admission = hit.cached_tokens
+        if sequence.admitted_wall is None:  # first admission (not a re-entry after preemption)
             sequence.admitted_wall = time.time()
         return count
 

@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from engine.budget import Refusal
 from engine.cache_request import CacheRequest
 from engine.detokenizer import Detokenizer
 from engine.request import GenerationDelta, GenerationRequest, Usage
@@ -57,9 +56,6 @@ class Sequence:
     waiting_since: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finish_reason: str | None = None
-    last_refusal: Refusal | None = None
-    preemptions: int = 0
-    cached_at_first_admission: int | None = None
 
     @classmethod
     def create(

@@ -83,10 +83,6 @@ class KeyAuthenticator:
         failure, key_id = result
         raise AuthenticationFailed(failure, key_id)
 
-    def forget(self) -> None:
-        """Drop every cached verification (after key or tenant changes)."""
-        self._cache.clear()
-
     def _lookup(self, presented: str) -> Principal | tuple[AuthFailure, str | None]:
         with self._store.transaction() as session:
             result = api_keys.authenticate(session, presented, self._store.key_secret)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
 
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
@@ -79,7 +78,6 @@ class GatewayState:
     max_prompt_tokens: int
     tenant_names: dict[str, str] = field(default_factory=dict)
     draining: bool = False
-    extras: dict[str, Any] = field(default_factory=dict)
 
     @cached_property
     def tracer(self) -> Tracer:
