@@ -167,17 +167,14 @@ class Engine:
                 loop.call_soon_threadsafe(deltas.put_nowait, item)
 
         self.submit(request, sink)
-        done = False
+        finished = False
         try:
-            while not done:
-                item = await deltas.get()
-                if isinstance(item, Exception):
-                    done = True
-                    raise item
-                done = item.finish_reason is not None
-                yield item
+            while not finished:
+                delta = _delta_or_raise(await deltas.get())
+                finished = delta.finish_reason is not None
+                yield delta
         finally:
-            if not done:
+            if not finished:  # abandoned (or failed: then cancelling is a no-op)
                 self.cancel(request.request_id)
 
     def generate_sync(self, request: GenerationRequest) -> Iterator[GenerationDelta]:
@@ -185,17 +182,14 @@ class Engine:
         self.start()
         deltas: queue.Queue[GenerationDelta | Exception] = queue.Queue()
         self.submit(request, deltas.put)
-        done = False
+        finished = False
         try:
-            while not done:
-                item = deltas.get()
-                if isinstance(item, Exception):
-                    done = True
-                    raise item
-                done = item.finish_reason is not None
-                yield item
+            while not finished:
+                delta = _delta_or_raise(deltas.get())
+                finished = delta.finish_reason is not None
+                yield delta
         finally:
-            if not done:
+            if not finished:
                 self.cancel(request.request_id)
 
     # -- administration -----------------------------------------------------------------------
@@ -398,3 +392,9 @@ class Engine:
             actions, self._inbox = self._inbox, []
         for action in actions:
             action()
+
+
+def _delta_or_raise(item: GenerationDelta | Exception) -> GenerationDelta:
+    if isinstance(item, Exception):
+        raise item
+    return item

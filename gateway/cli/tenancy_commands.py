@@ -65,6 +65,20 @@ def key_json(key: ApiKey, tenant: Tenant) -> dict[str, Any]:
     }
 
 
+def created_key_json(created: api_keys.CreatedKey, owner: Tenant, **extra: str) -> dict[str, Any]:
+    """A new key for output: the secret (this once), its row, and the owner's id for audit."""
+    return {"key": created.secret, **key_json(created.key, owner), **extra,
+            "tenant_id": str(owner.id)}  # fmt: skip
+
+
+def show_secret(result: dict[str, Any], as_json: bool, headline: str) -> None:
+    if as_json:
+        print_json(result)
+    else:
+        typer.echo(headline)
+        typer.echo(result["key"])
+
+
 def audited_change(
     action: str,
     resource_type: str,
@@ -265,17 +279,13 @@ def keys_create(
         owner = tenants.get_tenant(session, tenant)
         expires_at = utcnow() + lifetime if lifetime else None
         created = api_keys.create_key(session, owner, name, store.key_secret, role, expires_at)
-        return {"key": created.secret, **key_json(created.key, owner), "tenant_id": str(owner.id)}
+        return created_key_json(created, owner)
 
     result = audited_change(
         "key.create", "api_key", f"{tenant}/{name}", create, tenant_of=lambda r: r["tenant_id"],
         details={"role": role},
     )  # fmt: skip
-    if as_json:
-        print_json(result)
-    else:
-        typer.echo(f"key id {result['key_id']} for {tenant}; the secret is shown only now:")
-        typer.echo(result["key"])
+    show_secret(result, as_json, f"key id {result['key_id']} for {tenant}; shown only now:")
 
 
 @keys_app.command("list")
@@ -321,22 +331,13 @@ def keys_rotate(
     def rotate(session: Session, store: Store) -> dict[str, Any]:
         owner = tenants.get_tenant(session, tenant)
         created = api_keys.rotate_key(session, owner, key_id, store.key_secret, grace_period)
-        return {
-            "key": created.secret,
-            **key_json(created.key, owner),
-            "rotated_from": key_id,
-            "tenant_id": str(owner.id),
-        }
+        return created_key_json(created, owner, rotated_from=key_id)
 
     result = audited_change(
         "key.rotate", "api_key", key_id, rotate, tenant_of=lambda r: r["tenant_id"],
         details={"grace": grace},
     )  # fmt: skip
-    if as_json:
-        print_json(result)
-    else:
-        typer.echo(f"new key id {result['key_id']}; {key_id} stops working in {grace}:")
-        typer.echo(result["key"])
+    show_secret(result, as_json, f"new key id {result['key_id']}; {key_id} stops in {grace}:")
 
 
 # -- admins, db ----------------------------------------------------------------------------
