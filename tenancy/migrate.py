@@ -50,7 +50,7 @@ def ensure_current(url: str, engine: Engine | None = None) -> None:
     current, head = current_revision(engine), head_revision()
     if current == head:
         return
-    where = "empty" if current is None else f"at revision {current}"
+    where = "without a migration version" if current is None else f"at revision {current}"
     raise SchemaOutOfDate(
         f"the database schema is {where} but this version of PrefixGate needs {head}; "
         "run `prefixgate db upgrade`"

@@ -47,6 +47,17 @@ def serve(
         fail(str(error))
     if model is not None and not (model / "config.json").is_file():
         fail(f"{model} is not a model directory (no config.json)")
+    from sqlalchemy.exc import OperationalError
+
+    from gateway.app import prepare_database
+    from tenancy.migrate import SchemaOutOfDate
+
+    try:  # a brand-new database gets its schema; one that is behind stops us here
+        prepare_database(settings, typer.echo)
+    except SchemaOutOfDate as error:
+        fail(str(error))
+    except OperationalError as error:
+        fail(f"cannot reach the database: {error.orig}")
     application = create_app(settings, on_ready=_create_demo_tenant if demo else None)
     config = uvicorn.Config(
         application,

@@ -16,7 +16,7 @@ from tenancy import admins as admin_service
 from tenancy import api_keys, tenants
 from tenancy.audit_chain import AuditRecord
 from tenancy.errors import TenancyError
-from tenancy.models import ApiKey, Tenant, utcnow
+from tenancy.models import Admin, ApiKey, Tenant, utcnow
 from tenancy.store import Store
 
 T = TypeVar("T")
@@ -63,6 +63,11 @@ def key_json(key: ApiKey, tenant: Tenant) -> dict[str, Any]:
         "revoked_at": key.revoked_at,
         "grace_until": key.grace_until,
     }
+
+
+def admin_json(admin: Admin) -> dict[str, Any]:
+    return {"id": str(admin.id), "username": admin.username, "role": admin.role,
+            "created_at": admin.created_at}  # fmt: skip
 
 
 def created_key_json(created: api_keys.CreatedKey, owner: Tenant, **extra: str) -> dict[str, Any]:
@@ -349,6 +354,7 @@ def admins_create(
     password_file: Annotated[
         Path | None, typer.Option(help="Read the password from this file (else stdin).")
     ] = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Create an operator account for the admin console."""
     if password_file is not None:
@@ -360,13 +366,16 @@ def admins_create(
         password = typer.prompt("Password", hide_input=True, confirmation_prompt=True)
     else:
         password = sys.stdin.readline().rstrip("\n")
-    audited_change(
+    created = audited_change(
         "admin.create",
         "admin",
         username,
-        lambda s, _: admin_service.create_admin(s, username, password).username,
+        lambda s, _: admin_json(admin_service.create_admin(s, username, password)),
     )
-    typer.echo(f"created admin {username}")
+    if as_json:
+        print_json(created)
+    else:
+        typer.echo(f"created admin {username}")
 
 
 @db_app.command("upgrade")

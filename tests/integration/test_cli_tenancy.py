@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,9 @@ def test_bad_input_gets_one_line_and_a_non_zero_exit(
 def test_admins_create_reads_the_password_from_stdin(postgres_url: str, tmp_path: Path) -> None:
     cli = Cli(postgres_url, tmp_path / "state")
     assert "created admin ops" in cli.ok("admins", "create", "ops", stdin="correct horse battery\n")
-    assert "at least 12 characters" in cli.error("admins", "create", "ops2", stdin="short\n")
+    created = json.loads(cli.ok("admins", "create", "ops2", "--json", stdin="another long pass\n"))
+    assert (created["username"], created["role"]) == ("ops2", "admin")
+    assert "at least 12 characters" in cli.error("admins", "create", "ops3", stdin="short\n")
     assert "already exists" in cli.error("admins", "create", "ops", stdin="another long pass\n")
 
 
@@ -103,3 +106,21 @@ def test_embedded_sqlite_default_and_stale_schema_refusal(tmp_path: Path) -> Non
     cli.env.pop("PREFIXGATE_KEY_HASH_SECRET")
     cli.json("keys", "create", "--tenant", "local")
     assert secrets_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_serve_refuses_a_schema_that_is_behind_in_one_line(tmp_path: Path) -> None:
+    from alembic.command import stamp
+    from sqlalchemy import text
+
+    from tenancy.db import make_engine
+    from tenancy.migrate import alembic_config
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = make_engine(url)
+    with engine.begin() as connection:  # a database from some other (older) revision
+        connection.execute(text("CREATE TABLE tenants (id INTEGER PRIMARY KEY)"))
+    engine.dispose()
+    stamp(alembic_config(url), "base")
+    cli = Cli(url, tmp_path / "state")
+    line = cli.error("serve", "--port", "0")
+    assert "run `prefixgate db upgrade`" in line
