@@ -75,13 +75,19 @@ def create_app(
 
 
 def prepare_database(settings: Settings, announce: Callable[[str], None]) -> bool:
-    """Create the schema on a brand-new database; refuse one that is behind. True if created."""
+    """Create the schema on a brand-new database (and say how to start); refuse one that is
+    behind. True if it created the schema."""
     engine = make_engine(settings.database_url)
     try:
         empty = not inspect(engine).get_table_names()
         if empty and current_revision(engine) is None:
             upgrade(settings.database_url)
             announce(f"created the database schema at {settings.database_url}")
+            announce(
+                "first start: create a tenant and an API key with\n"
+                "  prefixgate tenants create my-team\n"
+                "  prefixgate keys create --tenant my-team"
+            )
             return True
         ensure_current(settings.database_url, engine)
         return False
@@ -92,7 +98,7 @@ def prepare_database(settings: Settings, announce: Callable[[str], None]) -> boo
 def build_state(
     settings: Settings, loaded: LoadedModel | None, announce: Callable[[str], None]
 ) -> GatewayState:
-    created = prepare_database(settings, announce)
+    prepare_database(settings, announce)
     policy_config = load_policy(settings.policy_file)
     store = settings.open_store()
     if loaded is None:
@@ -133,12 +139,6 @@ def build_state(
         max_prompt_tokens=settings.max_prompt_tokens or engine.max_model_len - 1,
         tenant_names=tenant_names,
     )
-    if created:
-        announce(
-            "first start: create a tenant and an API key with\n"
-            "  prefixgate tenants create my-team\n"
-            "  prefixgate keys create --tenant my-team"
-        )
     return state
 
 
