@@ -25,6 +25,7 @@ from gateway.errors import APIError, from_engine_error, invalid
 from gateway.limits import Admission
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.state import GatewayState
+from gateway.tracing import record_engine_phases
 from policies.planner import MessageSpan, Plan, TenantPolicy
 from policies.planner import Principal as PolicyPrincipal
 from policies.templates import render_with_spans
@@ -222,8 +223,6 @@ def finish(
         metrics.completion_tokens.labels(tenant).inc(usage.completion_tokens)
     if last is not None and last.timings is not None:
         metrics.ttft.observe(max(0.0, last.timings.first_token - last.timings.arrived))
-        from gateway.tracing import record_engine_phases
-
         record_engine_phases(state.tracer, prepared.span, last.timings)
     if prepared.admission is not None:
         used = None if usage is None else usage.prompt_tokens + usage.completion_tokens

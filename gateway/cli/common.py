@@ -46,6 +46,14 @@ def print_json(value: Any) -> None:
     typer.echo(json.dumps(value, default=_json_default))
 
 
+def report(value: Any, as_json: bool, text: str) -> None:
+    """A command's result: the JSON object with --json, else a line for people."""
+    if as_json:
+        print_json(value)
+    else:
+        typer.echo(text)
+
+
 def _json_default(value: Any) -> str:
     if isinstance(value, datetime):
         return value.isoformat()

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy.orm import Session
 
-from gateway.cli.common import app, fail, open_store, operator, print_json
+from gateway.cli.common import app, fail, open_store, operator, print_json, report
 from gateway.cli.tenancy_commands import audited_change
 from tenancy import prefixes
 from tenancy.models import PublicPrefix
@@ -70,10 +70,7 @@ def prefixes_add(
         "prefix.add", "public_prefix", f"{model}/{namespace}/{name}", add,
         details={"characters": len(text)},
     )  # fmt: skip
-    if as_json:
-        print_json(result)
-    else:
-        typer.echo(f"registered {namespace}/{name} for {model} ({len(text)} characters)")
+    report(result, as_json, f"registered {namespace}/{name} for {model} ({len(text)} characters)")
 
 
 @prefixes_app.command("list")

@@ -11,7 +11,15 @@ from typing import Annotated, Any, TypeVar
 import typer
 from sqlalchemy.orm import Session
 
-from gateway.cli.common import app, fail, open_store, operator, parse_duration, print_json
+from gateway.cli.common import (
+    app,
+    fail,
+    open_store,
+    operator,
+    parse_duration,
+    print_json,
+    report,
+)
 from tenancy import admins as admin_service
 from tenancy import api_keys, tenants
 from tenancy.audit_chain import AuditRecord
@@ -74,14 +82,6 @@ def created_key_json(created: api_keys.CreatedKey, owner: Tenant, **extra: str) 
     """A new key for output: the secret (this once), its row, and the owner's id for audit."""
     return {"key": created.secret, **key_json(created.key, owner), **extra,
             "tenant_id": str(owner.id)}  # fmt: skip
-
-
-def show_secret(result: dict[str, Any], as_json: bool, headline: str) -> None:
-    if as_json:
-        print_json(result)
-    else:
-        typer.echo(headline)
-        typer.echo(result["key"])
 
 
 def audited_change(
@@ -158,10 +158,7 @@ def tenants_create(
         tenant_of=lambda t: t["id"],
         details={"sharing": sharing, "quota": quota, "reservation": reservation},
     )
-    if as_json:
-        print_json(tenant)
-    else:
-        typer.echo(f"created tenant {slug} ({tenant['id']})")
+    report(tenant, as_json, f"created tenant {slug} ({tenant['id']})")
 
 
 @tenants_app.command("list")
@@ -209,10 +206,7 @@ def tenants_set_quota(
         tenant_of=lambda t: t["id"],
         details={"quota": quota, "reservation": reservation},
     )
-    if as_json:
-        print_json(tenant)
-    else:
-        typer.echo(f"{slug}: quota {quota}, reserved {reservation}")
+    report(tenant, as_json, f"{slug}: quota {quota}, reserved {reservation}")
 
 
 @tenants_app.command("set-sharing")
@@ -230,10 +224,7 @@ def tenants_set_sharing(
         tenant_of=lambda t: t["id"],
         details={"sharing": mode},
     )
-    if as_json:
-        print_json(tenant)
-    else:
-        typer.echo(f"{slug}: sharing {mode}")
+    report(tenant, as_json, f"{slug}: sharing {mode}")
 
 
 @tenants_app.command("suspend")
@@ -290,7 +281,9 @@ def keys_create(
         "key.create", "api_key", f"{tenant}/{name}", create, tenant_of=lambda r: r["tenant_id"],
         details={"role": role},
     )  # fmt: skip
-    show_secret(result, as_json, f"key id {result['key_id']} for {tenant}; shown only now:")
+    report(
+        result, as_json, f"key id {result['key_id']} for {tenant}; shown only now:\n{result['key']}"
+    )
 
 
 @keys_app.command("list")
@@ -342,7 +335,11 @@ def keys_rotate(
         "key.rotate", "api_key", key_id, rotate, tenant_of=lambda r: r["tenant_id"],
         details={"grace": grace},
     )  # fmt: skip
-    show_secret(result, as_json, f"new key id {result['key_id']}; {key_id} stops in {grace}:")
+    report(
+        result,
+        as_json,
+        f"new key id {result['key_id']}; {key_id} stops in {grace}:\n{result['key']}",
+    )
 
 
 # -- admins, db ----------------------------------------------------------------------------
@@ -372,10 +369,7 @@ def admins_create(
         username,
         lambda s, _: admin_json(admin_service.create_admin(s, username, password)),
     )
-    if as_json:
-        print_json(created)
-    else:
-        typer.echo(f"created admin {username}")
+    report(created, as_json, f"created admin {username}")
 
 
 @db_app.command("upgrade")

@@ -12,6 +12,7 @@ from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
 from gateway.api.deps import PrincipalDep, StateDep
+from gateway.state import GatewayState
 
 router = APIRouter(tags=["system"])
 _STARTED = int(time.time())
@@ -46,10 +47,7 @@ async def readyz(state: StateDep) -> Response:
                         status_code=200 if ready else 503)  # fmt: skip
 
 
-def _ping(state: object) -> None:
-    from gateway.state import GatewayState
-
-    assert isinstance(state, GatewayState)
+def _ping(state: GatewayState) -> None:
     with state.store.engine.connect() as connection:
         connection.execute(text("SELECT 1"))
 
