@@ -13,9 +13,10 @@ import os
 import secrets
 from functools import cached_property
 from pathlib import Path
+from typing import Annotated, Any
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from tenancy.db import DEFAULT_DATABASE_URL
 from tenancy.store import Store
@@ -56,14 +57,38 @@ class Settings(BaseSettings):
     max_output_tokens: int = Field(default=4096, ge=1)
     request_timeout_s: float = Field(default=600.0, gt=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    # Bounded work before admission: checked before a chat template is rendered.
+    max_messages: int = Field(default=1024, ge=1)
+    max_prompt_chars: int | None = Field(default=None, ge=1)  # default: 16 x max_prompt_tokens
+    prepare_concurrency: int = Field(default=2, ge=1)  # requests templated/tokenized at once
+
+    # Connections: slow or unauthenticated clients cannot hold the server.
+    header_read_timeout_s: float = Field(default=10.0, gt=0)
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
+    max_pending_connections: int = Field(default=256, ge=1)  # not yet past their headers
+    # Proxies whose X-Forwarded-For is believed (IPs or CIDRs); none by default.
+    trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    # Per-tenant metric series need `Authorization: Bearer <metrics_token>`.
+    metrics_token: SecretStr | None = None
 
     # Auth and background work
     auth_cache_ttl_s: float = Field(default=30.0, ge=0)
     auth_stale_ttl_s: float = Field(default=300.0, ge=0)
     registry_refresh_s: float = Field(default=10.0, gt=0)
+    tenancy_poll_s: float = Field(default=1.0, gt=0)  # how fast revocations and quotas apply
+    audit_checkpoint_interval_s: float = Field(default=10.0, gt=0)
 
     # Observability
     otlp_endpoint: str | None = None  # e.g. http://collector:4318/v1/traces; off when unset
+
+    @field_validator("trusted_proxies", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: Any) -> Any:
+        """`PREFIXGATE_TRUSTED_PROXIES=10.0.0.1,10.1.0.0/16` as well as a list."""
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
 
     def secret(self, name: str) -> str:
         """A configured secret, or the one generated for this state directory."""
