@@ -33,7 +33,7 @@ class PagedBatch:
     slot_mapping: torch.Tensor  # [total_tokens]: block_id * block_size + offset
     query_lens: list[int]
     context_lens: list[int]
-    block_tables: torch.Tensor  # [num_sequences, max_blocks], padded with 0
+    block_tables: torch.Tensor  # [num_sequences, max_blocks], padded with the row's own blocks
     backend: AttentionBackend
     # Backends keep per-step indexing here, built by the first layer, reused by the rest.
     plans: dict[Any, Any] = field(default_factory=dict)

@@ -17,20 +17,22 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
+import torch
+
 from engine.attention import make_backend
 from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool
 from engine.budget import Owner, TenantBudget
-from engine.cache_request import request_block_scopes
 from engine.cache_stats import CacheStats
 from engine.config import EngineConfig
 from engine.errors import (
-    ContextTooLong,
     EngineError,
     EngineOverloaded,
     EngineStopped,
     InvalidRequest,
+    RequestFailed,
 )
+from engine.fault_isolation import run_isolated
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_spec import KVSpec, dtype_name
 from engine.metrics import EngineMetrics
@@ -38,8 +40,9 @@ from engine.model_loader import LoadedModel
 from engine.model_runner import Chunk, ModelRunner
 from engine.request import GenerationDelta, GenerationRequest, Timings
 from engine.sampler import sample
-from engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Sequence, Sink, Status, cache_request
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import Sequence, Sink
+from engine.validation import ModelLimits, validate
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -77,6 +80,9 @@ class Engine:
         )
         self.runner = ModelRunner(model, self.pool.kv, make_backend(config.attention_backend))
         self.max_model_len = config.max_model_len or loaded.max_model_len
+        self.limits = ModelLimits(
+            loaded.vocab_size, self.max_model_len, loaded.tokenizer is not None
+        )
         self.metrics = EngineMetrics()
         self._inbox: list[Callable[[], None]] = []
         self._wake = threading.Condition()
@@ -121,10 +127,10 @@ class Engine:
                     return
             try:
                 self.step()
-            except Exception:  # a bug must not strand every client: fail them and go on
+            except Exception:  # the last resort, for a bug outside any one request's part
                 logger.exception("engine step failed; failing all in-flight requests")
                 for sequence in list(self._sequences.values()):
-                    self._fail(sequence, EngineError("internal engine error"))
+                    self._settle(sequence, EngineError("internal engine error"))
                 self.cache.end_step()
 
     # -- submitting ---------------------------------------------------------------------------
@@ -132,10 +138,10 @@ class Engine:
     def submit(self, request: GenerationRequest, sink: Sink) -> None:
         """Queue a request; deltas and at most one error go to `sink` from the engine thread.
 
-        Raises `InvalidRequest`, `ContextTooLong`, `EngineOverloaded` or `EngineStopped` at
-        once for requests that can never be served.
+        Raises `InvalidRequest` (`ContextTooLong`, `ExceedsCacheQuota`), `EngineOverloaded`
+        or `EngineStopped` at once for requests that can never be served.
         """
-        self._validate(request)
+        validate(request, self.limits, self.cache)
         sequence = Sequence.create(request, sink, self.loaded.tokenizer, self.device)
         with self._wake:
             if self._stopping:
@@ -150,7 +156,7 @@ class Engine:
 
     def cancel(self, request_id: str) -> None:
         """Stop a request and free its blocks at the next step boundary."""
-        self._post(lambda: self._finish_cancelled(request_id))
+        self._post(lambda: self._cancel(request_id))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Stream a request's deltas; the last one carries `finish_reason` and `usage`.
@@ -204,7 +210,7 @@ class Engine:
         def purge() -> int:
             for sequence in list(self._sequences.values()):
                 if sequence.request.tenant_id == tenant_id:
-                    self._fail(sequence, EngineError("the tenant's cache was purged"))
+                    self._settle(sequence, EngineError("the tenant's cache was purged"))
             return self.cache.purge(tenant_id)
 
         return self._call(purge)
@@ -228,7 +234,7 @@ class Engine:
         started = time.perf_counter()
         output = self.scheduler.schedule()
         for sequence, error in output.failed:
-            self._fail(sequence, error)
+            self._settle(sequence, error)
         if output.chunks:
             self._execute(output)
         self.cache.end_step()
@@ -243,128 +249,113 @@ class Engine:
         return True
 
     def _execute(self, output: SchedulerOutput) -> None:
-        chunks, sampled = [], []
-        for scheduled in output.chunks:
-            sequence, count = scheduled.sequence, scheduled.num_tokens
-            start = sequence.num_computed
-            end = start + count
-            needs_logits = end == sequence.num_tokens
-            chunks.append(
-                Chunk(
-                    request_id=sequence.request_id,
-                    token_ids=sequence.token_ids[start:end],
-                    start=start,
-                    block_ids=self.cache.block_ids(sequence.request_id),
-                    prompt_positions=max(0, min(end, sequence.prompt_len) - start),
-                    needs_logits=needs_logits,
-                )
+        """Run the step's chunks; a request whose part fails is settled alone, the rest go on."""
+        scheduled = output.chunks
+        chunks = [self._chunk(item) for item in scheduled]
+        step = run_isolated(self.runner.run, chunks)
+        failures: dict[Sequence, EngineError] = {}
+        for index, error in step.failed.items():
+            logger.warning("request failed its step alone", exc_info=error)
+            failures[scheduled[index].sequence] = RequestFailed(
+                "the model failed on this request's input"
             )
-            if needs_logits:
-                sampled.append(sequence)
-        logits = self.runner.run(chunks)
-        for scheduled in output.chunks:
-            sequence = scheduled.sequence
-            sequence.num_computed += scheduled.num_tokens
-            self.cache.commit(sequence.request_id, sequence.num_computed)
-        if sampled:
-            params = [sequence.request.sampling for sequence in sampled]
-            generators = [sequence.generator for sequence in sampled]
-            for sequence, token in zip(sampled, sample(logits, params, generators), strict=True):
-                self._append(sequence, token)
+        sampled = [
+            item.sequence
+            for index, (item, chunk) in enumerate(zip(scheduled, chunks, strict=True))
+            if chunk.needs_logits and index not in step.failed
+        ]
+        tokens = self._sample(step.logits(), sampled)
+        for sequence, token in zip(sampled, tokens, strict=True):
+            if isinstance(token, EngineError):
+                failures[sequence] = token
+        for sequence, error in failures.items():
+            self._settle(sequence, error)  # before commit: its blocks are never cached
+        for item in scheduled:
+            if item.sequence not in failures:
+                item.sequence.num_computed += item.num_tokens
+                self.cache.commit(item.sequence.request_id, item.sequence.num_computed)
+        for sequence, token in zip(sampled, tokens, strict=True):
+            if isinstance(token, int):
+                try:
+                    self._append(sequence, token)
+                except Exception:  # handling one request's output fails that request only
+                    logger.exception("handling a request's output failed")
+                    self._settle(sequence, RequestFailed("handling this request's output failed"))
+
+    def _chunk(self, scheduled: ScheduledChunk) -> Chunk:
+        sequence, start = scheduled.sequence, scheduled.sequence.num_computed
+        end = start + scheduled.num_tokens
+        return Chunk(
+            request_id=sequence.request_id,
+            token_ids=sequence.token_ids[start:end],
+            start=start,
+            block_ids=self.cache.block_ids(sequence.request_id),
+            prompt_positions=max(0, min(end, sequence.prompt_len) - start),
+            needs_logits=end == sequence.num_tokens,
+        )
+
+    def _sample(
+        self, logits: torch.Tensor | None, sampled: list[Sequence]
+    ) -> list[int | RequestFailed]:
+        if logits is None or not sampled:
+            return []
+        params = [sequence.request.sampling for sequence in sampled]
+        return sample(logits, params, [sequence.generator for sequence in sampled])
 
     def _append(self, sequence: Sequence, token: int) -> None:
-        params = sequence.request.sampling
-        sequence.token_ids.append(token)
+        first = sequence.first_token_at is None
+        delta = sequence.append(token, self.loaded.eos_token_ids, self.max_model_len)
         self.cache.append_tokens(sequence.request_id, [token])
-        if sequence.first_token_at is None:
-            sequence.first_token_at = time.monotonic()
-            sequence.first_token_wall = time.time()
+        if first and sequence.first_token_at is not None:
             self.metrics.record_ttft(sequence.first_token_at - sequence.arrival)
-        finish = None
-        text = ""
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.loaded.eos_token_ids
-        ):
-            finish = "stop"
-        elif sequence.detokenizer is not None:
-            text = sequence.detokenizer.add(token)
-            if sequence.detokenizer.stopped:
-                finish = "stop"
-        if finish is None and (
-            len(sequence.output_ids) >= params.max_tokens
-            or sequence.num_tokens >= self.max_model_len
-        ):
-            finish = "length"
-        if finish is None:
-            sequence.sink(GenerationDelta(text, [token]))
-            return
-        if sequence.detokenizer is not None and not sequence.detokenizer.stopped:
-            text += sequence.detokenizer.flush()
-        self._finish(sequence, GenerationDelta(text, [token], finish))
+        if delta.finish_reason is None:
+            sequence.sink(delta)
+        else:
+            self._settle(sequence, delta)
 
-    def _finish(self, sequence: Sequence, last: GenerationDelta) -> None:
-        self.scheduler.remove(sequence)
-        usage = sequence.usage(self.runner.forget(sequence.request_id))
-        self.metrics.record_finish(usage)
-        self._forget(sequence)
-        now = time.time()
-        timings = Timings(
-            sequence.arrived_wall,
-            sequence.admitted_wall or now,
-            sequence.first_token_wall or now,
-            now,
-        )
-        sequence.sink(
-            GenerationDelta(last.text, last.token_ids, last.finish_reason, usage, timings)
-        )
-
-    def _fail(self, sequence: Sequence, error: EngineError) -> None:
-        self.scheduler.remove(sequence)
-        self.runner.forget(sequence.request_id)
-        self._forget(sequence)
-        sequence.sink(error)
-
-    def _finish_cancelled(self, request_id: str) -> None:
+    def _cancel(self, request_id: str) -> None:
         sequence = self._sequences.get(request_id)
-        if sequence is not None and sequence.status is not Status.FINISHED:
-            self.scheduler.remove(sequence)
-            self.runner.forget(request_id)
-            self._forget(sequence)
+        if sequence is not None:
+            self._settle(sequence, None)
+
+    def _settle(self, sequence: Sequence, outcome: GenerationDelta | EngineError | None) -> None:
+        """End a request, once: free its blocks, forget it, and send its last delta or error.
+
+        `outcome` is the last delta (finished), an error (failed) or None (cancelled: nobody is
+        listening).
+        """
+        if self._sequences.pop(sequence.request_id, None) is None:
+            return  # already settled
+        # A failed request's KV may be what failed it: none of it stays cached.
+        self.scheduler.remove(sequence, keep_computed=not isinstance(outcome, EngineError))
+        computed_prompt_positions = self.runner.forget(sequence.request_id)
+        with self._wake:
+            self._active.discard(sequence.request_id)
+        if outcome is None:
             self.metrics.cancelled += 1
+            return
+        if isinstance(outcome, GenerationDelta):
+            usage = sequence.usage(computed_prompt_positions)
+            self.metrics.record_finish(usage)
+            now = time.time()
+            timings = Timings(
+                sequence.arrived_wall,
+                sequence.admitted_wall or now,
+                sequence.first_token_wall or now,
+                now,
+            )
+            last = outcome
+            outcome = GenerationDelta(last.text, last.token_ids, last.finish_reason, usage, timings)
+        try:
+            sequence.sink(outcome)
+        except Exception:  # the request is over either way; the engine must go on
+            logger.exception("a request's sink raised on its last item")
 
     def _accept(self, sequence: Sequence) -> None:
         self._sequences[sequence.request_id] = sequence
         self.scheduler.add(sequence)
 
-    def _forget(self, sequence: Sequence) -> None:
-        self._sequences.pop(sequence.request_id, None)
-        with self._wake:
-            self._active.discard(sequence.request_id)
-
     # -- plumbing -----------------------------------------------------------------------------
-
-    def _validate(self, request: GenerationRequest) -> None:
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        vocab = self.loaded.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
-        total = len(prompt) + request.sampling.max_tokens
-        if total > self.max_model_len:
-            raise ContextTooLong(
-                f"this model's maximum context length is {self.max_model_len} tokens; the "
-                f"request asks for {len(prompt)} prompt + {request.sampling.max_tokens} "
-                f"completion tokens"
-            )
-        if -(-total // self.config.block_size) > self.pool.num_blocks:
-            raise ContextTooLong(f"{total} tokens need more KV blocks than the pool holds")
-        if request.sampling.stop and self.loaded.tokenizer is None:
-            raise InvalidRequest("stop strings need a model with a tokenizer", param="stop")
-        try:
-            request_block_scopes(cache_request(request, list(prompt)), self.config.block_size)
-        except ValueError as error:
-            raise InvalidRequest(f"bad cache scopes: {error}") from error
 
     def _post(self, action: Callable[[], None]) -> None:
         with self._wake:

@@ -22,6 +22,26 @@ class ContextTooLong(InvalidRequest):
         super().__init__(message, param="messages")
 
 
+class ExceedsCacheQuota(InvalidRequest):
+    """The request needs more KV cache than its budget or the pool can ever give it.
+
+    Retrying cannot help; `needed_tokens` and `quota_tokens` are whole blocks, in tokens.
+    """
+
+    def __init__(self, message: str, needed_tokens: int, quota_tokens: int, param: str) -> None:
+        super().__init__(message, param=param)
+        self.needed_tokens = needed_tokens
+        self.quota_tokens = quota_tokens
+
+
+class RequestFailed(EngineError):
+    """This request alone failed inside a step; the other requests in the step went on.
+
+    Its input made the model raise, its logits or probabilities were not finite, or handling
+    its output raised.
+    """
+
+
 class CacheQuotaTimeout(EngineError):
     """The tenant's cache quota stayed full for longer than the queue timeout."""
 

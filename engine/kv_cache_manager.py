@@ -181,15 +181,31 @@ class KVCacheManager:
             sequence.committed_blocks += 1
         return committed
 
-    def free(self, request_id: str) -> None:
+    def blocks_charged(self, request: CacheRequest, num_tokens: int) -> Counter[Owner]:
+        """How many blocks each owner pays for while the request holds `num_tokens` tokens.
+
+        Reads only the request and fixed settings, so any thread may ask.
+        """
+        sequence = self._new_sequence(request)
+        num_blocks = -(-num_tokens // self.block_size)
+        self._extend_scopes(sequence, num_blocks)
+        return Counter(self._owner_of(sequence, index) for index in range(num_blocks))
+
+    def free(self, request_id: str, keep_computed: bool = True) -> None:
         """Give back a finished or cancelled request's blocks, tail first.
 
         Cached blocks turn idle (the chain's tail least recently used), uncached ones go to
-        be zeroed, and an owner over its quota sheds idle blocks at once.
+        be zeroed, and an owner over its quota sheds idle blocks at once. Without
+        `keep_computed` (the request failed: its KV may be what failed it) the blocks it
+        computed itself leave the cache first, so nobody can hit them any more.
         """
         sequence = self._sequences.pop(request_id, None)
         if sequence is None:
             return
+        if not keep_computed:
+            for block in sequence.blocks[sequence.cached_tokens // self.block_size :]:
+                self.prefix_cache.remove(block)
+                self.pool.forget(block)
         for block in reversed(sequence.blocks):
             self.pool.unref(block)
         for owner in {block.owner for block in sequence.blocks}:

@@ -70,12 +70,17 @@ class ModelRunner:
             context_lens.append(chunk.start + count)
             if chunk.needs_logits:
                 logit_rows.append(len(input_ids) - 1)
-            self.computed_tokens += count
-            self._mark_prompt_positions(chunk)
         max_blocks = max(len(chunk.block_ids) for chunk in chunks)
-        tables = torch.zeros((len(chunks), max_blocks), dtype=torch.long)
-        for row, chunk in enumerate(chunks):
-            tables[row, : len(chunk.block_ids)] = torch.tensor(chunk.block_ids)
+        # Rows are padded with the sequence's own first block, never another's: padded slots
+        # are masked out, but a masked NaN still poisons attention (NaN + -inf is NaN), so a
+        # sequence must only ever read its own memory.
+        tables = torch.tensor(
+            [
+                chunk.block_ids + chunk.block_ids[:1] * (max_blocks - len(chunk.block_ids))
+                for chunk in chunks
+            ],
+            dtype=torch.long,
+        )
         batch = PagedBatch(
             kv_cache=self.kv_cache,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -92,6 +97,10 @@ class ModelRunner:
             paged_batch=batch,
         )
         logits: torch.Tensor = output.logits[0]
+        # Recorded only now: a forward that raised computed nothing, and may be run again.
+        for chunk in chunks:
+            self.computed_tokens += len(chunk.token_ids)
+            self._mark_prompt_positions(chunk)
         return logits.float()
 
     def _mark_prompt_positions(self, chunk: Chunk) -> None:

@@ -1,10 +1,27 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds.
+
+The sampler judges each row alone: a row whose logits or probabilities are not finite becomes
+that request's `RequestFailed`, never an exception that would fail the whole batch.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from engine.errors import RequestFailed
+
+# Logits are float32 and scaled by 1 / temperature. Below 1e-2 (the floor vLLM clamps to) the
+# scale stops being a meaningful sharpening and starts overflowing: 1e-300 even rounds to 0.0
+# in float32, so every logit becomes +-inf and the softmax NaN. Greedy is temperature 0.
+MIN_TEMPERATURE = 1e-2
+# top_p is compared with float32 probability mass: a positive value below float32's smallest
+# normal number rounds to 0 (or a subnormal) and would select nothing.
+MIN_TOP_P = float(torch.finfo(torch.float32).tiny)
+# What torch.Generator.manual_seed accepts: a signed or unsigned 64-bit integer.
+MIN_SEED, SEED_LIMIT = -(2**63), 2**64
 
 
 class InvalidSampling(ValueError):
@@ -31,14 +48,20 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidSampling("max_tokens", "max_tokens must be at least 1")
-        if not 0.0 <= self.temperature <= 2.0:
-            raise InvalidSampling("temperature", "temperature must be between 0 and 2")
-        if not 0.0 < self.top_p <= 1.0:
+        temperature = self.temperature
+        if not (temperature == 0.0 or MIN_TEMPERATURE <= temperature <= 2.0):
+            raise InvalidSampling(
+                "temperature", f"temperature must be 0 (greedy) or between {MIN_TEMPERATURE} and 2"
+            )
+        if not (math.isfinite(self.top_p) and MIN_TOP_P <= self.top_p <= 1.0):
             raise InvalidSampling("top_p", "top_p must be greater than 0 and at most 1")
         if self.top_k < 0:
             raise InvalidSampling("top_k", "top_k must not be negative (0 disables it)")
         if any(not text for text in self.stop):
             raise InvalidSampling("stop", "stop strings must not be empty")
+        seed = self.seed
+        if seed is not None and not (isinstance(seed, int) and MIN_SEED <= seed < SEED_LIMIT):
+            raise InvalidSampling("seed", "seed must be a 64-bit integer in [-2**63, 2**64)")
 
     @property
     def greedy(self) -> bool:
@@ -61,19 +84,21 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> list[int]:
-    """One token per row of `logits` ([rows, vocab], float32)."""
-    tokens = logits.argmax(dim=-1).tolist()
+) -> list[int | RequestFailed]:
+    """One token per row of `logits` ([rows, vocab], float32), or that row's own failure."""
+    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    tokens: list[int | RequestFailed] = [int(token) for token in logits.argmax(dim=-1).tolist()]
     for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
-        if row_params.greedy:
-            continue
-        tokens[row] = _sample_row(logits[row], row_params, generator)
-    return [int(token) for token in tokens]
+        if not finite[row]:
+            tokens[row] = RequestFailed("the model produced non-finite logits for this request")
+        elif not row_params.greedy:
+            tokens[row] = _sample_row(logits[row], row_params, generator)
+    return tokens
 
 
 def _sample_row(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> int:
+) -> int | RequestFailed:
     scores = logits / params.temperature
     if params.top_k and params.top_k < scores.shape[-1]:
         threshold = torch.topk(scores, params.top_k).values[-1]
@@ -81,9 +106,12 @@ def _sample_row(
     if params.top_p < 1.0:
         sorted_scores, order = torch.sort(scores, descending=True)
         probabilities = sorted_scores.softmax(dim=-1)
-        # Keep the smallest set whose mass reaches top_p (always at least the best token).
+        # Keep the smallest set whose mass reaches top_p, and always the best token.
         outside = probabilities.cumsum(dim=-1) - probabilities >= params.top_p
+        outside[0] = False
         sorted_scores = sorted_scores.masked_fill(outside, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
     probabilities = scores.softmax(dim=-1)
+    if not bool(torch.isfinite(probabilities).all()):
+        return RequestFailed("sampling produced non-finite probabilities for this request")
     return int(torch.multinomial(probabilities, 1, generator=generator).item())

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.budget import PoolExhausted, QuotaExceeded, Refusal
+from engine.budget import PUBLIC_OWNER, PoolExhausted, QuotaExceeded, Refusal
 from engine.errors import CacheQuotaTimeout, EngineError, PoolTimeout
 from engine.kv_cache_manager import KVCacheManager
 from engine.sequence import Sequence, Status
@@ -68,13 +68,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, sequence: Sequence) -> None:
-        """Take a sequence out (finished, failed or cancelled) and free its blocks now."""
+    def remove(self, sequence: Sequence, keep_computed: bool = True) -> None:
+        """Take a sequence out (finished, failed or cancelled) and free its blocks now.
+
+        Without `keep_computed` the blocks it computed are not left in the prefix cache.
+        """
         if sequence in self.running:
             self.running.remove(sequence)
         elif sequence in self.waiting:
             self.waiting.remove(sequence)
-        self.manager.free(sequence.request_id)
+        self.manager.free(sequence.request_id, keep_computed)
         sequence.status = Status.FINISHED
 
     def schedule(self) -> SchedulerOutput:
@@ -151,5 +154,10 @@ class Scheduler:
 def _timeout_error(refusal: Refusal, config: SchedulerConfig) -> EngineError:
     waited = f"after waiting {config.queue_timeout_s:g} s"
     if isinstance(refusal, QuotaExceeded):
-        return CacheQuotaTimeout(f"{refusal} {waited}")
+        # Never the owner's id: it is internal, and the caller names the tenant its own way.
+        budget = "public cache budget" if refusal.owner is PUBLIC_OWNER else "tenant's cache quota"
+        return CacheQuotaTimeout(
+            f"the {budget} stayed full {waited}: {refusal.active_blocks} of its "
+            f"{refusal.quota_blocks} blocks are in use and {refusal.needed_blocks} more are needed"
+        )
     return PoolTimeout(f"{refusal} {waited}")

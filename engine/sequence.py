@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +83,31 @@ class Sequence:
     def in_prefill(self) -> bool:
         """Still computing tokens it already has (the prompt, or everything after preemption)."""
         return self.num_tokens - self.num_computed > 1
+
+    def append(
+        self, token: int, eos_token_ids: Collection[int], max_model_len: int
+    ) -> GenerationDelta:
+        """Add a sampled token; returns its delta, with `finish_reason` set if it ends here."""
+        params = self.request.sampling
+        self.token_ids.append(token)
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+            self.first_token_wall = time.time()
+        finish = None
+        text = ""
+        if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+            finish = "stop"
+        elif self.detokenizer is not None:
+            text = self.detokenizer.add(token)
+            if self.detokenizer.stopped:
+                finish = "stop"
+        if finish is None and (
+            len(self.output_ids) >= params.max_tokens or self.num_tokens >= max_model_len
+        ):
+            finish = "length"
+        if finish is not None and self.detokenizer is not None and not self.detokenizer.stopped:
+            text += self.detokenizer.flush()
+        return GenerationDelta(text, [token], finish)
 
     def cache_request(self) -> CacheRequest:
         """The cache manager's view: everything generated so far counts as prompt on re-entry."""

@@ -81,6 +81,41 @@ def test_runner_counts_the_positions_it_computes() -> None:
     assert runner.forget("a") == 24
 
 
+def test_decode_reads_only_the_sequences_own_blocks() -> None:
+    model = tiny_model("llama")
+    reference_model = reference_copy(model)
+    runner = runner_for(model)
+    short, long = _tokens(5, 10), _tokens(6, 40)
+    tables = {"short": [7], "long": [4, 5, 6]}
+    runner.run([chunk("short", short, 0, 9, tables["short"])])
+    runner.run([chunk("long", long, 0, 39, tables["long"])])
+    # Block 0 belongs to nobody here; another sequence's failed step may have left NaN in it.
+    runner.kv_cache[:, :, 0] = float("nan")
+    # One decode batch of different lengths: the short row is padded to the long one's blocks.
+    logits = runner.run(
+        [chunk("short", short, 9, 10, tables["short"]), chunk("long", long, 39, 40, tables["long"])]
+    )
+    for row, tokens in enumerate((short, long)):
+        expected = reference_logits(reference_model, tokens)[-1]
+        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=0)
+
+
+def test_a_forward_that_raises_records_nothing() -> None:
+    model = tiny_model("llama")
+    runner = runner_for(model)
+    tokens = _tokens(7, 20)
+
+    def fail(*_: object) -> None:
+        raise RuntimeError("injected fault")
+
+    hook = model.get_input_embeddings().register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        runner.run([chunk("a", tokens, 0, 20, [0, 1])])
+    hook.remove()
+    assert runner.computed_tokens == 0
+    assert runner.computed_prompt_positions("a") == 0
+
+
 def _tokens(seed: int, count: int) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (count,), generator=generator).tolist()

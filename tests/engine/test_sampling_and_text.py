@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine.detokenizer import Detokenizer
-from engine.sampler import InvalidSampling, SamplingParams, make_generator, sample
+from engine.errors import RequestFailed
+from engine.sampler import MIN_TOP_P, InvalidSampling, SamplingParams, make_generator, sample
 from tests.support.models import engine_for, make_request, run_one
 
 
@@ -56,12 +57,62 @@ def test_top_k_never_picks_outside_the_k_best() -> None:
         ({"top_p": 0.0}, "top_p"),
         ({"top_k": -1}, "top_k"),
         ({"stop": ("",)}, "stop"),
+        ({"temperature": 1e-300}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": 1e-300}, "top_p"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_invalid_sampling_names_the_parameter(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidSampling) as raised:
         SamplingParams(**fields)
     assert raised.value.param == param
+
+
+@pytest.mark.parametrize("fields", [{"temperature": 0.01}, {"top_p": MIN_TOP_P}])
+def test_extreme_valid_sampling_stays_a_distribution(fields: dict[str, Any]) -> None:
+    logits = logits_batch(2) * 50  # large logits, as a confident model gives
+    params = SamplingParams(**{"temperature": 1.0, "seed": 3, **fields})
+    drawn = sample(logits, [params] * 3, [make_generator(params, torch.device("cpu"))] * 3)
+    assert drawn == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("seed", [-(2**63), 2**64 - 1])
+def test_seeds_at_the_edges_of_the_64_bit_range_are_accepted(seed: int) -> None:
+    assert make_generator(SamplingParams(seed=seed), torch.device("cpu")) is not None
+
+
+def test_non_finite_logits_fail_only_their_row() -> None:
+    logits = logits_batch(3)
+    logits[1, 7] = float("nan")
+    greedy, sampled = SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=1)
+    for params in (greedy, sampled):
+        drawn = sample(logits, [params] * 3, [make_generator(params, torch.device("cpu"))] * 3)
+        assert isinstance(drawn[1], RequestFailed)
+        assert (
+            drawn[0]
+            == sample(logits[:1], [params], [make_generator(params, torch.device("cpu"))])[0]
+        )
+        assert isinstance(drawn[2], int)
+
+
+@pytest.mark.parametrize(("field", "value"), [("temperature", 1e-300), ("top_p", 1e-300)])
+def test_degenerate_params_that_skip_validation_fail_only_their_row(
+    field: str, value: float
+) -> None:
+    bad = SamplingParams(temperature=1.0, seed=4)
+    object.__setattr__(bad, field, value)  # as if a caller bypassed __post_init__
+    good = SamplingParams(temperature=1.0, seed=4)
+    logits = logits_batch(4)
+    rows = [make_generator(p, torch.device("cpu")) for p in (good, bad, good)]
+    drawn = sample(logits, [good, bad, good], rows)
+    assert isinstance(drawn[0], int) and isinstance(drawn[2], int)
+    if field == "top_p":  # the best token is always kept: greedy, not an empty distribution
+        assert drawn[1] == logits[1].argmax().item()
+    else:
+        assert isinstance(drawn[1], RequestFailed)
 
 
 def test_seeded_requests_reproduce_through_the_engine() -> None:

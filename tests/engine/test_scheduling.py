@@ -7,9 +7,10 @@ import torch
 
 from engine.budget import TenantBudget
 from engine.engine import Engine
-from engine.errors import CacheQuotaTimeout, ContextTooLong, InvalidRequest
+from engine.errors import CacheQuotaTimeout, ContextTooLong, ExceedsCacheQuota, InvalidRequest
 from engine.model_runner import Chunk
 from engine.request import GenerationRequest
+from engine.sampler import SamplingParams
 from engine.scope import Public, Segment, User
 from tests.support.models import VOCAB, Collector, engine_for, make_request, run_all, run_one
 
@@ -101,21 +102,87 @@ def test_tenant_over_quota_waits_for_its_own_blocks_then_runs() -> None:
     assert engine.cache_stats().owners["t1"].active_blocks == 0
 
 
-def test_request_that_never_fits_its_quota_fails_typed_after_the_timeout() -> None:
+TENANT_ID = "0b5e7c2a-internal-tenant-id"
+
+
+def test_request_waiting_on_its_tenants_full_quota_fails_typed_after_the_timeout() -> None:
     engine = engine_for("llama", queue_timeout_s=5.0)
     now = [0.0]
     engine.scheduler.clock = lambda: now[0]
-    request = GenerationRequest(
-        **{**_fields(make_request("big", tokens(5, 100))), "budget": TenantBudget(4)}
-    )
-    collector = Collector()
-    engine.submit(request, collector)
+    budget = TenantBudget(6)
+    holder, waiter = Collector(), Collector()
+    # Each fits the quota alone (6 and 4 blocks); together they cannot run at once.
+    for request_id, seed, max_tokens, sink in (("a", 3, 30, holder), ("b", 4, 4, waiter)):
+        request = make_request(
+            request_id, tokens(seed, 60), tenant=TENANT_ID, max_tokens=max_tokens
+        )
+        engine.submit(with_budget(request, budget), sink)
     engine.step()
-    assert collector.error is None  # waiting, not failed
+    assert waiter.error is None  # waiting, not failed
     now[0] = 6.0
     engine.step()
-    assert isinstance(collector.error, CacheQuotaTimeout)
-    assert "cache quota exceeded for tenant 't1'" in str(collector.error)
+    assert isinstance(waiter.error, CacheQuotaTimeout)
+    assert "quota" in str(waiter.error) and TENANT_ID not in str(waiter.error)
+    assert holder.error is None
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "max_tokens", "param", "needed_tokens"),
+    [(100, 8, "messages", 112), (40, 40, "max_tokens", 80)],
+)
+def test_request_that_can_never_fit_its_quota_is_refused_at_submission(
+    prompt_len: int, max_tokens: int, param: str, needed_tokens: int
+) -> None:
+    engine = engine_for("llama")
+    request = make_request("big", tokens(5, prompt_len), tenant=TENANT_ID, max_tokens=max_tokens)
+    with pytest.raises(ExceedsCacheQuota) as raised:
+        engine.submit(with_budget(request, TenantBudget(4)), Collector())
+    error = raised.value
+    assert (error.param, error.needed_tokens, error.quota_tokens) == (param, needed_tokens, 64)
+    assert TENANT_ID not in str(error) and "quota is 64 tokens" in str(error)
+    assert not engine.scheduler.has_work()
+
+
+def test_request_that_exactly_fits_its_quota_runs_to_the_end() -> None:
+    engine = engine_for("llama")
+    # 40 + 25 tokens, but the last one is never fed back: 64 positions, 4 blocks.
+    request = make_request("edge", tokens(6, 40), tenant=TENANT_ID, max_tokens=25)
+    result = run_one(engine, with_budget(request, TenantBudget(4)))
+    assert result.usage.completion_tokens == 25
+
+
+def test_public_prefix_blocks_do_not_count_against_the_tenants_quota() -> None:
+    engine = engine_for("llama")
+    prompt = tokens(7, 104)
+    private = make_request("private", prompt, tenant=TENANT_ID, max_tokens=8)
+    with pytest.raises(ExceedsCacheQuota):  # 7 blocks, all the tenant's
+        engine.submit(with_budget(private, TenantBudget(4)), Collector())
+    segments = [Segment(0, 64, Public("ns")), Segment(64, 104, User(TENANT_ID, "u1"))]
+    shared = make_request("shared", prompt, tenant=TENANT_ID, max_tokens=8, segments=segments)
+    result = run_one(engine, with_budget(shared, TenantBudget(4)))  # 4 public + 3 private
+    assert result.usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize(
+    ("config", "limit_text", "quota_tokens"),
+    [
+        ({"num_blocks": 8}, "the server's KV cache holds only 128 tokens", 128),
+        ({"public_budget": TenantBudget(2)}, "the public cache budget is 32 tokens", 32),
+    ],
+)
+def test_request_bigger_than_the_pool_or_public_budget_is_refused_at_submission(
+    config: dict[str, object], limit_text: str, quota_tokens: int
+) -> None:
+    engine = engine_for("llama", **config)
+    segments = [Segment(0, 64, Public("ns")), Segment(64, 100, User("t1", "u1"))]
+    request = make_request("big", tokens(8, 100), max_tokens=40, segments=segments)
+    with pytest.raises(ExceedsCacheQuota, match=limit_text) as raised:
+        engine.submit(request, Collector())
+    assert raised.value.quota_tokens == quota_tokens
+
+
+def with_budget(request: GenerationRequest, budget: TenantBudget) -> GenerationRequest:
+    return GenerationRequest(**{**_fields(request), "budget": budget})
 
 
 def test_cancellation_frees_blocks_at_once() -> None:
@@ -139,8 +206,6 @@ def test_stop_token_ids_and_max_tokens_finish_the_request() -> None:
     assert free_run.deltas[-1].finish_reason == "length"
     assert free_run.usage.completion_tokens == 10
     stop_at = free_run.token_ids[3]
-    from engine.sampler import SamplingParams
-
     stopped = run_one(
         engine,
         make_request("stop", prompt, sampling=SamplingParams(10, 0.0, stop_token_ids=(stop_at,))),

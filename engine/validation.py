@@ -1,0 +1,105 @@
+"""Checks at submission: a request that can never be served is refused at once, typed.
+
+Each check looks only at the request and at what waiting cannot change (the vocabulary, the
+context length, the pool's size, the budget that comes with the request), so a refusal here
+never turns away a request that waiting would have served, and a request that passes is never
+left to wait for a queue timeout that retrying could not avoid.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from engine.budget import PUBLIC_OWNER, Owner
+from engine.cache_request import request_block_scopes
+from engine.errors import ContextTooLong, ExceedsCacheQuota, InvalidRequest
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import GenerationRequest
+from engine.sequence import cache_request
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What the model accepts: token ids below `vocab_size`, `max_model_len` tokens in all."""
+
+    vocab_size: int
+    max_model_len: int
+    has_tokenizer: bool
+
+
+def validate(request: GenerationRequest, limits: ModelLimits, cache: KVCacheManager) -> None:
+    """Raise `InvalidRequest` (or a subclass) if the request can never be served."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise InvalidRequest("the prompt is empty", param="prompt")
+    vocab = limits.vocab_size
+    if min(prompt) < 0 or max(prompt) >= vocab:
+        raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
+    max_tokens = request.sampling.max_tokens
+    if len(prompt) + max_tokens > limits.max_model_len:
+        raise ContextTooLong(
+            f"this model's maximum context length is {limits.max_model_len} tokens; the "
+            f"request asks for {len(prompt)} prompt + {max_tokens} completion tokens"
+        )
+    if request.sampling.stop and not limits.has_tokenizer:
+        raise InvalidRequest("stop strings need a model with a tokenizer", param="stop")
+    try:
+        request_block_scopes(cache_request(request, list(prompt)), cache.block_size)
+    except ValueError as error:
+        raise InvalidRequest(f"bad cache scopes: {error}") from error
+    check_fits(request, cache)
+
+
+def check_fits(request: GenerationRequest, cache: KVCacheManager) -> None:
+    """Raise `ExceedsCacheQuota` if the request's KV could never be held at once.
+
+    A running request holds every one of its blocks (cache hits included) until it ends, so it
+    can run only if each owner's share fits that owner's quota and the total fits the pool.
+    """
+    as_cache = cache_request(request, list(request.prompt_token_ids))
+    prompt_len = len(request.prompt_token_ids)
+    # The last sampled token is never fed back: KV holds at most this many positions.
+    positions = prompt_len + request.sampling.max_tokens - 1
+    excess = _excess(request, cache, cache.blocks_charged(as_cache, positions))
+    if excess is None:
+        return
+    owner, needed_blocks, limit_blocks = excess
+    # Whether a smaller max_tokens could help, or the prompt alone is too big.
+    prompt_excess = _excess(request, cache, cache.blocks_charged(as_cache, prompt_len))
+    param, fix = (
+        ("max_tokens", "lower max_tokens")
+        if prompt_excess is None
+        else ("messages", "shorten the prompt")
+    )
+    block = cache.block_size
+    needed, limit = needed_blocks * block, limit_blocks * block
+    if owner is None:
+        what, limit_text = "the request", f"the server's KV cache holds only {limit} tokens"
+    elif owner is PUBLIC_OWNER:
+        what, limit_text = "its shared public prefix", f"the public cache budget is {limit} tokens"
+    else:  # the message never names the tenant: its id is internal, the caller adds its name
+        what, limit_text = "the request", f"the tenant's cache quota is {limit} tokens"
+    raise ExceedsCacheQuota(
+        f"{what} needs {needed} tokens of KV cache (prompt plus max_tokens, in blocks of "
+        f"{block} tokens) but {limit_text}; retrying cannot help: {fix}",
+        needed_tokens=needed,
+        quota_tokens=limit,
+        param=param,
+    )
+
+
+def _excess(
+    request: GenerationRequest, cache: KVCacheManager, charged: Counter[Owner]
+) -> tuple[Owner | None, int, int] | None:
+    """The first limit `charged` exceeds: (owner, or None for the pool; blocks; limit)."""
+    for owner, blocks in charged.items():
+        if owner == request.tenant_id and request.budget is not None:
+            quota = request.budget.quota_blocks  # applied when the request is admitted
+        else:
+            quota = cache.budget(owner).quota_blocks
+        if blocks > quota:
+            return owner, blocks, quota
+    if charged.total() > cache.pool.num_blocks:
+        return None, charged.total(), cache.pool.num_blocks
+    return None
