@@ -4,6 +4,9 @@ An export is a header, the selected events in sequence order with their chain ha
 signed trailer listing which sequence numbers it holds and a digest of their hashes. So
 `verify` can name the first event that was modified (its hash no longer matches), deleted,
 inserted or reordered (the signed list disagrees), and a cut-off tail (no valid trailer).
+Input that is not an export at all raises `UnreadableAuditFile`, never a verdict of tampering.
+The database's chain is checked against its own checkpoints and those of the external
+checkpoint file, which outlive any cut of the chain's tail inside the database.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from tenancy import audit_files
 from tenancy.audit_chain import (
     EVENT_FIELDS,
     GENESIS_HASH,
@@ -31,6 +35,7 @@ from tenancy.audit_chain import (
     sign,
     signature_valid,
 )
+from tenancy.audit_files import SignedCheckpoint, UnreadableAuditFile
 from tenancy.audit_log import record_from_row
 from tenancy.models import AuditCheckpoint, AuditEvent, AuditHead
 
@@ -102,21 +107,27 @@ def export_events(
 
 
 def verify_file(path: Path, signing_key: str) -> VerifyResult:
-    """Check an export; names the first problem it finds."""
-    try:
-        records = list(_read(path))
-    except (OSError, ValueError, KeyError) as error:
-        return VerifyResult(False, 0, f"cannot read {path}: {error}")
-    events = [record for record in records if record.get("record") == "event"]
-    trailers = [record for record in records if record.get("record") == "trailer"]
+    """Check an export; names the first problem it finds.
+
+    Raises UnreadableAuditFile when `path` is not an export at all (missing, not text, not
+    our format); a result that is not ok always means the export was tampered with.
+    """
+    records = _read(path)
+    events = [record for record in records if record["record"] == "event"]
+    trailers = [record for record in records if record["record"] == "trailer"]
     trailer = trailers[-1] if trailers else None
-    expected = _expand(trailer["seqs"]) if trailer else None
+    expected = None
+    if trailer is not None:
+        statement = {key: value for key, value in trailer.items() if key not in _UNSIGNED}
+        # Only a signed list of sequence numbers is expanded (an unsigned one could be huge).
+        if signature_valid(statement, trailer["signature"], signing_key):
+            expected = _expand(trailer["seqs"])
 
     previous: dict[str, Any] | None = None
     for position, event in enumerate(events):
-        seq = event.get("seq")
+        seq = event["seq"]
         payload = {name: event.get(name) for name in EVENT_FIELDS}
-        if chain_hash(str(event.get("prev_hash")), payload) != event.get("hash"):
+        if chain_hash(event["prev_hash"], payload) != event["hash"]:
             return VerifyResult(False, len(events), f"event seq={seq} was modified")
         if expected is not None:
             problem = _position_problem(position, seq, expected, events)
@@ -136,19 +147,26 @@ def verify_file(path: Path, signing_key: str) -> VerifyResult:
         return VerifyResult(
             False, len(events), f"the export is truncated after seq={last}: no signed trailer"
         )
-    statement = {key: value for key, value in trailer.items() if key not in ("record", "signature")}
-    if not signature_valid(statement, str(trailer.get("signature")), signing_key):
+    if expected is None:
         return VerifyResult(False, len(events), "the trailer's signature is invalid")
-    if len(events) < len(expected or []):
-        missing = (expected or [])[len(events)]
+    if len(events) < len(expected):
+        missing = expected[len(events)]
         return VerifyResult(False, len(events), f"the export is truncated before seq={missing}")
     if _digest(event["hash"] for event in events) != trailer["digest"]:
         return VerifyResult(False, len(events), "event hashes differ from the signed digest")
     return VerifyResult(True, len(events))
 
 
-def verify_database(session: Session, signing_key: str) -> VerifyResult:
-    """Check the stored chain, the head row and every signed checkpoint."""
+def verify_database(
+    session: Session, signing_key: str, checkpoint_path: Path | None = None
+) -> VerifyResult:
+    """Check the stored chain, the head row, and every signed checkpoint.
+
+    The checkpoints are the database's and, when `checkpoint_path` is given, those kept in
+    that file outside it: one the chain no longer reaches means its tail was cut. Raises
+    UnreadableAuditFile if the checkpoint file cannot be read.
+    """
+    external = audit_files.read_checkpoints(checkpoint_path) if checkpoint_path else []
     previous_hash, previous_seq, count = GENESIS_HASH, 0, 0
     hashes: dict[int, str] = {}
     for row in session.scalars(select(AuditEvent).order_by(AuditEvent.seq)):
@@ -165,14 +183,25 @@ def verify_database(session: Session, signing_key: str) -> VerifyResult:
     head = session.get(AuditHead, 1)
     if head is None or head.seq != previous_seq or head.hash != previous_hash:
         return VerifyResult(False, count, f"the chain's tail after seq={previous_seq} is missing")
-    for checkpoint in session.scalars(select(AuditCheckpoint).order_by(AuditCheckpoint.seq)):
+    stored = session.scalars(select(AuditCheckpoint).order_by(AuditCheckpoint.seq))
+    checkpoints = [(SignedCheckpoint(row.seq, row.hash, row.signature), "") for row in stored]
+    checkpoints += [(checkpoint, " in the file") for checkpoint in external]
+    for checkpoint, where in checkpoints:
         statement = {"seq": checkpoint.seq, "hash": checkpoint.hash}
         if not signature_valid(statement, checkpoint.signature, signing_key):
-            return VerifyResult(False, count, f"checkpoint seq={checkpoint.seq} is forged")
+            return VerifyResult(False, count, f"checkpoint seq={checkpoint.seq}{where} is forged")
+    attested = max((checkpoint.seq for checkpoint in external), default=0)
+    if attested > previous_seq:
+        return VerifyResult(
+            False, count,
+            f"the chain ends at seq={previous_seq} but the checkpoint file attests seq={attested}",
+        )  # fmt: skip
+    for checkpoint, where in checkpoints:
         if hashes.get(checkpoint.seq) != checkpoint.hash:
             return VerifyResult(
-                False, count, f"events up to checkpoint seq={checkpoint.seq} are missing or changed"
-            )
+                False, count,
+                f"events up to checkpoint seq={checkpoint.seq}{where} are missing or changed",
+            )  # fmt: skip
     return VerifyResult(True, count)
 
 
@@ -218,6 +247,7 @@ def _digest(hashes: Iterable[str]) -> str:
     return digest.hexdigest()
 
 
+_UNSIGNED = ("record", "signature")  # a trailer's fields outside its signed statement
 _CSV_NULL = "\\N"  # tells None apart from an empty string, as PostgreSQL's COPY does
 
 
@@ -229,31 +259,92 @@ def _csv_cell(value: Any) -> str:
     return str(value)
 
 
-def _read(path: Path) -> Iterator[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
-    if text.startswith("record,"):
-        yield from _read_csv(text)
-        return
-    for line in text.splitlines():
-        if line.strip():
-            yield json.loads(line)
+def _read(path: Path) -> list[dict[str, Any]]:
+    """The export's records, each checked for shape; raises UnreadableAuditFile otherwise."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise UnreadableAuditFile(f"{path} is not a text file") from error
+    except OSError as error:
+        raise UnreadableAuditFile(f"cannot read {path}: {error.strerror}") from error
+    if "\x00" in text:
+        raise UnreadableAuditFile(f"{path} is not a text file")
+    reader = _read_csv if text.startswith("record,") else _read_jsonl
+    records = [_checked(record, where) for where, record in reader(text, path)]
+    if not records or records[0]["record"] != "header" or records[0].get("format") != FORMAT:
+        raise UnreadableAuditFile(f"{path} is not a PrefixGate audit export (no {FORMAT} header)")
+    return records
 
 
-def _read_csv(text: str) -> Iterator[dict[str, Any]]:
-    reader = csv.reader(io.StringIO(text))
-    columns = next(reader)
-    for cells in reader:
-        row = dict(zip(columns, cells, strict=True))
-        kind = row["record"]
-        if kind in ("header", "trailer"):
-            yield {"record": kind, **json.loads(row["hash"])}
+def _read_jsonl(text: str, path: Path) -> Iterator[tuple[str, Any]]:
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
             continue
-        event: dict[str, Any] = {"record": "event"}
-        for name in columns[1:]:
-            value: Any = None if row[name] == _CSV_NULL else row[name]
-            if name == "seq":
-                value = int(row[name])
-            elif name == "details" and value is not None:
-                value = json.loads(value)
-            event[name] = value
-        yield event
+        try:
+            yield f"{path} line {number}", json.loads(line)
+        except ValueError as error:
+            raise UnreadableAuditFile(f"{path} line {number} is not JSON") from error
+
+
+def _read_csv(text: str, path: Path) -> Iterator[tuple[str, Any]]:
+    reader = csv.reader(io.StringIO(text))
+    try:
+        columns = next(reader)
+        if tuple(columns) != CSV_COLUMNS:
+            raise UnreadableAuditFile(f"{path}: the CSV columns are not {','.join(CSV_COLUMNS)}")
+        for cells in reader:
+            where = f"{path} line {reader.line_num}"
+            if len(cells) != len(CSV_COLUMNS):
+                raise UnreadableAuditFile(f"{where} has {len(cells)} cells, not {len(CSV_COLUMNS)}")
+            yield where, _csv_record(dict(zip(CSV_COLUMNS, cells, strict=True)))
+    except csv.Error as error:
+        raise UnreadableAuditFile(f"{path} is not a readable CSV file: {error}") from error
+    except ValueError as error:
+        raise UnreadableAuditFile(f"{path} line {reader.line_num}: {error}") from error
+
+
+def _csv_record(row: dict[str, str]) -> Any:
+    kind = row["record"]
+    if kind in ("header", "trailer"):
+        # The header's and trailer's JSON ride in the last column.
+        value = json.loads(row["hash"])
+        return {"record": kind, **value} if isinstance(value, dict) else value
+    event: dict[str, Any] = {"record": kind}
+    for name in CSV_COLUMNS[1:]:
+        value = None if row[name] == _CSV_NULL else row[name]
+        if name == "seq":
+            value = int(row[name])
+        elif name == "details" and value is not None:
+            value = json.loads(value)
+        event[name] = value
+    return event
+
+
+def _checked(record: Any, where: str) -> dict[str, Any]:
+    """The record if it has the shape of a header, event or trailer (not its integrity)."""
+    if not isinstance(record, dict):
+        raise UnreadableAuditFile(f"{where} is not a JSON object")
+    kind = record.get("record")
+    if kind == "event" and not (
+        _is_int(record.get("seq"))
+        and isinstance(record.get("prev_hash"), str)
+        and isinstance(record.get("hash"), str)
+    ):
+        raise UnreadableAuditFile(f"{where}: an event needs an integer seq and string hashes")
+    if kind == "trailer" and not (
+        isinstance(record.get("signature"), str)
+        and isinstance(record.get("digest"), str)
+        and isinstance(record.get("seqs"), list)
+        and all(
+            isinstance(pair, list) and len(pair) == 2 and all(_is_int(seq) for seq in pair)
+            for pair in record["seqs"]
+        )
+    ):
+        raise UnreadableAuditFile(f"{where}: a trailer needs a signature, digest and seqs")
+    if kind not in ("header", "event", "trailer"):
+        raise UnreadableAuditFile(f"{where} is not a header, event or trailer record")
+    return record
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,33 +1,43 @@
-"""The append-only audit log: chained inserts, signed checkpoints, and a spool for outages.
+"""The append-only audit log: chained inserts, signed checkpoints, a spool and dead letters.
 
 Appends lock the chain's head row, so concurrent writers (threads, processes, replicas) agree
-on one order. When the database cannot be reached, events go to a local append-only spool
-file (fsynced) and are written, in order, when it returns. Every event carries a unique
-`event_id`, so a crash between writing the database and clearing the spool never duplicates
-an event on replay, and the spool is cleared only after the database committed, so nothing
-is lost.
+on one order. Every record is first fitted to its columns (`bounded`). Then a failure is one
+of two kinds, told apart in one place (`_is_outage`):
+
+- the database cannot be reached: events go to a local append-only spool file (fsynced) and
+  are written, in order, when it returns. Every event carries a unique `event_id` and events
+  already stored are skipped, so a crash between writing the database and clearing the spool
+  never duplicates an event, and the spool is cleared only after the database committed.
+- the database refuses the data: the batch is retried one event at a time, and only the
+  event still refused goes to the dead-letter file, with a log line; it never blocks the
+  events after it, and since its transaction rolled back the chain never saw it.
+
+Signed checkpoints go to the database and, after it committed, to an append-only checkpoint
+file outside it, so cutting the chain's tail in the database cannot go unnoticed.
 """
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
-import os
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import insert, select, update
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
-from tenancy.audit_chain import AuditRecord, chain_hash, event_payload, sign
+from tenancy import audit_files
+from tenancy.audit_bounds import bounded
+from tenancy.audit_chain import AuditRecord, chain_hash, event_payload, format_time, sign
+from tenancy.audit_files import SignedCheckpoint
 from tenancy.models import AuditCheckpoint, AuditEvent, AuditHead, utcnow
 
 logger = logging.getLogger(__name__)
+# Events per transaction when writing a spool (bounds the statement's parameters).
+_CHUNK = 500
 
 
 class AuditLog:
@@ -39,102 +49,156 @@ class AuditLog:
         spool_path: Path,
         signing_key: str,
         checkpoint_every: int = 100,
+        *,
+        checkpoint_path: Path | None = None,
     ) -> None:
         self._sessions = sessions
         self.spool_path = Path(spool_path)
+        self.dead_letter_path = self.spool_path.with_suffix(".dead-letters.jsonl")
+        self.checkpoint_path = None if checkpoint_path is None else Path(checkpoint_path)
         self._signing_key = signing_key
         self._checkpoint_every = checkpoint_every
         self._lock = threading.Lock()
+        self._dead_letter_count: tuple[tuple[int, int], int] | None = None
 
     def record(self, record: AuditRecord) -> bool:
         """Append one event; returns True if it reached the database, False if spooled."""
         return self.record_many([record])
 
     def record_many(self, records: list[AuditRecord]) -> bool:
-        """Append events in order, in one transaction; False if they had to be spooled."""
-        with self._lock, self._spool_locked():
-            if self._spool_pending():
-                for record in records:
-                    self._append_to_spool(record)
+        """Append events in order; False if any had to be spooled (the database is away).
+
+        An event the database refuses is dead-lettered and counts as handled.
+        """
+        records = [bounded(record) for record in records]
+        with self._lock, audit_files.locked(self.spool_path):
+            if self._spool_pending():  # keep the order: queue behind the spooled events
+                self._append_to_spool(records)
                 return self._flush_spool()
-            try:
-                self._insert(records)
-                return True
-            except (OperationalError, DBAPIError) as error:
-                logger.warning("audit database unavailable, spooling: %s", error.__class__.__name__)
-                for record in records:
-                    self._append_to_spool(record)
-                return False
+            unwritten = self._deliver(records)
+            self._append_to_spool(unwritten)
+            return not unwritten
 
     def flush(self) -> bool:
         """Write spooled events to the database; True when the spool is empty afterwards."""
-        with self._lock, self._spool_locked():
+        with self._lock, audit_files.locked(self.spool_path):
             return self._flush_spool()
 
     def pending(self) -> int:
         """Events waiting in the spool."""
-        with self._lock, self._spool_locked():
-            return len(self._read_spool())
+        with self._lock, audit_files.locked(self.spool_path):
+            return audit_files.count_lines(self.spool_path)
+
+    def dead_letters(self) -> int:
+        """Events the database refused, kept in `dead_letter_path` (by any process)."""
+        try:
+            stat = self.dead_letter_path.stat()
+        except FileNotFoundError:
+            return 0
+        version = (stat.st_size, stat.st_mtime_ns)
+        if self._dead_letter_count is None or self._dead_letter_count[0] != version:
+            self._dead_letter_count = (version, audit_files.count_lines(self.dead_letter_path))
+        return self._dead_letter_count[1]
 
     # -- database ----------------------------------------------------------------------------
 
-    def _insert(self, records: list[AuditRecord], replay: bool = False) -> None:
-        """Chain and insert in one transaction (Core executemany: one round trip)."""
+    def _deliver(self, records: list[AuditRecord]) -> list[AuditRecord]:
+        """Write what the database accepts, dead-letter what it refuses; returns the rest.
+
+        The rest is what could not be written because the database is unreachable (in
+        order, from the first such event), to be spooled. A long outage's spool is written
+        in chunks, each a transaction of bounded size.
+        """
+        for start in range(0, len(records), _CHUNK):
+            unwritten = self._deliver_chunk(records[start : start + _CHUNK])
+            if unwritten:
+                return unwritten + records[start + _CHUNK :]
+        return []
+
+    def _deliver_chunk(self, records: list[AuditRecord]) -> list[AuditRecord]:
+        try:
+            self._insert(records)
+            return []
+        except Exception as error:
+            if _is_outage(error):
+                logger.warning("audit database unavailable, spooling: %s", _describe(error))
+                return records
+        # Something in the chunk was refused: only events refused alone are dead letters.
+        for position, record in enumerate(records):
+            try:
+                self._insert([record])
+            except Exception as error:
+                if _is_outage(error):
+                    logger.warning("audit database unavailable, spooling: %s", _describe(error))
+                    return records[position:]
+                self._dead_letter(record.to_json(), error)
+        return []
+
+    def _insert(self, records: list[AuditRecord]) -> None:
+        """Chain and insert in one transaction (Core executemany: one round trip).
+
+        Events already stored (a replay after a crash) are skipped, so writing is idempotent.
+        """
+        checkpoints: list[SignedCheckpoint] = []
         with self._sessions.begin() as session:
             seq, digest = session.execute(
                 select(AuditHead.seq, AuditHead.hash).where(AuditHead.id == 1).with_for_update()
             ).one()
-            if replay:  # from the spool: skip events a crash left already written
-                known = set(
-                    session.scalars(
-                        select(AuditEvent.event_id).where(
-                            AuditEvent.event_id.in_([r.event_id for r in records])
-                        )
+            known = set(
+                session.scalars(
+                    select(AuditEvent.event_id).where(
+                        AuditEvent.event_id.in_([r.event_id for r in records])
                     )
                 )
-                records = [record for record in records if record.event_id not in known]
+            )
+            records = [record for record in records if record.event_id not in known]
             if not records:
                 return
-            rows, checkpoints = [], []
+            rows = []
             for record in records:
                 prev_hash, seq = digest, seq + 1
                 digest = chain_hash(prev_hash, event_payload(record, seq))
                 rows.append(_row(record, seq, prev_hash, digest))
                 if seq % self._checkpoint_every == 0:
-                    checkpoints.append(self._checkpoint(seq, digest))
+                    checkpoints.append(self._sign(seq, digest))
             session.execute(insert(AuditEvent), rows)
             if checkpoints:
-                session.execute(insert(AuditCheckpoint), checkpoints)
+                session.execute(insert(AuditCheckpoint), [_checkpoint_row(c) for c in checkpoints])
             session.execute(update(AuditHead).where(AuditHead.id == 1).values(seq=seq, hash=digest))
+        self._keep_outside(checkpoints)
 
     def checkpoint_now(self) -> AuditCheckpoint | None:
-        """Sign the current head (used before exports and on shutdown)."""
-        with self._lock, self._sessions.begin() as session:
-            head = session.get(AuditHead, 1)
-            if head is None or head.seq == 0:
-                return None
-            if session.get(AuditCheckpoint, head.seq) is not None:
-                return None
-            checkpoint = AuditCheckpoint(**self._checkpoint(head.seq, head.hash))
-            session.add(checkpoint)
-            return checkpoint
+        """Sign the current head (before exports, periodically, on shutdown); None if no events.
 
-    def _checkpoint(self, seq: int, digest: str) -> dict[str, Any]:
-        signature = sign({"seq": seq, "hash": digest}, self._signing_key)
-        return {"seq": seq, "hash": digest, "signature": signature, "created_at": utcnow()}
+        The head is also written to the checkpoint file when the database already had it
+        signed, so the file always attests the newest head this process has seen.
+        """
+        with self._lock:
+            with self._sessions.begin() as session:
+                head = session.execute(
+                    select(AuditHead).where(AuditHead.id == 1).with_for_update()
+                ).scalar_one_or_none()
+                if head is None or head.seq == 0:
+                    return None
+                checkpoint = self._sign(head.seq, head.hash)
+                created = None
+                if session.get(AuditCheckpoint, head.seq) is None:
+                    created = AuditCheckpoint(**_checkpoint_row(checkpoint))
+                    session.add(created)
+            self._keep_outside([checkpoint])
+            return created
 
-    # -- spool -------------------------------------------------------------------------------
+    def _sign(self, seq: int, digest: str) -> SignedCheckpoint:
+        return SignedCheckpoint(seq, digest, sign({"seq": seq, "hash": digest}, self._signing_key))
 
-    @contextmanager
-    def _spool_locked(self) -> Iterator[None]:
-        """Serialise processes sharing one spool file."""
-        self.spool_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(f"{self.spool_path}.lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+    def _keep_outside(self, checkpoints: list[SignedCheckpoint]) -> None:
+        """After the database committed them, append checkpoints to the external file."""
+        if self.checkpoint_path is None:
+            return
+        for checkpoint in checkpoints:
+            audit_files.append_checkpoint(self.checkpoint_path, checkpoint)
+
+    # -- spool and dead letters --------------------------------------------------------------
 
     def _spool_pending(self) -> bool:
         try:
@@ -142,45 +206,71 @@ class AuditLog:
         except FileNotFoundError:
             return False
 
-    def _append_to_spool(self, record: AuditRecord) -> None:
-        line = json.dumps(record.to_json(), ensure_ascii=False) + "\n"
-        with open(self.spool_path, "a", encoding="utf-8") as spool:
-            spool.write(line)
-            spool.flush()
-            os.fsync(spool.fileno())
+    def _append_to_spool(self, records: list[AuditRecord]) -> None:
+        audit_files.append_lines(self.spool_path, _spool_lines(records))
 
     def _read_spool(self) -> list[AuditRecord]:
-        try:
-            lines = self.spool_path.read_text(encoding="utf-8").splitlines()
-        except FileNotFoundError:
-            return []
+        """Spooled records; a line that is not one (torn by a crash, corrupt) is dead-lettered."""
+        spooled = audit_files.read_lines(self.spool_path)
         records = []
-        for number, line in enumerate(lines):
+        for line in spooled.bad_lines:
+            self._dead_letter({"unparsed_spool_line": line}, ValueError("not a spooled event"))
+        for value in spooled.objects:
             try:
-                records.append(AuditRecord.from_json(json.loads(line)))
-            except (ValueError, KeyError, TypeError):
-                # Only a crash mid-write leaves a torn line, and only as the last one.
-                if number != len(lines) - 1:
-                    raise
-                logger.error("dropping a torn last line of the audit spool")
+                records.append(bounded(AuditRecord.from_json(value)))
+            except (ValueError, KeyError, TypeError) as error:
+                self._dead_letter({"unparsed_spool_line": value}, error)
         return records
 
     def _flush_spool(self) -> bool:
         records = self._read_spool()
-        if not records:
-            self._clear_spool()
-            return True
-        try:
-            self._insert(records, replay=True)
-        except (OperationalError, DBAPIError):
+        unwritten = self._deliver(records) if records else []
+        if unwritten:
+            # Keep only what is still unwritten, so nothing is dead-lettered twice.
+            audit_files.replace_lines(self.spool_path, _spool_lines(unwritten))
             return False
-        self._clear_spool()
+        audit_files.replace_lines(self.spool_path, [])
         return True
 
-    def _clear_spool(self) -> None:
-        with open(self.spool_path, "w") as spool:
-            spool.flush()
-            os.fsync(spool.fileno())
+    def _dead_letter(self, event: dict[str, Any], error: BaseException) -> None:
+        """Keep an event the database refused, so it is out of the way but not lost."""
+        line = {
+            "rejected_at": format_time(datetime.now(UTC)),
+            "error": _describe(error),
+            "event": event,
+        }
+        audit_files.append_lines(self.dead_letter_path, [audit_files.dumps(line)])
+        logger.error(
+            "audit event %s refused by the database (%s); kept in %s",
+            event.get("event_id", "?"), _describe(error), self.dead_letter_path,
+        )  # fmt: skip
+
+
+def _is_outage(error: BaseException) -> bool:
+    """Whether the database is unreachable (retry later) rather than refusing this data."""
+    if isinstance(error, DBAPIError) and error.connection_invalidated:
+        return True
+    if isinstance(error, InterfaceError | PoolTimeout):
+        return True
+    if isinstance(error, OperationalError):
+        # SQLSTATE class 54 ("program limit exceeded") is about the statement, not the server.
+        sqlstate = getattr(error.orig, "sqlstate", None)
+        return not (isinstance(sqlstate, str) and sqlstate.startswith("54"))
+    return False
+
+
+def _describe(error: BaseException) -> str:
+    cause = error.orig if isinstance(error, DBAPIError) and error.orig is not None else error
+    message = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {message[0] if message else ''}"[:500]
+
+
+def _spool_lines(records: list[AuditRecord]) -> list[str]:
+    return [audit_files.dumps(record.to_json()) for record in records]
+
+
+def _checkpoint_row(checkpoint: SignedCheckpoint) -> dict[str, Any]:
+    return {**checkpoint.to_json(), "created_at": utcnow()}
 
 
 def _row(record: AuditRecord, seq: int, prev_hash: str, digest: str) -> dict[str, Any]:

@@ -33,13 +33,21 @@ class Store:
         signing_key: str,
         checkpoint_every: int = 100,
         check_schema: bool = True,
+        *,
+        checkpoint_path: Path | None = None,
     ) -> Store:
-        """Connect; refuses (SchemaOutOfDate) a database whose schema is behind."""
+        """Connect; refuses (SchemaOutOfDate) a database whose schema is behind.
+
+        `checkpoint_path` is the append-only file that keeps every signed checkpoint outside
+        the database too (None: the database alone holds them).
+        """
         engine = make_engine(database_url)
         if check_schema:
             ensure_current(database_url, engine)
         sessions = make_sessions(engine)
-        audit = AuditLog(sessions, spool_path, signing_key, checkpoint_every)
+        audit = AuditLog(
+            sessions, spool_path, signing_key, checkpoint_every, checkpoint_path=checkpoint_path
+        )
         return cls(engine, sessions, audit, key_secret, signing_key)
 
     @contextmanager

@@ -12,6 +12,7 @@ from gateway.cli.common import app, fail, open_store, operator
 from tenancy import tenants
 from tenancy.audit_chain import AuditRecord
 from tenancy.audit_export import ExportFilter, export_events, verify_database, verify_file
+from tenancy.audit_files import UnreadableAuditFile
 from tenancy.errors import TenancyError
 
 audit_app = typer.Typer(
@@ -78,16 +79,23 @@ def audit_verify(
         bool, typer.Option("--database", help="Check the stored chain instead of a file.")
     ] = False,
 ) -> None:
-    """Check an export (or the database): names the first tampered event, exits 1 if any."""
+    """Check an export (or the database): names the first tampered event.
+
+    Exits 1 only when something was tampered with, 2 when the input cannot be read.
+    """
     if (file is None) == (not database):
         fail("give an export FILE or --database")
     with open_store() as store:
-        if database:
-            with store.transaction() as session:
-                result = verify_database(session, store.signing_key)
-        else:
-            assert file is not None
-            result = verify_file(file, store.signing_key)
+        try:
+            if file is None:
+                with store.transaction() as session:
+                    result = verify_database(
+                        session, store.signing_key, store.audit.checkpoint_path
+                    )
+            else:
+                result = verify_file(file, store.signing_key)
+        except UnreadableAuditFile as error:
+            fail(str(error))
     if not result.ok:
         typer.echo(f"prefixgate: audit verification FAILED: {result.problem}", err=True)
         raise typer.Exit(1)
@@ -96,9 +104,13 @@ def audit_verify(
 
 @audit_app.command("flush")
 def audit_flush() -> None:
-    """Write events spooled during a database outage."""
+    """Write events spooled during a database outage; reports events the database refused."""
     with open_store() as store:
-        pending = store.audit.pending()
+        pending, refused_before = store.audit.pending(), store.audit.dead_letters()
         if not store.audit.flush():
-            fail(f"the database is still unreachable; {pending} events stay spooled", code=1)
-    typer.echo(f"flushed {pending} spooled events")
+            left = store.audit.pending()
+            fail(f"the database is still unreachable; {left} events stay spooled", code=1)
+        refused, path = store.audit.dead_letters(), store.audit.dead_letter_path
+    typer.echo(f"flushed {pending - (refused - refused_before)} spooled events")
+    if refused:
+        typer.echo(f"{refused} events the database refused are kept in {path}")

@@ -180,8 +180,7 @@ def test_outage_spools_events_and_flushes_them_in_order(postgres_url: str, tmp_p
 def test_crash_between_database_and_spool_clearing_never_duplicates(store: Any) -> None:
     record_many(store, 2)
     spooled = [AuditRecord("cli", "late", "success", details={"n": n}) for n in range(3)]
-    for record in spooled:
-        store.audit._append_to_spool(record)
+    store.audit._append_to_spool(spooled)
     store.audit._insert(spooled[:2])  # committed, then the process died before clearing
     assert store.audit.flush()
     with store.transaction() as session:
