@@ -1,9 +1,14 @@
 """All of PrefixGate's settings in one pydantic-settings class (environment prefix PREFIXGATE_).
 
+State belongs to the deployment, never to the working directory: `state_dir` defaults to
+`$XDG_STATE_HOME/prefixgate` (else `~/.local/state/prefixgate`), and the embedded SQLite
+database lives there too, so `make run` and the CLI agree from any directory.
+
 Secrets (the key-hashing secret, the audit signing key, the admin JWT secret) come from the
 environment in production. When one is not set, a random value is generated once and kept in
 `<state_dir>/secrets.json` (mode 0600), so a fresh `make run` is safe without configuration
-and keeps working across restarts.
+and keeps working across restarts. The database remembers a fingerprint of the secrets it was
+set up with; `open_store` refuses a process whose secrets differ (`SecretMismatch`).
 """
 
 from __future__ import annotations
@@ -18,10 +23,27 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from tenancy.db import DEFAULT_DATABASE_URL
+from tenancy.db import check_database_url
+from tenancy.deployment import SecretMismatch, mismatched_secrets
 from tenancy.store import Store
 
 _GENERATED_SECRETS = ("key_hash_secret", "audit_signing_key", "jwt_secret")
+# The secrets the store works with: keys hashed or checkpoints signed under another value
+# would fail (401s, "forged" checkpoints), so the database holds their fingerprints.
+STORE_SECRETS = ("key_hash_secret", "audit_signing_key")
+
+
+def default_state_dir() -> Path:
+    """`$XDG_STATE_HOME/prefixgate`, else `~/.local/state/prefixgate` (XDG base directories)."""
+    configured = os.environ.get("XDG_STATE_HOME", "")
+    # The XDG spec says a relative value is invalid and must be ignored.
+    base = Path(configured) if os.path.isabs(configured) else Path.home() / ".local" / "state"
+    return base / "prefixgate"
+
+
+def _default_database_url(data: dict[str, Any]) -> str:
+    state_dir = data.get("state_dir") or default_state_dir()
+    return f"sqlite:///{state_dir / 'prefixgate.db'}"
 
 
 class Settings(BaseSettings):
@@ -29,12 +51,14 @@ class Settings(BaseSettings):
         env_prefix="PREFIXGATE_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
     )
 
-    database_url: str = DEFAULT_DATABASE_URL
-    state_dir: Path = Path(".prefixgate")
+    # Declared before database_url: the default database lives in the state directory.
+    state_dir: Path = Field(default_factory=default_state_dir)
+    database_url: str = Field(default_factory=_default_database_url)
     key_hash_secret: SecretStr | None = None
     audit_signing_key: SecretStr | None = None
     jwt_secret: SecretStr | None = None
     audit_spool_path: Path | None = None
+    audit_checkpoint_path: Path | None = None  # default: <state_dir>/audit-checkpoints.jsonl
     audit_checkpoint_every: int = Field(default=100, ge=1)
     policy_file: Path | None = None
 
@@ -82,6 +106,17 @@ class Settings(BaseSettings):
     # Observability
     otlp_endpoint: str | None = None  # e.g. http://collector:4318/v1/traces; off when unset
 
+    @field_validator("state_dir")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        """`~` expanded and made absolute once, so messages name the real place."""
+        return value.expanduser().absolute()
+
+    @field_validator("database_url")
+    @classmethod
+    def _usable_database(cls, value: str) -> str:
+        return check_database_url(value)
+
     @field_validator("trusted_proxies", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
@@ -94,24 +129,61 @@ class Settings(BaseSettings):
         """A configured secret, or the one generated for this state directory."""
         if name not in _GENERATED_SECRETS:
             raise KeyError(name)
+        return self._configured(name) or self._generated_secrets[name]
+
+    def _configured(self, name: str) -> str | None:
         configured: SecretStr | None = getattr(self, name)
-        if configured is not None and configured.get_secret_value():
-            return configured.get_secret_value()
-        return self._generated_secrets[name]
+        return configured.get_secret_value() if configured is not None else None
 
     @property
     def spool_path(self) -> Path:
         return self.audit_spool_path or self.state_dir / "audit.spool"
 
+    @property
+    def checkpoint_path(self) -> Path:
+        """The append-only file that keeps signed audit checkpoints outside the database."""
+        return self.audit_checkpoint_path or self.state_dir / "audit-checkpoints.jsonl"
+
     def open_store(self, check_schema: bool = True) -> Store:
-        """The tenancy store these settings describe (raises SchemaOutOfDate if behind)."""
-        return Store.open(
+        """The tenancy store these settings describe, opened the same way by every process.
+
+        Raises SchemaOutOfDate if the schema is behind, and SecretMismatch (one line naming
+        the secret and the fix) if this process's secrets are not the deployment's.
+        """
+        store = Store.open(
             self.database_url,
             self.spool_path,
             self.secret("key_hash_secret"),
             self.secret("audit_signing_key"),
             self.audit_checkpoint_every,
             check_schema=check_schema,
+            checkpoint_path=self.checkpoint_path,
+        )
+        if not check_schema:  # an older schema may not hold fingerprints yet
+            return store
+        try:
+            differ = mismatched_secrets(
+                store.sessions, {name: self.secret(name) for name in STORE_SECRETS}
+            )
+        except BaseException:
+            store.close()
+            raise
+        if differ:
+            store.close()
+            raise SecretMismatch(self._mismatch_message(differ), differ)
+        return store
+
+    def _mismatch_message(self, differ: list[str]) -> str:
+        names = " and ".join(differ)
+        variables = " and ".join(f"PREFIXGATE_{name.upper()}" for name in differ)
+        generated = not all(self._configured(name) for name in differ)
+        source = f"from {self.state_dir / 'secrets.json'}" if generated else "from settings"
+        verb, pronoun = (
+            ("is not the one", "it") if len(differ) == 1 else ("are not the ones", "them")
+        )
+        return (
+            f"{names} {verb} this database was set up with (this process read {pronoun} {source}): "
+            f"set {variables} to the deployment's, or PREFIXGATE_STATE_DIR to its state directory"
         )
 
     @cached_property
@@ -122,7 +194,7 @@ class Settings(BaseSettings):
             stored = json.loads(path.read_text())
         missing = [name for name in _GENERATED_SECRETS if not stored.get(name)]
         if missing:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             for name in missing:
                 stored[name] = secrets.token_urlsafe(32)
             temporary = path.with_suffix(".tmp")

@@ -1,19 +1,58 @@
 """Database engines and sessions (synchronous SQLAlchemy; callers on an event loop use a
-thread pool)."""
+thread pool).
+
+Only SQLite and PostgreSQL are supported; `check_database_url` says so in one sentence before
+anything tries to connect. Sessions check every value against its column before it is written
+and count tenancy changes (`tenancy.changes`).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 from sqlalchemy.orm import Session, sessionmaker
 
-DEFAULT_DATABASE_URL = "sqlite:///./prefixgate.db"
+from tenancy import changes
+from tenancy.models import Base, check_column_bounds
+
+SUPPORTED_BACKENDS = ("sqlite", "postgresql")
+_EXAMPLES = "sqlite:////path/to/prefixgate.db or postgresql+psycopg://user:password@host/db"
+
+
+class UnsupportedDatabase(ValueError):
+    """A database URL PrefixGate cannot use; the message says why (never echoing the URL)."""
+
+
+def check_database_url(url: str) -> str:
+    """`url` if PrefixGate can use it: parseable, SQLite or PostgreSQL, driver installed."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise UnsupportedDatabase(f"not a database URL; expected e.g. {_EXAMPLES}") from None
+    backend = parsed.get_backend_name()
+    if backend not in SUPPORTED_BACKENDS:
+        raise UnsupportedDatabase(f"{backend} is not supported; use {_EXAMPLES}")
+    try:
+        parsed.get_dialect().import_dbapi()
+    except (ImportError, NoSuchModuleError):
+        raise UnsupportedDatabase(
+            f"the database driver {parsed.drivername!r} is not installed; use {_EXAMPLES}"
+        ) from None
+    return url
 
 
 def make_engine(url: str, **options: Any) -> Engine:
-    """An engine for `url`; SQLite gets foreign keys on and cross-thread use allowed."""
+    """An engine for `url`; SQLite gets foreign keys on, cross-thread use allowed, and the
+    directory of its file created (mode 0700) on first use."""
+    check_database_url(url)
     if url.startswith("sqlite"):
+        database = make_url(url).database
+        if database and database != ":memory:" and not database.startswith("file:"):
+            Path(database).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         options.setdefault("connect_args", {"check_same_thread": False})
         engine = create_engine(url, **options)
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -31,4 +70,15 @@ def _sqlite_pragmas(connection: Any, _record: Any) -> None:
 
 
 def make_sessions(engine: Engine) -> sessionmaker[Session]:
-    return sessionmaker(engine, expire_on_commit=False)
+    """Sessions that refuse values too large for their columns and count tenancy changes."""
+    sessions = sessionmaker(engine, expire_on_commit=False)
+    # Registered first, so a refused value raises before the change counter moves.
+    event.listen(sessions, "before_flush", _check_bounds)
+    changes.track(sessions)
+    return sessions
+
+
+def _check_bounds(session: Session, _context: Any, _instances: Any) -> None:
+    for instance in (*session.new, *session.dirty):
+        if isinstance(instance, Base):
+            check_column_bounds(instance, changed_only=instance not in session.new)

@@ -1,7 +1,10 @@
-"""SQLAlchemy models: tenants, API keys, admins, public prefixes, the audit log.
+"""SQLAlchemy models: tenants, API keys, admins, public prefixes, the audit log, and what the
+database knows about its deployment (secret fingerprints, the KV pool, a change counter).
 
 Constraint names follow one convention (`NAMING_CONVENTION`) so migrations are static and
-reversible on every database. Times are timezone-aware UTC.
+reversible on every database. Times are timezone-aware UTC. Every value written through the
+ORM is checked against its column (`check_column_bounds`), so a too-long name is a typed
+`InvalidInput` on every database rather than a data error on PostgreSQL only.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ from sqlalchemy import (
     ForeignKey,
     Integer,
     MetaData,
+    SmallInteger,
     String,
     Text,
     UniqueConstraint,
     Uuid,
 )
+from sqlalchemy import inspect as inspect_instance
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from tenancy.errors import InvalidInput
 
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
@@ -177,3 +184,68 @@ class AuditCheckpoint(Base):
     hash: Mapped[str] = mapped_column(String(64))
     signature: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class SecretFingerprint(Base):
+    """A keyed fingerprint of a secret the database was set up with; never the secret."""
+
+    __tablename__ = "secret_fingerprints"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(String(64))
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Deployment(Base):
+    """One row of facts that servers report about the deployment (the KV pool size)."""
+
+    __tablename__ = "deployment"
+    __table_args__ = (
+        CheckConstraint("id = 1", name="single_row"),
+        CheckConstraint("pool_blocks IS NULL OR pool_blocks > 0", name="pool_positive"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    pool_blocks: Mapped[int | None] = mapped_column(Integer)
+    pool_recorded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class TenancyChanges(Base):
+    """One row whose `seq` grows with every committed change to tenants or API keys."""
+
+    __tablename__ = "tenancy_changes"
+    __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger)
+
+
+# The range each integer column type holds on PostgreSQL (SQLite would store anything).
+_INTEGER_BITS = ((BigInteger, 64), (SmallInteger, 16), (Integer, 32))
+
+
+def check_column_bounds(instance: Base, changed_only: bool = False) -> None:
+    """Raise `InvalidInput` naming the field if a value does not fit its column.
+
+    Strings are checked against their length, integers against their type's range; with
+    `changed_only`, only attributes modified since load are checked.
+    """
+    state = inspect_instance(instance)
+    for column in instance.__table__.columns:
+        if changed_only and not state.attrs[column.key].history.has_changes():
+            continue
+        value = getattr(instance, column.key, None)
+        if isinstance(value, str) and isinstance(column.type, String):
+            limit = column.type.length
+            if limit is not None and len(value) > limit:
+                raise InvalidInput(
+                    f"{column.key} must be at most {limit} characters (got {len(value)})",
+                    column.key,
+                )
+        elif isinstance(value, int) and not isinstance(value, bool):
+            bits = next((b for kind, b in _INTEGER_BITS if isinstance(column.type, kind)), None)
+            if bits is not None and not -(1 << (bits - 1)) <= value < 1 << (bits - 1):
+                low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+                raise InvalidInput(
+                    f"{column.key} must be between {low} and {high} (got {value})", column.key
+                )

@@ -6,26 +6,41 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from tenancy.deployment import Pool, recorded_pool
 from tenancy.errors import Conflict, InvalidInput, NotFound
 from tenancy.models import SHARING_MODES, ApiKey, Tenant, utcnow
 
+DEFAULT_QUOTA_BLOCKS = 1024
 _SLUG = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 
 
 @dataclass(frozen=True, slots=True)
 class TenantLimits:
-    cache_quota_blocks: int = 1024
+    # None: DEFAULT_QUOTA_BLOCKS, capped at the KV pool a server recorded.
+    cache_quota_blocks: int | None = None
     cache_reservation_blocks: int = 0
     requests_per_minute: int = 600
     tokens_per_minute: int = 1_000_000
     max_concurrent: int = 16
 
 
-def check_quota(quota_blocks: int, reservation_blocks: int) -> None:
+def check_quota(
+    session: Session,
+    quota_blocks: int,
+    reservation_blocks: int,
+    current: Tenant | None = None,
+) -> Pool | None:
+    """Check a new (or `current` tenant's new) quota and reservation, against the pool when a
+    server recorded one: the quota fits in the pool and all tenants' reservations together
+    fit in it too. Only what grows is held to the pool, so after a server starts with a
+    smaller pool, lowering a quota or a reservation is always allowed.
+
+    Returns the pool checked against (None: no server has recorded one yet).
+    """
     if quota_blocks < 0:
         raise InvalidInput("cache quota must not be negative", "cache_quota_blocks")
     if reservation_blocks < 0:
@@ -35,6 +50,34 @@ def check_quota(quota_blocks: int, reservation_blocks: int) -> None:
             f"cache reservation ({reservation_blocks}) must not exceed the quota ({quota_blocks})",
             "cache_reservation_blocks",
         )
+    pool = recorded_pool(session, for_update=True)
+    if pool is None:
+        return None
+    old_quota, old_reservation = (
+        (0, 0)
+        if current is None
+        else (current.cache_quota_blocks, current.cache_reservation_blocks)
+    )
+    if quota_blocks > max(pool.blocks, old_quota):
+        raise InvalidInput(
+            f"cache quota ({quota_blocks} blocks) is larger than the KV pool ({pool.blocks} "
+            "blocks, as a server recorded it)",
+            "cache_quota_blocks",
+        )
+    others = select(func.coalesce(func.sum(Tenant.cache_reservation_blocks), 0)).where(
+        Tenant.status != "deleted"
+    )
+    if current is not None:
+        others = others.where(Tenant.id != current.id)
+    reserved_by_others = session.scalar(others) or 0
+    total = reserved_by_others + reservation_blocks
+    if reservation_blocks > old_reservation and total > pool.blocks:
+        raise InvalidInput(
+            f"cache reservations would total {total} blocks, "
+            f"more than the KV pool's {pool.blocks} (other tenants reserve {reserved_by_others})",
+            "cache_reservation_blocks",
+        )
+    return pool
 
 
 def create_tenant(
@@ -53,7 +96,11 @@ def create_tenant(
         )
     if sharing_mode not in SHARING_MODES:
         raise InvalidInput(f"sharing mode must be one of {', '.join(SHARING_MODES)}", "sharing")
-    check_quota(limits.cache_quota_blocks, limits.cache_reservation_blocks)
+    quota = limits.cache_quota_blocks
+    if quota is None:
+        pool = recorded_pool(session)
+        quota = DEFAULT_QUOTA_BLOCKS if pool is None else min(DEFAULT_QUOTA_BLOCKS, pool.blocks)
+    check_quota(session, quota, limits.cache_reservation_blocks)
     for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
         if getattr(limits, name) < 0:
             raise InvalidInput(f"{name.replace('_', ' ')} must not be negative", name)
@@ -64,7 +111,7 @@ def create_tenant(
         display_name=display_name or slug,
         sharing_mode=sharing_mode,
         may_use_public_prefixes=may_use_public_prefixes,
-        cache_quota_blocks=limits.cache_quota_blocks,
+        cache_quota_blocks=quota,
         cache_reservation_blocks=limits.cache_reservation_blocks,
         requests_per_minute=limits.requests_per_minute,
         tokens_per_minute=limits.tokens_per_minute,
@@ -100,11 +147,23 @@ def list_tenants(session: Session, include_deleted: bool = False) -> list[Tenant
     return list(session.scalars(query))
 
 
-def set_quota(session: Session, slug: str, quota_blocks: int, reservation_blocks: int) -> Tenant:
+def set_quota(
+    session: Session,
+    slug: str,
+    quota_blocks: int | None = None,
+    reservation_blocks: int | None = None,
+) -> Tenant:
+    """Change a tenant's cache quota, reservation or both; what is not given stays."""
+    if quota_blocks is None and reservation_blocks is None:
+        raise InvalidInput("give a new quota, a new reservation or both", "cache_quota_blocks")
     tenant = get_tenant(session, slug)
-    check_quota(quota_blocks, reservation_blocks)
-    tenant.cache_quota_blocks = quota_blocks
-    tenant.cache_reservation_blocks = reservation_blocks
+    quota = tenant.cache_quota_blocks if quota_blocks is None else quota_blocks
+    reservation = (
+        tenant.cache_reservation_blocks if reservation_blocks is None else reservation_blocks
+    )
+    check_quota(session, quota, reservation, tenant)
+    tenant.cache_quota_blocks = quota
+    tenant.cache_reservation_blocks = reservation
     session.flush()
     return tenant
 

@@ -9,6 +9,14 @@ from typing import Any
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _private_state_home(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Settings built without a state directory use a temporary one, never ~/.local/state."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("xdg-state")))
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2 model as a safetensors directory (converted once per machine)."""

@@ -7,10 +7,14 @@ import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta
-from typing import Any, NoReturn
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
+
+if TYPE_CHECKING:
+    from gateway.settings import Settings
+    from tenancy.store import Store
 
 app = typer.Typer(
     help="PrefixGate: a multi-tenant LLM gateway with a safely shared prefix cache.",
@@ -28,18 +32,42 @@ def root() -> None:
     """PrefixGate: a multi-tenant LLM gateway with a safely shared prefix cache."""
 
 
+def one_line(text: str) -> str:
+    """`text` with its line breaks and runs of spaces folded (drivers' messages span lines)."""
+    return " ".join(text.split())
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
     """Print a one-line error and exit non-zero."""
-    typer.echo(f"prefixgate: error: {message}", err=True)
+    typer.echo(f"prefixgate: error: {one_line(message)}", err=True)
     raise typer.Exit(code)
 
 
 def parse_duration(text: str, option: str) -> timedelta:
-    """`30s`, `15m`, `24h`, `7d`."""
+    """`30s`, `15m`, `24h`, `7d`: a duration that still ends before the calendar does."""
     match = _DURATION.match(text.strip())
     if match is None:
         fail(f"{option}: expected a duration like 30m, 24h or 7d, got {text!r}")
-    return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+    try:
+        duration = timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
+        datetime.now(UTC) + duration  # callers add it to now: it must fit in a datetime
+    except OverflowError:
+        fail(f"{option}: {text} is too long")
+    return duration
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from PREFIXGATE_* and .env (plus `overrides`); a bad value is one line."""
+    from pydantic import ValidationError
+
+    from gateway.settings import Settings
+
+    try:
+        return Settings(**overrides)
+    except ValidationError as error:
+        first = error.errors()[0]
+        reason = first.get("ctx", {}).get("error") or first["msg"]
+        fail(f"setting {'.'.join(map(str, first['loc']))}: {reason}")
 
 
 def print_json(value: Any) -> None:
@@ -69,20 +97,25 @@ def operator() -> str:
 
 
 @contextmanager
-def open_store(check_schema: bool = True) -> Iterator[Any]:
+def open_store(check_schema: bool = True) -> Iterator[Store]:
     """The tenancy store from settings, with database errors turned into one-line messages."""
-    from sqlalchemy.exc import OperationalError
-
-    from gateway.settings import Settings
-    from tenancy.migrate import SchemaOutOfDate
-
-    try:
-        store = Settings().open_store(check_schema)
-    except SchemaOutOfDate as error:
-        fail(str(error))
-    except OperationalError as error:
-        fail(f"cannot reach the database: {error.orig}")
+    store = opened_store(load_settings(), check_schema)
     try:
         yield store
     finally:
         store.close()
+
+
+def opened_store(settings: Settings, check_schema: bool = True) -> Store:
+    """`settings.open_store()`, or one line saying why it cannot be used and exit."""
+    from sqlalchemy.exc import OperationalError
+
+    from tenancy.deployment import SecretMismatch
+    from tenancy.migrate import SchemaOutOfDate
+
+    try:
+        return settings.open_store(check_schema)
+    except (SchemaOutOfDate, SecretMismatch) as error:
+        fail(str(error))
+    except OperationalError as error:
+        fail(f"cannot reach the database: {error.orig}")

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy.orm import Session
 
-from gateway.cli.common import app, fail, open_store, operator, print_json, report
+from gateway.cli.common import app, fail, load_settings, open_store, operator, print_json, report
 from gateway.cli.tenancy_commands import audited_change
 from tenancy import prefixes
 from tenancy.models import PublicPrefix
@@ -37,11 +37,10 @@ def prefix_json(prefix: PublicPrefix) -> dict[str, Any]:
 
 
 def allowed_namespaces() -> tuple[str, ...]:
-    from gateway.settings import Settings
     from policies.config import PolicyFileError, load_policy
 
     try:
-        return load_policy(Settings().policy_file).namespaces
+        return load_policy(load_settings().policy_file).namespaces
     except PolicyFileError as error:
         fail(str(error))
 

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from gateway.cli.common import (
     app,
     fail,
+    load_settings,
     open_store,
     operator,
     parse_duration,
@@ -21,7 +22,7 @@ from gateway.cli.common import (
     report,
 )
 from tenancy import admins as admin_service
-from tenancy import api_keys, tenants
+from tenancy import api_keys, deployment, tenants
 from tenancy.audit_chain import AuditRecord
 from tenancy.errors import TenancyError
 from tenancy.models import Admin, ApiKey, Tenant, utcnow
@@ -120,6 +121,19 @@ def audited_change(
         return result
 
 
+def with_pool(session: Session, tenant: Tenant) -> dict[str, Any]:
+    """`tenant` as JSON plus the KV pool its quota was checked against (None: not recorded)."""
+    pool = deployment.recorded_pool(session)
+    return {**tenant_json(tenant), "pool_blocks": None if pool is None else pool.blocks}
+
+
+def pool_note(tenant: dict[str, Any]) -> str:
+    """What people should know when quotas could not be checked against the pool."""
+    if tenant["pool_blocks"] is not None:
+        return ""
+    return "\nnote: not checked against the KV pool: no server has recorded its size yet"
+
+
 def show_tenant(tenant: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print_json(tenant)
@@ -136,7 +150,9 @@ def tenants_create(
     slug: Annotated[str, typer.Argument(help="Short unique name: lowercase, digits, dashes.")],
     name: Annotated[str | None, typer.Option(help="Display name.")] = None,
     sharing: Annotated[str, typer.Option(help="user (default) or tenant.")] = "user",
-    quota: Annotated[int, typer.Option(help="Cache quota in KV blocks.")] = 1024,
+    quota: Annotated[
+        int | None, typer.Option(help="Cache quota in KV blocks (default 1024, at most the pool).")
+    ] = None,
     reservation: Annotated[int, typer.Option(help="Reserved cache blocks.")] = 0,
     rpm: Annotated[int, typer.Option(help="Requests per minute.")] = 600,
     tpm: Annotated[int, typer.Option(help="Tokens per minute.")] = 1_000_000,
@@ -152,13 +168,13 @@ def tenants_create(
         "tenant.create",
         "tenant",
         slug,
-        lambda s, _: tenant_json(
-            tenants.create_tenant(s, slug, name, sharing, limits, not no_public_prefixes)
+        lambda s, _: with_pool(
+            s, tenants.create_tenant(s, slug, name, sharing, limits, not no_public_prefixes)
         ),
         tenant_of=lambda t: t["id"],
         details={"sharing": sharing, "quota": quota, "reservation": reservation},
     )
-    report(tenant, as_json, f"created tenant {slug} ({tenant['id']})")
+    report(tenant, as_json, f"created tenant {slug} ({tenant['id']}){pool_note(tenant)}")
 
 
 @tenants_app.command("list")
@@ -193,20 +209,27 @@ def tenants_show(slug: str, as_json: JsonOption = False) -> None:
 @tenants_app.command("set-quota")
 def tenants_set_quota(
     slug: str,
-    quota: Annotated[int, typer.Option(help="Cache quota in KV blocks.")],
-    reservation: Annotated[int, typer.Option(help="Reserved cache blocks.")] = 0,
+    quota: Annotated[int | None, typer.Option(help="Cache quota in KV blocks.")] = None,
+    reservation: Annotated[int | None, typer.Option(help="Reserved cache blocks.")] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Change a tenant's cache quota and reservation."""
+    """Change a tenant's cache quota, reservation or both (what is not given stays)."""
+    if quota is None and reservation is None:
+        fail("give --quota, --reservation or both")
     tenant = audited_change(
         "tenant.set_quota",
         "tenant",
         slug,
-        lambda s, _: tenant_json(tenants.set_quota(s, slug, quota, reservation)),
+        lambda s, _: with_pool(s, tenants.set_quota(s, slug, quota, reservation)),
         tenant_of=lambda t: t["id"],
         details={"quota": quota, "reservation": reservation},
     )
-    report(tenant, as_json, f"{slug}: quota {quota}, reserved {reservation}")
+    report(
+        tenant,
+        as_json,
+        f"{slug}: quota {tenant['cache_quota_blocks']}, "
+        f"reserved {tenant['cache_reservation_blocks']}{pool_note(tenant)}",
+    )
 
 
 @tenants_app.command("set-sharing")
@@ -377,10 +400,9 @@ def db_upgrade() -> None:
     """Create or migrate the schema to the newest version."""
     from sqlalchemy.exc import OperationalError
 
-    from gateway.settings import Settings
     from tenancy.migrate import head_revision, upgrade
 
-    settings = Settings()
+    settings = load_settings()
     try:
         upgrade(settings.database_url)
     except OperationalError as error:

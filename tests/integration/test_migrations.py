@@ -14,7 +14,7 @@ from tenancy.migrate import SchemaOutOfDate, downgrade, ensure_current, head_rev
 from tenancy.models import Base
 
 TABLES = {"tenants", "api_keys", "admins", "public_prefixes", "audit_events", "audit_head",
-          "audit_checkpoints"}  # fmt: skip
+          "audit_checkpoints", "secret_fingerprints", "deployment", "tenancy_changes"}  # fmt: skip
 
 
 def tables(url: str) -> set[str]:
@@ -62,3 +62,31 @@ def test_a_schema_that_is_behind_is_refused_with_the_fix(empty_postgres_url: str
         ensure_current(empty_postgres_url)
     assert "without a migration version" in str(raised.value)
     assert str(head_revision()) in str(raised.value)
+
+
+def test_0002_adds_deployment_state_to_a_0001_database_and_removes_only_it(
+    empty_postgres_url: str,
+) -> None:
+    from sqlalchemy import text
+
+    upgrade(empty_postgres_url, "0001")
+    engine = make_engine(empty_postgres_url)
+    try:
+        with engine.begin() as connection:  # a tenant made before the upgrade
+            connection.execute(text(
+                "INSERT INTO tenants VALUES ('00000000-0000-0000-0000-000000000001', 'old', "
+                "'Old', 'active', 'user', true, 8, 0, 1, 1, 1, now(), now())"
+            ))  # fmt: skip
+        upgrade(empty_postgres_url)
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT seq FROM tenancy_changes")).all() == [(0,)]
+            pool = connection.execute(text("SELECT id, pool_blocks FROM deployment")).all()
+            assert pool == [(1, None)]
+        downgrade(empty_postgres_url, "0001")
+        assert tables(empty_postgres_url) == TABLES - {
+            "secret_fingerprints", "deployment", "tenancy_changes"
+        }  # fmt: skip
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT slug FROM tenants")).all() == [("old",)]
+    finally:
+        engine.dispose()
