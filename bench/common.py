@@ -5,11 +5,15 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+
+BENCH_MODEL = "tiny-chat"
 
 
 def machine() -> dict[str, Any]:
@@ -49,3 +53,40 @@ def plot_bars(
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+@contextmanager
+def bench_gateway(overrides: Mapping[str, Any] | None = None) -> Iterator[tuple[Any, str]]:
+    """A real gateway on a localhost port (SQLite, a tiny random Llama with SmolLM2's
+    tokenizer) and an API key of a tenant with limits no benchmark reaches."""
+    from engine.model_loader import embedded_model_dir
+    from gateway.local_server import serve, tiny_chat_model
+    from tenancy import api_keys, tenants
+    from tenancy.migrate import upgrade
+    from tenancy.store import Store
+    from tenancy.tenants import TenantLimits
+
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        model_dir = tiny_chat_model(work / BENCH_MODEL, embedded_model_dir())
+        database = f"sqlite:///{work / 'bench.db'}"
+        upgrade(database)
+        store = Store.open(database, work / "seed.spool", "bench-key", "bench-signing")
+        with store.transaction() as session:
+            limits = TenantLimits(requests_per_minute=100_000, tokens_per_minute=10**9,
+                                  max_concurrent=10_000, cache_quota_blocks=100_000)  # fmt: skip
+            tenant = tenants.create_tenant(session, "bench", limits=limits)
+            key = api_keys.create_key(session, tenant, "bench", "bench-key").secret
+        store.close()
+        settings = {
+            "database_url": database, "state_dir": work, "key_hash_secret": "bench-key",
+            "audit_signing_key": "bench-signing", "model_dir": model_dir,
+            **(overrides or {}),
+        }  # fmt: skip
+        with serve(settings) as server:
+            yield server, key
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]

@@ -14,38 +14,25 @@ import argparse
 import asyncio
 import json
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.common import emit, machine, plot_bars
+from bench.common import BENCH_MODEL, bench_gateway, emit, machine, percentile, plot_bars
 from engine.request import GenerationRequest
 from engine.sampler import SamplingParams
 from engine.scope import User
-from gateway.local_server import serve, tiny_chat_model
-from tenancy import api_keys, tenants
-from tenancy.migrate import upgrade
-from tenancy.store import Store
-from tenancy.tenants import TenantLimits
+from policies.templates import render_with_spans
 
 TARGET_OVERHEAD_P50_MS = 2.0
-MODEL = "tiny-chat"
+MODEL = BENCH_MODEL
 MESSAGES = [{"role": "user", "content": "Tell me about the weather in Lisbon in May."}]
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
 async def overhead(server: Any, key: str, requests: int, max_tokens: int) -> dict[str, float]:
     state = server.gateway
-    token_ids = state.loaded.tokenizer.apply_chat_template(
-        MESSAGES, add_generation_prompt=True, tokenize=True
-    )["input_ids"]
+    token_ids, _ = render_with_spans(state.loaded.tokenizer, MESSAGES)  # as the gateway does
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0}
     http, direct, server_side = [], [], []
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
@@ -155,31 +142,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if min(args.requests, args.streams, args.max_tokens) < 1:
         parser.error("--requests, --streams and --max-tokens must be >= 1")
 
-    from engine.model_loader import embedded_model_dir
-
-    with tempfile.TemporaryDirectory() as scratch:
-        work = Path(scratch)
-        model_dir = tiny_chat_model(work / MODEL, embedded_model_dir())
-        database = f"sqlite:///{work / 'bench.db'}"
-        upgrade(database)
-        store = Store.open(database, work / "seed.spool", "bench-key", "bench-signing")
-        with store.transaction() as session:
-            tenant = tenants.create_tenant(
-                session, "bench", limits=TenantLimits(requests_per_minute=100_000,
-                tokens_per_minute=10**9, max_concurrent=10_000, cache_quota_blocks=100_000),
-            )  # fmt: skip
-            key = api_keys.create_key(session, tenant, "bench", "bench-key").secret
-        store.close()
-        overrides = {
-            "database_url": database, "state_dir": work, "key_hash_secret": "bench-key",
-            "audit_signing_key": "bench-signing", "model_dir": model_dir,
-            "max_num_seqs": 256, "kv_cache_bytes": 256 << 20,
-        }  # fmt: skip
-        with serve(overrides) as server:
-            result: dict[str, Any] = {"benchmark": "gateway", "model": MODEL,
-                                      "max_tokens": args.max_tokens}  # fmt: skip
-            result.update(asyncio.run(overhead(server, key, args.requests, args.max_tokens)))
-            result.update(asyncio.run(streams(server, key, args.streams, args.max_tokens)))
+    overrides = {"max_num_seqs": 256, "kv_cache_bytes": 256 << 20}
+    with bench_gateway(overrides) as (server, key):
+        result: dict[str, Any] = {"benchmark": "gateway", "model": MODEL,
+                                  "max_tokens": args.max_tokens}  # fmt: skip
+        result.update(asyncio.run(overhead(server, key, args.requests, args.max_tokens)))
+        result.update(asyncio.run(streams(server, key, args.streams, args.max_tokens)))
     result["target_overhead_p50_ms"] = TARGET_OVERHEAD_P50_MS
     result["meets_overhead_target"] = result["server_overhead_p50_ms"] <= TARGET_OVERHEAD_P50_MS
     result["machine"] = machine()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,17 +18,20 @@ from engine.budget import TenantBudget
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import EMBEDDED_MODEL_NAME, LoadedModel, load_model
+from gateway.api.openapi import install_openapi
 from gateway.api.routes import inference, system
 from gateway.audit_queue import AuditQueue
 from gateway.auth import KeyAuthenticator
-from gateway.errors import APIError, install_error_handlers
+from gateway.errors import install_error_handlers
 from gateway.limits import RateLimiter
 from gateway.metrics import GatewayMetrics
-from gateway.middleware import BodySizeLimit, BodyTooLarge
+from gateway.middleware import BodySizeLimit, RequestGate
 from gateway.settings import Settings
 from gateway.state import GatewayState, PolicyHolder
+from gateway.tenancy_sync import TenancySync
 from gateway.tracing import make_tracer_provider
 from policies.config import load_policy
+from tenancy import deployment
 from tenancy.db import make_engine
 from tenancy.migrate import current_revision, ensure_current, upgrade
 
@@ -50,27 +54,33 @@ def create_app(
         app.state.gateway = state
         if on_ready is not None:
             on_ready(state)
-        refresher = asyncio.create_task(_refresh_registry(state))
+        refresh_registry = functools.partial(state.policy.refresh, state.store)
+        background = [
+            asyncio.create_task(
+                _every(settings.registry_refresh_s, refresh_registry, "the prefix registry")
+            ),
+            asyncio.create_task(
+                _every(settings.tenancy_poll_s, state.tenancy_sync.poll, "tenancy changes")
+            ),
+        ]
         try:
             yield
         finally:
-            refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await refresher
+            for task in background:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             state.draining = True
             await run_in_threadpool(shutdown_state, state)
 
     app = FastAPI(title="PrefixGate", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
-
-    @app.exception_handler(BodyTooLarge)
-    async def body_too_large(_: object, __: BodyTooLarge) -> object:
-        return APIError(413, f"the request body is larger than {settings.max_body_bytes} bytes",
-                        "invalid_request_error", None, "request_too_large").response()  # fmt: skip
-
+    install_openapi(app)
     app.include_router(inference.router)
     app.include_router(system.router)
+    # The last added is outermost: the gate checks the key before the body is read.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestGate)
     return app
 
 
@@ -121,8 +131,13 @@ def build_state(
             public_budget=public_budget,
         ),
     ).start()
+    with store.transaction() as session:  # so the CLI can check quotas against the pool
+        deployment.record_pool_blocks(session, engine.pool.num_blocks)
     policy = PolicyHolder(policy_config, loaded, model_name, settings.block_size)
     policy.refresh(store)
+    auth = KeyAuthenticator(store, settings.auth_cache_ttl_s, settings.auth_stale_ttl_s)
+    tenancy_sync = TenancySync(store, engine, auth)
+    tenancy_sync.poll()
     tenant_names: dict[str, str] = {}
     state = GatewayState(
         settings=settings,
@@ -131,12 +146,16 @@ def build_state(
         store=store,
         model_name=model_name,
         policy=policy,
-        auth=KeyAuthenticator(store, settings.auth_cache_ttl_s, settings.auth_stale_ttl_s),
+        auth=auth,
+        tenancy_sync=tenancy_sync,
         limiter=RateLimiter(),
-        metrics=GatewayMetrics(engine, lambda tenant_id: tenant_names.get(tenant_id, tenant_id)),
+        metrics=GatewayMetrics(
+            engine, store.audit, lambda tenant_id: tenant_names.get(tenant_id, tenant_id)
+        ),
         tracer_provider=make_tracer_provider(settings.otlp_endpoint),
-        audit=AuditQueue(store.audit),
+        audit=AuditQueue(store.audit, settings.audit_checkpoint_interval_s),
         max_prompt_tokens=settings.max_prompt_tokens or engine.max_model_len - 1,
+        prepare_slots=asyncio.Semaphore(settings.prepare_concurrency),
         tenant_names=tenant_names,
     )
     return state
@@ -153,11 +172,12 @@ def shutdown_state(state: GatewayState) -> None:
     state.tracer_provider.shutdown()
 
 
-async def _refresh_registry(state: GatewayState) -> None:
-    """Pick up public prefixes registered, disabled or deleted by other processes."""
+async def _every(seconds: float, work: Callable[[], object], what: str) -> None:
+    """Run blocking `work` off the event loop every `seconds`: changes made by other
+    processes (public prefixes, tenants, keys) reach this one."""
     while True:
-        await asyncio.sleep(state.settings.registry_refresh_s)
+        await asyncio.sleep(seconds)
         try:
-            await run_in_threadpool(state.policy.refresh, state.store)
-        except Exception:  # the database may be briefly away; keep the current registry
-            logger.warning("could not refresh the public-prefix registry", exc_info=True)
+            await run_in_threadpool(work)
+        except Exception:  # the database may be briefly away; keep what we have
+            logger.warning("could not refresh %s", what, exc_info=True)

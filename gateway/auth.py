@@ -83,6 +83,10 @@ class KeyAuthenticator:
         failure, key_id = result
         raise AuthenticationFailed(failure, key_id)
 
+    def forget_all(self) -> None:
+        """Drop every remembered key check (tenancy changed somewhere)."""
+        self._cache.clear()
+
     def _lookup(self, presented: str) -> Principal | tuple[AuthFailure, str | None]:
         with self._store.transaction() as session:
             result = api_keys.authenticate(session, presented, self._store.key_secret)

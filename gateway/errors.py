@@ -2,12 +2,11 @@
 
 Every error a client sees is `{"error": {"message", "type", "param", "code"}}`. Validation
 errors are 400s in that shape (not FastAPI's 422 body) and nothing unexpected ever leaks a
-stack trace: it is logged and answered with a generic 500.
+stack trace: the request gate (gateway/middleware.py) logs it and answers a generic 500.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,10 +22,9 @@ from engine.errors import (
     EngineStopped,
     InvalidRequest,
     PoolTimeout,
+    RequestFailed,
 )
 from engine.sampler import InvalidSampling
-
-logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -62,6 +60,23 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
+    @classmethod
+    def internal(cls) -> APIError:
+        return cls(500, "internal server error", "server_error")
+
+    @classmethod
+    def shutting_down(cls) -> APIError:
+        return cls(503, "the server is shutting down", "server_error", code="shutting_down")
+
+    @classmethod
+    def timeout(cls) -> APIError:
+        return cls(504, "the request timed out", "server_error", code="timeout")
+
+    @classmethod
+    def too_large(cls, max_bytes: int) -> APIError:
+        return cls(413, f"the request body is larger than {max_bytes} bytes",
+                   code="request_too_large")  # fmt: skip
+
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
@@ -81,31 +96,38 @@ def from_engine_error(error: EngineError | InvalidSampling) -> APIError:
         )
     if isinstance(error, PoolTimeout | EngineOverloaded):
         return APIError(503, str(error), "server_error", None, "overloaded", {"Retry-After": "5"})
+    if isinstance(error, RequestFailed):  # this request alone; the others went on
+        return APIError(500, str(error), "server_error", code="request_failed")
     if isinstance(error, EngineStopped):
         return APIError(503, str(error), "server_error", None, "shutting_down")
     return APIError(500, "the request failed inside the engine", "server_error")
 
 
+def respond_with(request: Request, error: APIError) -> JSONResponse:
+    """The error's response; the request's settlement reads `api_error` for its audit event."""
+    if getattr(request.state, "api_error", None) is None:
+        request.state.api_error = error
+    return error.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
+    """Routes' errors become OpenAI-shaped responses (the request gate contains the rest)."""
+
     @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return error.response()
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return respond_with(request, error)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
-        return validation_to_api_error(error.errors()).response()
+    async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return respond_with(request, validation_to_api_error(error.errors()))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kinds = {404: "not_found_error", 405: "invalid_request_error"}
-        return APIError(
-            error.status_code, str(error.detail), kinds.get(error.status_code, "server_error")
-        ).response()
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, error: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return APIError(500, "internal server error", "server_error").response()
+        status = error.status_code
+        return respond_with(
+            request, APIError(status, str(error.detail), kinds.get(status, "server_error"))
+        )
 
 
 def validation_to_api_error(errors: Any) -> APIError:
@@ -115,7 +137,9 @@ def validation_to_api_error(errors: Any) -> APIError:
     # `param` names the top-level field, as OpenAI does; the message keeps the full path.
     param = location[0] if location else None
     message = str(first.get("msg", "invalid request"))
-    if first.get("type") == "extra_forbidden":
+    if first.get("type") == "missing" and not location:
+        message = "the request needs a JSON body"
+    elif first.get("type") == "extra_forbidden":
         message = f"unsupported parameter: {'.'.join(location)}"
     elif first.get("type") == "json_invalid":
         message, param = "the request body is not valid JSON", None

@@ -1,13 +1,15 @@
-"""From an OpenAI request to engine work: template, policy plan, sampling, limits, audit.
+"""From an OpenAI request to engine work: template, policy plan, sampling.
 
-chat template -> token ids + message spans -> policy plan (scopes) -> engine request carrying
-the tenant's budget -> deltas. Every finished, failed or cancelled request leaves one audit
-event and its metrics.
+size caps -> chat template -> token ids + message spans -> policy plan (scopes) -> engine
+request carrying the tenant's budget. Everything here runs off the event loop (see
+routes/inference.py), and its cost is linear in the request's size, which is capped before
+the template runs. How a request ended goes to its `Settlement`, which writes the audit event.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,20 +18,19 @@ from typing import Any
 from opentelemetry.trace import Span
 
 from engine.budget import TenantBudget
-from engine.errors import EngineError
+from engine.errors import EngineError, ExceedsCacheQuota
 from engine.request import GenerationDelta, GenerationRequest, Usage
 from engine.sampler import InvalidSampling, SamplingParams
 from engine.scope import Public, Tenant, User
 from gateway.auth import Principal
 from gateway.errors import APIError, from_engine_error, invalid
-from gateway.limits import Admission
 from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.settlement import Settlement
 from gateway.state import GatewayState
 from gateway.tracing import record_engine_phases
 from policies.planner import MessageSpan, Plan, TenantPolicy
 from policies.planner import Principal as PolicyPrincipal
-from policies.templates import render_with_spans
-from tenancy.audit_chain import AuditRecord
+from policies.templates import TemplateRejected, render_with_spans
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 
@@ -41,55 +42,80 @@ class Prepared:
     endpoint: str
     request: GenerationRequest
     plan: Plan
-    principal: Principal
-    user_hash: str
+    settlement: Settlement
     stream: bool
     include_usage: bool
-    source_ip: str | None
     span: Span
-    response_id: str
     created: int = field(default_factory=lambda: int(time.time()))
-    started: float = field(default_factory=time.perf_counter)
-    admission: Admission | None = None
-    finished: bool = False
+
+    @property
+    def response_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field that holds the prompt."""
+        return prompt_param(self.endpoint)
+
+    @property
+    def principal(self) -> Principal:
+        assert self.settlement.principal is not None  # the gate authenticated every request
+        return self.settlement.principal
 
 
-def user_scope_id(body: SamplingFields, header_user: str | None, principal: Principal) -> str:
-    """The end user inside the tenant: `user` field, else the header, else the API key."""
-    return body.user or header_user or f"key:{principal.key_id}"
+def prompt_param(endpoint: str) -> str:
+    return "messages" if endpoint == "chat" else "prompt"
+
+
+def user_scope_id(body_user: str | None, header_user: str | None, principal: Principal) -> str:
+    """The end user inside the tenant, for private cache scopes.
+
+    A header set by a proxy wins over the body's `user`; either is the client's own name, kept
+    in a namespace of its own (`user:`), so no client can claim an API key's default scope
+    (`key:<key id>`), which is what a request without a user gets.
+    """
+    named = header_user or body_user
+    return f"user:{named}" if named else f"key:{principal.key_id}"
+
+
+def user_hash(state: GatewayState, tenant_id: str, user: str) -> str:
+    """The end user in audit events: a keyed hash, so a dictionary cannot reverse it."""
+    message = f"audit-user\0{tenant_id}\0{user}".encode()
+    return hmac.new(state.store.key_secret.encode(), message, hashlib.sha256).hexdigest()[:32]
 
 
 def prepare_chat(
     state: GatewayState,
     body: ChatCompletionRequest,
-    principal: Principal,
+    settlement: Settlement,
     header_user: str | None,
-    source_ip: str | None,
     span: Span,
 ) -> Prepared:
     check_common(state, body)
+    _check_chars(state, body.text_chars(), "messages")
     tokenizer = state.loaded.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise invalid(f"model {state.model_name} has no chat template; use /v1/completions")
     messages = [{"role": _template_role(m.role), "content": m.text()} for m in body.messages]
     try:
         token_ids, spans = render_with_spans(tokenizer, messages)
-    except Exception as error:  # a template that rejects this conversation (role order, ...)
+    except TemplateRejected as error:  # role order, special tokens it cannot keep as text
         raise invalid(f"the chat template rejected these messages: {error}", "messages") from error
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return _prepare(state, "chat", body, token_ids, spans, max_tokens, principal, header_user,
-                    source_ip, span)  # fmt: skip
+    return _prepare(
+        state, "chat", body, token_ids, spans, max_tokens, settlement, header_user, span
+    )
 
 
 def prepare_completion(
     state: GatewayState,
     body: CompletionRequest,
-    principal: Principal,
+    settlement: Settlement,
     header_user: str | None,
-    source_ip: str | None,
     span: Span,
 ) -> Prepared:
     check_common(state, body)
+    _check_chars(state, body.text_chars(), "prompt")
     prompt: Any = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
@@ -101,11 +127,23 @@ def prepare_completion(
         token_ids = list(state.loaded.tokenizer.encode(prompt))
     else:
         token_ids = list(prompt)
+        vocab = state.loaded.vocab_size
+        if token_ids and max(token_ids) >= vocab:
+            raise invalid(f"token ids must be in [0, {vocab})", "prompt")
     if not token_ids:
         raise invalid("the prompt is empty", "prompt")
     max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-    return _prepare(state, "completions", body, token_ids, [], max_tokens, principal,
-                    header_user, source_ip, span)  # fmt: skip
+    return _prepare(
+        state, "completions", body, token_ids, [], max_tokens, settlement, header_user, span
+    )
+
+
+def _check_chars(state: GatewayState, chars: int, param: str) -> None:
+    """Refuse text that cannot fit before any template or tokenizer runs over it."""
+    limit = state.settings.max_prompt_chars or 16 * state.max_prompt_tokens
+    if chars > limit:
+        message = f"the prompt has {chars} characters; the limit is {limit}"
+        raise invalid(message, param, "context_length_exceeded")
 
 
 def check_common(state: GatewayState, body: SamplingFields) -> None:
@@ -125,17 +163,18 @@ def _prepare(
     token_ids: list[int],
     spans: list[MessageSpan],
     max_tokens: int | None,
-    principal: Principal,
+    settlement: Settlement,
     header_user: str | None,
-    source_ip: str | None,
     span: Span,
 ) -> Prepared:
+    assert settlement.principal is not None  # the gate authenticated every request
+    principal = settlement.principal
     prompt_tokens = len(token_ids)
     context = state.engine.max_model_len
     if prompt_tokens > state.max_prompt_tokens or prompt_tokens >= context:
         limit = min(state.max_prompt_tokens, context - 1)
-        raise invalid(f"the prompt has {prompt_tokens} tokens; the limit is {limit}",
-                      "messages", "context_length_exceeded")  # fmt: skip
+        message = f"the prompt has {prompt_tokens} tokens; the limit is {limit}"
+        raise invalid(message, prompt_param(endpoint), "context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(state.settings.max_output_tokens, context - prompt_tokens)
     if max_tokens > state.settings.max_output_tokens:
@@ -151,7 +190,7 @@ def _prepare(
         )
     except InvalidSampling as error:
         raise from_engine_error(error) from error
-    user = user_scope_id(body, header_user, principal)
+    user = user_scope_id(body.user, header_user, principal)
     tenant = principal.tenant
     with state.tracer.start_as_current_span("policy"):
         plan = state.policy.policy.plan(
@@ -171,17 +210,18 @@ def _prepare(
         tail_scope=plan.tail_scope,
         budget=TenantBudget(tenant.cache_quota_blocks, tenant.cache_reservation_blocks),
     )
+    settlement.request_id = request_id
+    settlement.details.update(
+        user_hash=user_hash(state, principal.tenant_id, user), **scope_summary(plan)
+    )
     return Prepared(
         endpoint=endpoint,
         request=request,
         plan=plan,
-        principal=principal,
-        user_hash=hashlib.sha256(f"{principal.tenant_id}:{user}".encode()).hexdigest()[:16],
+        settlement=settlement,
         stream=body.stream,
         include_usage=body.include_usage,
-        source_ip=source_ip,
         span=span,
-        response_id=request_id,
     )
 
 
@@ -199,67 +239,32 @@ def scope_summary(plan: Plan) -> dict[str, Any]:
     }
 
 
-def finish(
+def conclude(
     state: GatewayState,
     prepared: Prepared,
     outcome: str,
     usage: Usage | None = None,
-    status: int = 200,
-    error: str | None = None,
+    error: APIError | None = None,
     last: GenerationDelta | None = None,
 ) -> None:
-    """Metrics, audit event, tracing and limiter release for a request that ended (once)."""
-    if prepared.finished:
+    """Note how the request ended (the first conclusion wins); it is settled by the gate."""
+    if prepared.settlement.outcome is not None:
         return
-    prepared.finished = True
-    seconds = time.perf_counter() - prepared.started
-    tenant = prepared.principal.tenant_slug
-    metrics = state.metrics
-    metrics.requests.labels(prepared.endpoint, str(status)).inc()
-    metrics.latency.labels(prepared.endpoint).observe(seconds)
-    if usage is not None:
-        metrics.prompt_tokens.labels(tenant).inc(usage.prompt_tokens)
-        metrics.cached_tokens.labels(tenant).inc(usage.cached_tokens)
-        metrics.completion_tokens.labels(tenant).inc(usage.completion_tokens)
-    if last is not None and last.timings is not None:
-        metrics.ttft.observe(max(0.0, last.timings.first_token - last.timings.arrived))
-        record_engine_phases(state.tracer, prepared.span, last.timings)
-    if prepared.admission is not None:
-        used = None if usage is None else usage.prompt_tokens + usage.completion_tokens
-        prepared.admission.release(used)
-    details: dict[str, Any] = {
-        "model": state.model_name,
-        "endpoint": prepared.endpoint,
-        "user_hash": prepared.user_hash,
-        "latency_ms": round(seconds * 1000, 2),
-        "status": status,
-        **scope_summary(prepared.plan),
-    }
-    if usage is not None:
-        details.update(
-            prompt_tokens=usage.prompt_tokens,
-            cached_tokens=usage.cached_tokens,
-            completion_tokens=usage.completion_tokens,
-        )
-    if error:
-        details["error"] = error
-    state.audit.put(
-        AuditRecord(
-            actor_type="api_key",
-            actor_id=prepared.principal.key_id,
-            tenant_id=prepared.principal.tenant_id,
-            action=f"inference.{prepared.endpoint}",
-            resource_type="model",
-            resource_id=state.model_name,
-            outcome=outcome,
-            request_id=prepared.response_id,
-            source_ip=prepared.source_ip,
-            details=details,
-        )
-    )
+    timings = last.timings if last is not None else None
+    prepared.settlement.conclude(outcome, usage, error, timings)
+    if timings is not None:
+        record_engine_phases(state.tracer, prepared.span, timings)
 
 
-def engine_failure(error: Exception) -> APIError:
+def engine_failure(error: Exception, prepared: Prepared) -> APIError:
+    """The client's error for an exception from the engine."""
+    if isinstance(error, ExceedsCacheQuota):  # say it in the tenant's terms, not its id
+        message = f"tenant {prepared.principal.tenant_slug}: {error}"
+        param = error.param if error.param != "messages" else prepared.prompt_param
+        return invalid(message, param, "cache_quota_too_small")
     if isinstance(error, EngineError | InvalidSampling):
-        return from_engine_error(error)
-    return APIError(500, "internal server error", "server_error")
+        api_error = from_engine_error(error)
+        if api_error.param == "messages":  # the engine's name for the prompt
+            api_error.param = prepared.prompt_param
+        return api_error
+    return APIError.internal()

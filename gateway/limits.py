@@ -1,4 +1,10 @@
-"""Per-tenant request, token and concurrency limits (token buckets, in this process)."""
+"""Per-tenant request, token and concurrency limits (token buckets, in this process).
+
+Admission has two steps. `enter` takes a concurrency slot and a request from the bucket as
+soon as the key is known, before the request is templated or tokenized, so one tenant's
+requests never occupy more of that work than its concurrency allows. `Admission.charge` then
+takes the tokens the request may cost, once they are counted.
+"""
 
 from __future__ import annotations
 
@@ -40,17 +46,22 @@ class _TenantState:
 
 @dataclass
 class Admission:
-    """A request let in: release it exactly once when it ends."""
+    """A request let in: charge its tokens once, release it exactly once when it ends."""
 
     limiter: RateLimiter
-    tenant_id: str
-    reserved_tokens: int
+    principal: Principal
+    reserved_tokens: int = 0
     released: bool = field(default=False)
+
+    def charge(self, tokens: int) -> None:
+        """Take `tokens` from the tenant's per-minute budget, or raise a 429."""
+        self.limiter._charge(self.principal, tokens)
+        self.reserved_tokens = tokens
 
     def release(self, used_tokens: int | None = None) -> None:
         if not self.released:
             self.released = True
-            self.limiter._release(self.tenant_id, self.reserved_tokens, used_tokens)
+            self.limiter._release(self.principal.tenant_id, self.reserved_tokens, used_tokens)
 
 
 class RateLimiter:
@@ -59,38 +70,47 @@ class RateLimiter:
         self._tenants: dict[str, _TenantState] = {}
         self._lock = threading.Lock()
 
-    def admit(self, principal: Principal, tokens: int) -> Admission:
-        """Count a request costing up to `tokens` tokens, or raise a 429 with Retry-After."""
+    def enter(self, principal: Principal) -> Admission:
+        """Take a concurrency slot and one request, or raise a 429 with Retry-After."""
         limits = principal.tenant
         now = self._clock()
         with self._lock:
-            state = self._tenants.get(principal.tenant_id)
-            if state is None:
-                state = _TenantState(
-                    _Bucket(limits.requests_per_minute, limits.requests_per_minute, now),
-                    _Bucket(limits.tokens_per_minute, limits.tokens_per_minute, now),
-                )
-                self._tenants[principal.tenant_id] = state
-            # Limits can change while the process runs: follow the tenant's current values.
-            state.requests.capacity = limits.requests_per_minute
-            state.tokens.capacity = limits.tokens_per_minute
+            state = self._state(principal, now)
             if state.active >= limits.max_concurrent:
                 raise _too_many("too many concurrent requests for this tenant", 1.0)
-            if tokens > limits.tokens_per_minute:
-                raise APIError(
-                    429, "the request needs more tokens than the tenant's per-minute limit",
-                    "rate_limit_error", "max_tokens", "tokens_per_minute_exceeded",
-                    {"Retry-After": "60"},
-                )  # fmt: skip
             wait = state.requests.take(1, limits.requests_per_minute, now)
             if wait:
                 raise _too_many("request rate limit reached for this tenant", wait)
-            wait = state.tokens.take(tokens, limits.tokens_per_minute, now)
-            if wait:
-                state.requests.give_back(1)
-                raise _too_many("token rate limit reached for this tenant", wait)
             state.active += 1
-        return Admission(self, principal.tenant_id, tokens)
+        return Admission(self, principal)
+
+    def _state(self, principal: Principal, now: float) -> _TenantState:
+        limits = principal.tenant
+        state = self._tenants.get(principal.tenant_id)
+        if state is None:
+            state = _TenantState(
+                _Bucket(limits.requests_per_minute, limits.requests_per_minute, now),
+                _Bucket(limits.tokens_per_minute, limits.tokens_per_minute, now),
+            )
+            self._tenants[principal.tenant_id] = state
+        # Limits can change while the process runs: follow the tenant's current values.
+        state.requests.capacity = limits.requests_per_minute
+        state.tokens.capacity = limits.tokens_per_minute
+        return state
+
+    def _charge(self, principal: Principal, tokens: int) -> None:
+        limits = principal.tenant
+        if tokens > limits.tokens_per_minute:
+            raise APIError(
+                429, "the request needs more tokens than the tenant's per-minute limit",
+                "rate_limit_error", "max_tokens", "tokens_per_minute_exceeded",
+                {"Retry-After": "60"},
+            )  # fmt: skip
+        now = self._clock()
+        with self._lock:
+            wait = self._state(principal, now).tokens.take(tokens, limits.tokens_per_minute, now)
+        if wait:
+            raise _too_many("token rate limit reached for this tenant", wait)
 
     def _release(self, tenant_id: str, reserved: int, used: int | None) -> None:
         with self._lock:

@@ -21,6 +21,7 @@ import uvicorn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from gateway.app import create_app
+from gateway.connections import uvicorn_config
 from gateway.settings import Settings
 from gateway.state import GatewayState
 
@@ -71,8 +72,7 @@ def serve(settings_overrides: dict[str, Any], loaded: Any = None) -> Iterator[Ru
         holder["state"] = state
 
     app = create_app(settings, loaded=loaded, announce=lambda _: None, on_ready=remember)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            timeout_graceful_shutdown=5)  # fmt: skip
+    config = uvicorn_config(app, settings, log_level="warning", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -1,22 +1,28 @@
 """Prometheus metrics: per-app registry, request counters, latency histograms, and the engine's
-cache and queue read at scrape time."""
+cache and queue read at scrape time.
+
+Series that name a tenant (`tenant` and `owner` labels) are shown only to a scraper that
+presents the metrics token; without it, a scrape sees the service as a whole and the public
+budget, and no tenant's identity or traffic.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.budget import PUBLIC_OWNER, Owner
 from engine.engine import Engine
+from tenancy.audit_log import AuditLog
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class GatewayMetrics:
-    def __init__(self, engine: Engine, tenant_name: Callable[[str], str]) -> None:
+    def __init__(self, engine: Engine, audit: AuditLog, tenant_name: Callable[[str], str]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "prefixgate_requests", "HTTP API requests by endpoint and status.",
@@ -43,6 +49,37 @@ class GatewayMetrics:
             registry=self.registry,
         )  # fmt: skip
         self.registry.register(EngineCollector(engine, tenant_name))
+        Gauge(
+            "prefixgate_audit_dead_letters", "Audit events the database refused (in the file).",
+            registry=self.registry,
+        ).set_function(audit.dead_letters)  # fmt: skip
+        Gauge(
+            "prefixgate_audit_spooled_events", "Audit events waiting for the database.",
+            registry=self.registry,
+        ).set_function(audit.pending)  # fmt: skip
+
+    def exposition(self, include_tenants: bool) -> bytes:
+        """The text exposition; per-tenant series only when `include_tenants`."""
+        if include_tenants:
+            return generate_latest(self.registry)
+        return generate_latest(_WithoutTenants(self.registry))
+
+
+class _WithoutTenants(Collector):
+    """A view of a registry with every sample that names a tenant left out."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            family.samples = [
+                sample
+                for sample in family.samples
+                if "tenant" not in sample.labels
+                and sample.labels.get("owner", "public") == "public"
+            ]
+            yield family
 
 
 class EngineCollector(Collector):

@@ -1,12 +1,45 @@
-"""OpenAI request shapes. Anything not listed here is rejected with a 400 naming it."""
+"""OpenAI request shapes. Anything not listed here is rejected with a 400 naming it.
+
+Types are strict, as in OpenAI's API: `"5"` is not a number and `"yes"` is not a boolean. Every
+string must be encodable as UTF-8 (JSON can carry lone surrogates such as `"\\udfff"`), and every
+number that reaches the engine is range-checked here, so no value fails deeper down.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-_STRICT = ConfigDict(extra="forbid")
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+# What torch.Generator.manual_seed accepts, as OpenAI's int64 seeds and unsigned ones.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+TOKEN_ID_MAX = 2**32 - 1
+
+
+def _utf8(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"contains a lone surrogate at position {error.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error a client sees."""
+
+    error: ErrorDetail
 
 
 class StreamOptions(BaseModel):
@@ -19,15 +52,15 @@ class TextPart(BaseModel):
     model_config = _STRICT
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = Field(default=None, max_length=64)
+    content: Text | list[TextPart]
+    name: Text | None = Field(default=None, max_length=64)
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -40,18 +73,18 @@ class SamplingFields(BaseModel):
 
     model_config = _STRICT
 
-    model: str
+    model: Text = Field(max_length=256)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
-    seed: int | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = Field(default=None, max_length=256)
+    user: Text | None = Field(default=None, max_length=256)
     n: int = 1
     # Accepted as a routing hint only: it never widens a cache scope.
-    prompt_cache_key: str | None = Field(default=None, max_length=256)
+    prompt_cache_key: Text | None = Field(default=None, max_length=256)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -67,6 +100,26 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _not_too_many(cls, value: Any, info: ValidationInfo) -> Any:
+        """The message cap (validation context `max_messages`), before any is validated."""
+        limit = (info.context or {}).get("max_messages")
+        if limit is not None and isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"{len(value)} messages; the limit is {limit}")
+        return value
+
+    def text_chars(self) -> int:
+        """Characters of message text, checked against a cap before the template runs."""
+        return sum(len(message.text()) + len(message.name or "") for message in self.messages)
+
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+
+    def text_chars(self) -> int:
+        """Characters of prompt text, checked against a cap before tokenizing."""
+        prompt: Any = self.prompt
+        if isinstance(prompt, str):
+            return len(prompt)
+        return sum(len(item) for item in prompt if isinstance(item, str))

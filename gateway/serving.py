@@ -21,7 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 
 from engine.request import GenerationDelta, Usage
 from gateway.errors import APIError
-from gateway.inference import Prepared, engine_failure, finish
+from gateway.inference import Prepared, conclude, engine_failure
 from gateway.responses import chat_chunk, chat_completion, text_completion
 from gateway.state import GatewayState
 
@@ -32,19 +32,21 @@ T = TypeVar("T")
 async def respond(state: GatewayState, prepared: Prepared, http_request: Request) -> Response:
     sampling = prepared.request.sampling
     cost = len(prepared.request.prompt_token_ids) + sampling.max_tokens
+    admission = prepared.settlement.admission
+    assert admission is not None  # the route entered the limiter before preparing
     try:
-        prepared.admission = state.limiter.admit(prepared.principal, cost)
+        admission.charge(cost)
     except APIError as error:
-        finish(state, prepared, "rejected", status=error.status, error=error.code)
+        conclude(state, prepared, "rejected", error=error)
         raise
     stream = state.engine.generate(prepared.request)
     try:
         first = await _first_delta(state, prepared, stream, http_request)
     except APIError as error:
-        finish(state, prepared, "failure", status=error.status, error=error.code)
+        conclude(state, prepared, "failure" if error.status >= 500 else "rejected", error=error)
         raise
     except asyncio.CancelledError:
-        finish(state, prepared, "cancelled", status=499)
+        conclude(state, prepared, "cancelled")
         raise
     if prepared.stream:
         # On shutdown, let in-flight streams finish (within uvicorn's graceful timeout).
@@ -72,7 +74,7 @@ async def _first_delta(
     except APIError:
         raise
     except Exception as error:
-        raise engine_failure(error) from error
+        raise engine_failure(error, prepared) from error
 
 
 async def _unless_disconnected(
@@ -93,7 +95,7 @@ async def _unless_disconnected(
             if await http_request.is_disconnected():
                 raise asyncio.CancelledError("client disconnected")
             if asyncio.get_running_loop().time() > deadline:
-                raise APIError(504, "the request timed out", "server_error", None, "timeout")
+                raise APIError.timeout()
     finally:
         if not task.done():
             task.cancel()
@@ -120,9 +122,9 @@ class _StreamResponse(EventSourceResponse):
 async def _abandon(
     state: GatewayState, prepared: Prepared, stream: AsyncIterator[GenerationDelta]
 ) -> None:
-    if not prepared.finished:
+    if prepared.settlement.outcome is None:
         await _close(stream)
-        finish(state, prepared, "cancelled", status=499)
+        conclude(state, prepared, "cancelled")
 
 
 async def _close(stream: AsyncIterator[GenerationDelta]) -> None:
@@ -150,17 +152,17 @@ async def _complete(
     try:
         text, last = await _unless_disconnected(state, rest(), stream, http_request)
     except asyncio.CancelledError:
-        finish(state, prepared, "cancelled", status=499)
+        conclude(state, prepared, "cancelled")
         raise
     except APIError as error:
-        finish(state, prepared, "failure", status=error.status, error=error.code)
+        conclude(state, prepared, "failure", error=error)
         raise
     except Exception as error:
-        api_error = engine_failure(error)
-        finish(state, prepared, "failure", status=api_error.status, error=api_error.code)
+        api_error = engine_failure(error, prepared)
+        conclude(state, prepared, "failure", error=api_error)
         raise api_error from error
     usage = last.usage or Usage(len(prepared.request.prompt_token_ids), 0, 0)
-    finish(state, prepared, "success", usage, last=last)
+    conclude(state, prepared, "success", usage, last=last)
     headers = _server_timing(http_request, last)
     model = state.model_name
     if prepared.endpoint == "chat":
@@ -203,7 +205,7 @@ async def _events(
     def event(payload: dict[str, Any]) -> dict[str, Any]:
         return {"data": json.dumps(payload, ensure_ascii=False)}
 
-    outcome, status, error_code, last = "cancelled", 499, None, first
+    outcome, failure, last = "cancelled", None, first
     try:
         if chat:
             yield event(
@@ -221,9 +223,7 @@ async def _events(
                 async with asyncio.timeout_at(deadline):
                     delta = await anext(stream)
             except TimeoutError as error:
-                raise APIError(
-                    504, "the request timed out", "server_error", None, "timeout"
-                ) from error
+                raise APIError.timeout() from error
         usage = last.usage or Usage(len(prepared.request.prompt_token_ids), 0, 0)
         if prepared.include_usage:
             usage_chunk = (
@@ -233,16 +233,15 @@ async def _events(
             )
             yield event(usage_chunk)
         yield {"data": "[DONE]"}
-        outcome, status = "success", 200
-        finish(state, prepared, outcome, usage, last=last)
+        outcome = "success"
+        conclude(state, prepared, outcome, usage, last=last)
     except APIError as error:
-        outcome, status, error_code = "failure", error.status, error.code
+        outcome, failure = "failure", error
         yield event(error.body())
     except Exception as error:
-        api_error = engine_failure(error)
-        outcome, status, error_code = "failure", api_error.status, api_error.code
-        yield event(api_error.body())
+        outcome, failure = "failure", engine_failure(error, prepared)
+        yield event(failure.body())
     finally:
         await _close(stream)
         if outcome != "success":
-            finish(state, prepared, outcome, status=status, error=error_code)
+            conclude(state, prepared, outcome, error=failure)

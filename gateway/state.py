@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -16,6 +17,7 @@ from gateway.auth import KeyAuthenticator
 from gateway.limits import RateLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
+from gateway.tenancy_sync import TenancySync
 from policies.config import PolicyConfig
 from policies.planner import SharingPolicy
 from policies.registry import build_registry
@@ -71,11 +73,13 @@ class GatewayState:
     model_name: str
     policy: PolicyHolder
     auth: KeyAuthenticator
+    tenancy_sync: TenancySync
     limiter: RateLimiter
     metrics: GatewayMetrics
     tracer_provider: TracerProvider
     audit: AuditQueue
     max_prompt_tokens: int
+    prepare_slots: asyncio.Semaphore  # requests being templated and tokenized at once
     tenant_names: dict[str, str] = field(default_factory=dict)
     draining: bool = False
 

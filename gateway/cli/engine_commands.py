@@ -150,6 +150,7 @@ def generate(
     from engine.request import GenerationRequest
     from engine.sampler import InvalidSampling, SamplingParams
     from engine.scope import User
+    from policies.templates import TemplateRejected, render
 
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
@@ -162,9 +163,10 @@ def generate(
         fail(f"{loaded.name} has no tokenizer with a chat template")
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
-    token_ids = loaded.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True
-    )["input_ids"]
+    try:  # as the gateway renders it: special tokens in the text stay text
+        token_ids = render(loaded.tokenizer, messages, generation_prompt=True)
+    except TemplateRejected as error:
+        fail(str(error))
     engine = Engine(loaded, EngineConfig(max_num_seqs=1)).start()
     request = GenerationRequest(
         "cli", "local", token_ids, sampling, tail_scope=User("local", "cli")

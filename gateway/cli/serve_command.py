@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from gateway.cli.common import app, fail
+from gateway.cli.common import app, fail, load_settings, opened_store
 
 DEMO_TENANT = "demo"
 
@@ -28,28 +28,23 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API (settings from PREFIXGATE_* and .env)."""
     import uvicorn
-    from pydantic import ValidationError
 
-    from gateway.app import create_app
-    from gateway.settings import Settings
+    from gateway.app import create_app, prepare_database
+    from gateway.connections import InvalidTrustedProxy, uvicorn_config
     from policies.config import PolicyFileError, load_policy
 
     overrides: dict[str, Any] = {
         "host": host, "port": port, "model_dir": model, "served_model_name": served_model_name,
     }  # fmt: skip
+    settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
     try:
-        settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
         load_policy(settings.policy_file)
-    except ValidationError as error:
-        first = error.errors()[0]
-        fail(f"setting {'.'.join(map(str, first['loc']))}: {first['msg']}")
     except PolicyFileError as error:
         fail(str(error))
     if model is not None and not (model / "config.json").is_file():
         fail(f"{model} is not a model directory (no config.json)")
     from sqlalchemy.exc import OperationalError
 
-    from gateway.app import prepare_database
     from tenancy.migrate import SchemaOutOfDate
 
     try:  # a brand-new database gets its schema; one that is behind stops us here
@@ -58,14 +53,14 @@ def serve(
         fail(str(error))
     except OperationalError as error:
         fail(f"cannot reach the database: {error.orig}")
+    # Secrets that are not the deployment's stop us here too, in one line, before the model
+    # loads (the server's own start-up would refuse them as well, less readably).
+    opened_store(settings).close()
     application = create_app(settings, on_ready=_create_demo_tenant if demo else None)
-    config = uvicorn.Config(
-        application,
-        host=settings.host,
-        port=settings.port,
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
-        log_level="info",
-    )
+    try:
+        config = uvicorn_config(application, settings, log_level="info")
+    except InvalidTrustedProxy as error:
+        fail(str(error))
     server = uvicorn.Server(config)
     server.run()
     if not server.started:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
+from sqlalchemy import func, select
 
 from gateway.local_server import RunningServer, serve, tiny_chat_model
 from tenancy import api_keys, prefixes, tenants
+from tenancy.models import AuditEvent
 from tenancy.store import Store
 from tenancy.tenants import TenantLimits
 from tests.support.postgres import create_database, database_url, drop_database
@@ -21,6 +25,7 @@ SYSTEM_PROMPT = (
     "explain the fee before confirming anything."
 )
 KEY_SECRET = "e2e-key-secret"
+METRICS_TOKEN = "e2e-metrics-token"
 SIGNING_KEY = "e2e-signing-key"
 
 
@@ -34,19 +39,49 @@ class Gateway:
     def base_url(self) -> str:
         return f"{self.server.url}/v1"
 
+    def audit_events(self, after_seq: int = 0) -> list[AuditEvent]:
+        """Audit events written so far (after `after_seq`), once the writer has caught up."""
+        self.server.gateway.audit.join()
+        store = self.server.gateway.store
+        with store.transaction() as session:
+            query = select(AuditEvent).where(AuditEvent.seq > after_seq).order_by(AuditEvent.seq)
+            return list(session.scalars(query))
+
+    def last_audit_seq(self) -> int:
+        self.server.gateway.audit.join()
+        with self.server.gateway.store.transaction() as session:
+            return session.scalar(select(func.max(AuditEvent.seq))) or 0
+
 
 @pytest.fixture(scope="session")
 def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     return tiny_chat_model(tmp_path_factory.mktemp("models") / MODEL, smollm2_dir)
 
 
-@pytest.fixture(scope="session")
-def gateway(
-    migrated_template: str, tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
+E2E_TENANTS = [
+    ("acme", "user", TenantLimits()),
+    ("globex", "user", TenantLimits()),
+    ("initech", "tenant", TenantLimits()),
+    ("frozen", "user", TenantLimits()),
+    ("tight", "user", TenantLimits(requests_per_minute=3, max_concurrent=1)),
+    ("thrifty", "user", TenantLimits(tokens_per_minute=300)),
+    ("solo", "user", TenantLimits(max_concurrent=1)),
+    ("cramped", "user", TenantLimits(cache_quota_blocks=4)),
+]
+
+
+@contextmanager
+def start_gateway(
+    template: str,
+    model_dir: Path,
+    state_dir: Path,
+    tenant_rows: list[tuple[str, str, TenantLimits]],
+    **settings: Any,
 ) -> Iterator[Gateway]:
-    name = create_database(template=migrated_template)
+    """A gateway on a fresh copy of the migrated database, with these tenants and one key each
+    (tenant "frozen" suspended), the airline prompt registered, and these settings."""
+    name = create_database(template=template)
     url = database_url(name)
-    state_dir = tmp_path_factory.mktemp("gateway-state")
     policy_file = state_dir / "policy.yaml"
     policy_file.write_text(
         "min_public_blocks: 2\nallow_tenant_sharing: true\nnamespaces: [default]\n"
@@ -54,18 +89,11 @@ def gateway(
     store = Store.open(url, state_dir / "seed.spool", KEY_SECRET, SIGNING_KEY)
     keys = {}
     with store.transaction() as session:
-        for slug, sharing, limits in [
-            ("acme", "user", TenantLimits()),
-            ("globex", "user", TenantLimits()),
-            ("initech", "tenant", TenantLimits()),
-            ("frozen", "user", TenantLimits()),
-            ("tight", "user", TenantLimits(requests_per_minute=3, max_concurrent=1)),
-            ("thrifty", "user", TenantLimits(tokens_per_minute=300)),
-            ("solo", "user", TenantLimits(max_concurrent=1)),
-        ]:
+        for slug, sharing, limits in tenant_rows:
             tenant = tenants.create_tenant(session, slug, sharing_mode=sharing, limits=limits)
             keys[slug] = api_keys.create_key(session, tenant, "e2e", KEY_SECRET).secret
-        tenants.set_status(session, "frozen", "suspended")
+            if slug == "frozen":
+                tenants.set_status(session, "frozen", "suspended")
         prefixes.add_prefix(session, MODEL, "default", "airline", SYSTEM_PROMPT, "e2e")
     store.close()
     overrides = {
@@ -73,14 +101,28 @@ def gateway(
         "state_dir": state_dir,
         "key_hash_secret": KEY_SECRET,
         "audit_signing_key": SIGNING_KEY,
-        "model_dir": tiny_chat_dir,
+        "model_dir": model_dir,
         "policy_file": policy_file,
         "kv_cache_bytes": 64 << 20,
         "max_body_bytes": 64 * 1024,
         "max_prompt_tokens": 1500,
+        "max_messages": 256,
         "registry_refresh_s": 0.5,
         "queue_timeout_s": 5,
+        "metrics_token": METRICS_TOKEN,
+        **settings,
     }
-    with serve(overrides) as server:
-        yield Gateway(server, keys, url)
-    drop_database(name)
+    try:
+        with serve(overrides) as server:
+            yield Gateway(server, keys, url)
+    finally:
+        drop_database(name)
+
+
+@pytest.fixture(scope="session")
+def gateway(
+    migrated_template: str, tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    state_dir = tmp_path_factory.mktemp("gateway-state")
+    with start_gateway(migrated_template, tiny_chat_dir, state_dir, E2E_TENANTS) as started:
+        yield started

@@ -10,21 +10,26 @@ from sqlalchemy import select
 
 from tenancy.models import AuditEvent
 from tenancy.store import Store
-from tests.e2e.conftest import KEY_SECRET, MODEL, SIGNING_KEY, Gateway
+from tests.e2e.conftest import KEY_SECRET, METRICS_TOKEN, MODEL, SIGNING_KEY, Gateway
 
 
 def test_health_and_readiness(gateway: Gateway) -> None:
     assert httpx.get(gateway.server.url + "/healthz").json() == {"status": "ok"}
     ready = httpx.get(gateway.server.url + "/readyz")
     assert ready.status_code == 200
-    assert ready.json() == {"status": "ready", "checks": {"engine": True, "database": True}}
+    assert ready.json() == {
+        "status": "ready",
+        "checks": {"engine": True, "database": True},
+        "audit": {"spooled": 0, "dead_letters": 0, "dead_letter_path": None},
+    }
 
 
 def test_metrics_follow_requests(gateway: Gateway) -> None:
     api = openai.OpenAI(base_url=gateway.base_url, api_key=gateway.keys["acme"], max_retries=0)
     api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "metrics"}],
                                 max_tokens=3)  # fmt: skip
-    text = httpx.get(gateway.server.url + "/metrics").text
+    scraper = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    text = httpx.get(gateway.server.url + "/metrics", headers=scraper).text
     for name in (
         'prefixgate_requests_total{endpoint="chat",status="200"}',
         "prefixgate_time_to_first_token_seconds_bucket",
@@ -38,6 +43,21 @@ def test_metrics_follow_requests(gateway: Gateway) -> None:
         'prefixgate_queue_depth{state="waiting"}',
     ):
         assert name in text, name
+
+
+def test_metrics_without_the_token_name_no_tenant(gateway: Gateway) -> None:
+    api = openai.OpenAI(base_url=gateway.base_url, api_key=gateway.keys["acme"], max_retries=0)
+    api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "metrics"}],
+                                max_tokens=2)  # fmt: skip
+    anonymous = httpx.get(gateway.server.url + "/metrics")
+    assert anonymous.status_code == 200
+    assert 'prefixgate_requests_total{endpoint="chat",status="200"}' in anonymous.text
+    assert 'owner="public"' in anonymous.text  # the public budget is nobody's identity
+    for slug in gateway.keys:
+        assert f'"{slug}"' not in anonymous.text
+    assert "tenant=" not in anonymous.text
+    wrong = httpx.get(gateway.server.url + "/metrics", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_requests_and_auth_failures_are_audited(gateway: Gateway) -> None:
@@ -61,7 +81,7 @@ def test_requests_and_auth_failures_are_audited(gateway: Gateway) -> None:
     assert event.details["prompt_tokens"] == response.usage.prompt_tokens  # type: ignore[union-attr]
     assert event.details["completion_tokens"] == 2 and "cached_tokens" in event.details
     assert event.details["private_scope"] == "user" and event.details["model"] == MODEL
-    assert "gil" not in str(event.details) and len(event.details["user_hash"]) == 16
+    assert "gil" not in str(event.details) and len(event.details["user_hash"]) == 32
     failures = [e for e in events if e.action == "auth" and e.outcome == "failure"]
     assert failures and failures[-1].details["reason"] == "malformed"
 

@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import time
+from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Header
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
-from gateway.api.deps import PrincipalDep, StateDep
+from gateway.api.deps import StateDep
+from gateway.api.openapi import API_RESPONSES, error_response
+from gateway.errors import APIError
 from gateway.state import GatewayState
 
 router = APIRouter(tags=["system"])
 _STARTED = int(time.time())
+_METRICS_401 = error_response("A metrics token was presented and is wrong")
 
 
-@router.get("/v1/models")
-async def list_models(state: StateDep, _: PrincipalDep) -> dict[str, object]:
+@router.get("/v1/models", responses=API_RESPONSES)
+async def list_models(state: StateDep) -> dict[str, object]:
     return {
         "object": "list",
         "data": [
@@ -34,7 +39,7 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={503: {"description": "Not ready (the checks say which part)"}})
 async def readyz(state: StateDep) -> Response:
     checks = {"engine": state.engine.running and not state.draining, "database": False}
     try:
@@ -43,8 +48,20 @@ async def readyz(state: StateDep) -> Response:
     except Exception:  # any failure means not ready; the reason is not the client's business
         checks["database"] = False
     ready = all(checks.values())
-    return JSONResponse({"status": "ready" if ready else "not_ready", "checks": checks},
-                        status_code=200 if ready else 503)  # fmt: skip
+    audit = await run_in_threadpool(_audit_backlog, state)
+    body = {"status": "ready" if ready else "not_ready", "checks": checks, "audit": audit}
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+def _audit_backlog(state: GatewayState) -> dict[str, object]:
+    """Events waiting for the database, and events it refused (see README: audit log)."""
+    log = state.store.audit
+    dead = log.dead_letters()
+    return {
+        "spooled": log.pending(),
+        "dead_letters": dead,
+        "dead_letter_path": str(log.dead_letter_path) if dead else None,
+    }
 
 
 def _ping(state: GatewayState) -> None:
@@ -52,6 +69,29 @@ def _ping(state: GatewayState) -> None:
         connection.execute(text("SELECT 1"))
 
 
-@router.get("/metrics")
-async def metrics(state: StateDep) -> Response:
-    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+@router.get(
+    "/metrics",
+    responses={
+        200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}}},
+        401: _METRICS_401,
+    },
+)
+async def metrics(
+    state: StateDep, authorization: Annotated[str | None, Header()] = None
+) -> Response:
+    """Prometheus text; per-tenant series need `Authorization: Bearer <metrics token>`."""
+    include_tenants = authorization is not None
+    if include_tenants and not _metrics_token_valid(state, authorization or ""):
+        raise APIError(401, "invalid metrics token", "authentication_error", code="invalid_api_key")
+    return Response(state.metrics.exposition(include_tenants), media_type=CONTENT_TYPE_LATEST)
+
+
+def _metrics_token_valid(state: GatewayState, authorization: str) -> bool:
+    token = state.settings.metrics_token
+    expected = token.get_secret_value() if token is not None else ""
+    scheme, _, presented = authorization.partition(" ")
+    return (
+        bool(expected)
+        and scheme.lower() == "bearer"
+        and hmac.compare_digest(presented.strip().encode(), expected.encode())
+    )

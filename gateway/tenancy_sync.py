@@ -1,0 +1,65 @@
+"""Keeps a running gateway in step with tenancy changes made anywhere (CLI, other replicas).
+
+Every second (`tenancy_poll_s`) the gateway reads the database's change counter, one
+single-row read. When it moved, cached key checks are dropped (so a revoked key, a suspended
+tenant or changed limits apply to the next request), changed cache quotas go to the engine at
+once, and a deleted tenant's cached KV blocks are purged (dropped and zeroed).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from engine.budget import TenantBudget
+from engine.engine import Engine
+from gateway.auth import KeyAuthenticator
+from tenancy import changes
+from tenancy.changes import TenantRow
+from tenancy.store import Store
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TenancySync:
+    store: Store
+    engine: Engine
+    auth: KeyAuthenticator
+    seq: int | None = None
+    tenants: dict[str, TenantRow] = field(default_factory=dict)
+
+    def poll(self) -> bool:
+        """Apply whatever changed since the last poll; returns whether anything did.
+
+        Blocking (database reads, engine calls): run it off the event loop.
+        """
+        with self.store.transaction() as session:
+            seq = changes.current_seq(session)
+            if seq == self.seq:
+                return False
+            tenants = changes.tenant_budgets(session)
+        first, self.seq = self.seq is None, seq
+        previous, self.tenants = self.tenants, tenants
+        self.auth.forget_all()
+        if first:  # the engine learns budgets from requests until something changes
+            return True
+        for tenant_id, row in tenants.items():
+            before = previous.get(tenant_id)
+            if row.status == "deleted":
+                if before is None or before.status != "deleted":
+                    purged = self.engine.purge_tenant(tenant_id)
+                    logger.info("tenant %s deleted: purged %d cached blocks", row.slug, purged)
+            elif before is None or _budget(before) != _budget(row):
+                self._set_budget(row)
+        return True
+
+    def _set_budget(self, row: TenantRow) -> None:
+        try:
+            self.engine.set_budget(row.tenant_id, _budget(row))
+        except ValueError as error:  # reservations beyond the pool: requests cut them instead
+            logger.warning("cache budget of tenant %s not applied: %s", row.slug, error)
+
+
+def _budget(row: TenantRow) -> TenantBudget:
+    return TenantBudget(row.cache_quota_blocks, row.cache_reservation_blocks)
