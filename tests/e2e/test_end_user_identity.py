@@ -45,7 +45,8 @@ def test_another_key_cannot_claim_a_keys_private_scope(gateway: Gateway) -> None
 
 def test_a_proxy_header_wins_over_the_body_user(gateway: Gateway) -> None:
     key, prompt = gateway.keys["acme"], long_prompt()
-    cached_tokens(gateway, key, prompt, header_user="alice")
-    assert cached_tokens(gateway, key, prompt, user="mallory", header_user="alice") > 0
-    assert cached_tokens(gateway, key, prompt, user="alice", header_user="bob") == 0
-    assert cached_tokens(gateway, key, prompt, user="alice") > 0  # no proxy: the body's user
+    alice, bob, mallory = (f"{name}-{uuid.uuid4()}" for name in ("alice", "bob", "mallory"))
+    cached_tokens(gateway, key, prompt, header_user=alice)
+    assert cached_tokens(gateway, key, prompt, user=mallory, header_user=alice) > 0
+    assert cached_tokens(gateway, key, prompt, user=alice, header_user=bob) == 0
+    assert cached_tokens(gateway, key, prompt, user=alice) > 0  # no proxy: the body's user

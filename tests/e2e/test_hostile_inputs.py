@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import MODEL, Gateway
+from tests.support.raw_http import exchange
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 VOCAB = 49152  # the tiny model's vocabulary (SmolLM2's tokenizer)
@@ -123,20 +124,6 @@ def test_forwarded_for_is_ignored_without_trusted_proxies(gateway: Gateway) -> N
     assert event.source_ip == "127.0.0.1"
 
 
-def _exchange(connection: socket.socket, request: bytes) -> bytes:
-    """Send one HTTP/1.1 request on an open connection and read its whole response."""
-    connection.sendall(request)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += connection.recv(65536)
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))  # fmt: skip
-    while len(body) < length:
-        body += connection.recv(65536)
-    return head
-
-
 def test_the_connection_stays_usable_after_a_500(gateway: Gateway) -> None:
     policy = gateway.server.gateway.policy.policy
 
@@ -152,10 +139,10 @@ def test_the_connection_stays_usable_after_a_500(gateway: Gateway) -> None:
     policy.plan = broken_plan  # type: ignore[method-assign]
     try:
         with socket.create_connection(("127.0.0.1", gateway.server.port), timeout=30) as sock:
-            head = _exchange(sock, request)
+            head = exchange(sock, request)
             assert head.startswith(b"HTTP/1.1 500"), head
             assert b"connection: close" not in head.lower()
-            health = _exchange(sock, b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
+            health = exchange(sock, b"GET /healthz HTTP/1.1\r\nHost: test\r\n\r\n")
             assert health.startswith(b"HTTP/1.1 200"), health
     finally:
         del policy.plan

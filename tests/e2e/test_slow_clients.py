@@ -29,6 +29,7 @@ from gateway.connections import (
     uvicorn_config,
 )
 from gateway.settings import Settings
+from tests.support.raw_http import exchange
 
 TIMEOUT_S = 1.0  # header and body read timeouts of every server here
 GIVE_UP_S = 8.0  # far past TIMEOUT_S: a connection still open by then is being held
@@ -140,20 +141,6 @@ def _read_until_closed(sock: socket.socket) -> bytes:
     return b"".join(chunks)
 
 
-def _exchange(sock: socket.socket, request: bytes) -> bytes:
-    """Sends one keep-alive request and reads its (Content-Length) response."""
-    sock.sendall(request)
-    response = b""
-    while b"\r\n\r\n" not in response:
-        response += sock.recv(65536)
-    head, _, body = response.partition(b"\r\n\r\n")
-    lines = head.lower().split(b"\r\n")
-    length = int(next(line.split(b":")[1] for line in lines if line.startswith(b"content-length")))
-    while len(body) < length:
-        body += sock.recv(65536)
-    return head + b"\r\n\r\n" + body
-
-
 def _error_of(response: bytes, status: int) -> dict[str, Any]:
     head, _, body = response.partition(b"\r\n\r\n")
     assert head.startswith(f"HTTP/1.1 {status} ".encode()), response[:200]
@@ -186,14 +173,14 @@ def test_headers_sent_in_pieces_within_the_timeout_are_served(served: Served) ->
         for piece in (b"GET /ping HTT", b"P/1.1\r\nHost: te", b"st\r\n\r\n"):
             sock.sendall(piece)
             time.sleep(TIMEOUT_S / 5)
-        assert _exchange(sock, b"").startswith(b"HTTP/1.1 200 ")
+        assert exchange(sock, b"").startswith(b"HTTP/1.1 200 ")
 
 
 def test_the_header_timeout_restarts_for_each_keep_alive_request(served: Served) -> None:
     with closing(served.connect()) as sock:
-        assert _exchange(sock, PING).startswith(b"HTTP/1.1 200 ")
+        assert exchange(sock, PING).startswith(b"HTTP/1.1 200 ")
         time.sleep(1.2 * TIMEOUT_S)  # past the header timeout, within uvicorn's keep-alive
-        assert _exchange(sock, PING).startswith(b"HTTP/1.1 200 ")
+        assert exchange(sock, PING).startswith(b"HTTP/1.1 200 ")
         sock.sendall(b"GET /ping HTTP/1.1\r\n")
         held_for = _trickle_until_closed(sock, lambda _: b"X")
     assert held_for < GIVE_UP_S
@@ -203,7 +190,7 @@ def test_blank_lines_on_an_idle_keep_alive_connection_cannot_hold_it(served: Ser
     # The parser skips blank lines between requests without starting a message, and every
     # byte cancels uvicorn's keep-alive timer: without a deadline this holds forever.
     with closing(served.connect()) as sock:
-        assert _exchange(sock, PING).startswith(b"HTTP/1.1 200 ")
+        assert exchange(sock, PING).startswith(b"HTTP/1.1 200 ")
         assert _trickle_until_closed(sock, lambda _: b"\r\n") < GIVE_UP_S
 
 
@@ -239,7 +226,7 @@ def test_a_slow_but_steady_body_is_not_cut(served: Served) -> None:
         for _ in range(3):  # 3 x 0.5 s: longer than the timeout in all, never stalled that long
             time.sleep(0.5 * TIMEOUT_S)
             sock.sendall(b"x")
-        response = _exchange(sock, b"")
+        response = exchange(sock, b"")
     assert response.startswith(b"HTTP/1.1 200 ") and response.endswith(b'{"bytes":3}')
 
 
@@ -256,7 +243,7 @@ def test_pending_connections_are_bounded_and_served_ones_are_not(
     caplog.set_level(logging.WARNING, logger="gateway.connections")
     with _serve(max_pending_connections=3) as served:
         with closing(served.connect()) as kept_alive:
-            assert _exchange(kept_alive, PING).startswith(b"HTTP/1.1 200 ")
+            assert exchange(kept_alive, PING).startswith(b"HTTP/1.1 200 ")
             idle = [served.connect() for _ in range(3)]
             deadline = time.monotonic() + GIVE_UP_S
             while served.guard.pending < 3 and time.monotonic() < deadline:
@@ -265,7 +252,7 @@ def test_pending_connections_are_bounded_and_served_ones_are_not(
                 with closing(served.connect()) as refused:
                     assert _error_of(_read_until_closed(refused), 503)["code"] == "overloaded"
             # A connection already being served is not a new one: its next request goes on.
-            assert _exchange(kept_alive, PING).startswith(b"HTTP/1.1 200 ")
+            assert exchange(kept_alive, PING).startswith(b"HTTP/1.1 200 ")
         for sock in idle:
             with closing(sock):
                 assert _read_until_closed(sock) == b""  # closed by the header timeout
