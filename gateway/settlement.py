@@ -123,7 +123,7 @@ def _audit_record(
     state: GatewayState, settlement: Settlement, status: int, seconds: float
 ) -> AuditRecord:
     principal = settlement.principal
-    if principal is None:  # refused before it had an identity: an auth event
+    if settlement.auth_failure is not None:  # its key was refused: an auth event
         return AuditRecord(
             actor_type="api_key",
             actor_id=settlement.key_id,
@@ -132,10 +132,7 @@ def _audit_record(
             resource_type="endpoint",
             resource_id=settlement.path,
             source_ip=settlement.source_ip,
-            details={
-                "reason": settlement.auth_failure or _error_code(settlement),
-                "status": status,
-            },
+            details={"reason": settlement.auth_failure, "status": status},
         )
     details: dict[str, Any] = {
         "endpoint": settlement.endpoint,
@@ -153,10 +150,10 @@ def _audit_record(
     if settlement.error is not None:
         details["error"] = _error_code(settlement)
         details["param"] = settlement.error.param
-    return AuditRecord(
+    return AuditRecord(  # without a principal: refused before its key could be checked
         actor_type="api_key",
-        actor_id=principal.key_id,
-        tenant_id=principal.tenant_id,
+        actor_id=principal.key_id if principal else None,
+        tenant_id=principal.tenant_id if principal else None,
         action=settlement.action,
         resource_type="model" if settlement.endpoint != "other" else "endpoint",
         resource_id=state.model_name if settlement.endpoint != "other" else settlement.path,

@@ -148,3 +148,16 @@ def test_the_connection_stays_usable_after_a_500(gateway: Gateway) -> None:
         del policy.plan
     (event,) = gateway.audit_events(before)
     assert (event.outcome, event.details["status"]) == ("failure", 500)
+
+
+def test_a_request_refused_while_shutting_down_is_audited_once(gateway: Gateway) -> None:
+    state = gateway.server.gateway
+    before = gateway.last_audit_seq()
+    state.draining = True
+    try:
+        assert send(gateway, CHAT, chat(), "acme").status_code == 503
+    finally:
+        state.draining = False
+    (event,) = gateway.audit_events(before)
+    assert (event.action, event.outcome, event.details["status"]) == ("inference.chat",
+                                                                      "failure", 503)  # fmt: skip
