@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from engine.math_utils import cdiv
+
 ATTENTION_NAME = "prefixgate_paged"
 
 
@@ -166,7 +168,7 @@ def _make_plan(batch: PagedBatch, sliding_window: int | None) -> _Plan:
     if decode:
         decode_rows = torch.tensor([starts[i] for i in decode], device=device)
         contexts = torch.tensor([batch.context_lens[i] for i in decode], device=device)
-        max_blocks = -(-int(contexts.max()) // block_size)
+        max_blocks = cdiv(int(contexts.max()), block_size)
         decode_blocks = batch.block_tables[decode, :max_blocks].reshape(-1)
         positions = torch.arange(max_blocks * block_size, device=device)
         mask = positions[None, :] < contexts[:, None]
@@ -178,7 +180,7 @@ def _make_plan(batch: PagedBatch, sliding_window: int | None) -> _Plan:
         if length == 1:
             continue
         context = batch.context_lens[index]
-        blocks = batch.block_tables[index, : -(-context // block_size)]
+        blocks = batch.block_tables[index, : cdiv(context, block_size)]
         prefill_mask: torch.Tensor | None = None
         if context != length or sliding_window is not None:
             query_positions = torch.arange(context - length, context, device=device)

@@ -14,10 +14,11 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections import abc
+from functools import cache
 from typing import NewType, Protocol
 
-from engine.scope import CacheScope, NoCache, encode_scope
+from engine.scope import CacheScope, NoCache, Public, Tenant, User
 
 BlockHash = NewType("BlockHash", bytes)
 
@@ -28,30 +29,55 @@ class HashObject(Protocol):
 
 # A hashlib-style constructor: data in, an object with `.digest()` out. Passing hashlib's own
 # constructor keeps the per-block cost at one C call, with no Python frame in between.
-HashConstructor = Callable[[bytes], HashObject]
+HashConstructor = abc.Callable[[bytes], HashObject]
 DEFAULT_HASH: HashConstructor = hashlib.blake2b
 KEY_BYTES = 32
+
+# Every token id is packed into this many bytes; a block's tokens are `block_size` times that.
+TOKEN_ID_BYTES = 4
 
 _ROOT_TAG = b"prefixgate/root/v1"
 _BLOCK_TAG = b"B"
 
 
-def encode_token_ids(token_ids: Sequence[int]) -> bytes:
-    """Token ids as fixed-width little-endian uint32 bytes."""
+def encode_token_ids(token_ids: abc.Sequence[int]) -> bytes:
+    """Token ids as fixed-width little-endian uint32 bytes (`TOKEN_ID_BYTES` each)."""
     try:
         packed = array("I", token_ids)
     except OverflowError as error:
         raise ValueError("token ids must fit in an unsigned 32-bit integer") from error
-    if packed.itemsize != 4:  # pragma: no cover - no mainstream platform has this
+    if packed.itemsize != TOKEN_ID_BYTES:  # pragma: no cover - no mainstream platform has this
         raise RuntimeError("array('I') is not 32-bit on this platform")
     if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
         packed.byteswap()
     return packed.tobytes()
 
 
-def _field(text: str) -> bytes:
+def block_token_bytes(token_bytes: bytes | bytearray, index: int, block_size: int) -> bytes:
+    """The encoded token ids of block `index` in a sequence encoded by `encode_token_ids`."""
+    stride = TOKEN_ID_BYTES * block_size
+    return bytes(token_bytes[index * stride : (index + 1) * stride])
+
+
+def _length_prefixed(text: str) -> bytes:
+    """UTF-8 text behind its 4-byte length, so consecutive fields can never run together."""
     raw = text.encode("utf-8")
     return len(raw).to_bytes(4, "little") + raw
+
+
+@cache
+def encode_scope(scope: CacheScope) -> bytes:
+    """Canonical, unambiguous bytes for a scope: a tag byte, then length-prefixed fields."""
+    match scope:
+        case Public(namespace):
+            return b"P" + _length_prefixed(namespace)
+        case Tenant(tenant_id):
+            return b"T" + _length_prefixed(tenant_id)
+        case User(tenant_id, user_id):
+            return b"U" + _length_prefixed(tenant_id) + _length_prefixed(user_id)
+        case NoCache():
+            raise ValueError("NoCache blocks have no key")
+    raise TypeError(f"not a cache scope: {scope!r}")
 
 
 class BlockHasher:
@@ -67,9 +93,9 @@ class BlockHasher:
         """The chain's root: everything besides tokens and scope that changes the KV values."""
         data = (
             _ROOT_TAG
-            + _field(model_fingerprint)
-            + _field(adapter_id)
-            + _field(kv_dtype)
+            + _length_prefixed(model_fingerprint)
+            + _length_prefixed(adapter_id)
+            + _length_prefixed(kv_dtype)
             + self.block_size.to_bytes(4, "little")
         )
         return BlockHash(self._new_hash(data).digest()[:KEY_BYTES])
@@ -78,7 +104,7 @@ class BlockHasher:
         self,
         parent: BlockHash,
         token_bytes: bytes | bytearray,
-        scopes: Sequence[CacheScope],
+        scopes: abc.Sequence[CacheScope],
         first_block: int = 0,
         end_block: int | None = None,
     ) -> list[BlockHash]:
@@ -88,7 +114,7 @@ class BlockHasher:
         of block `first_block - 1` (or the root). Stops at the first block without a full
         set of tokens and at the first `NoCache` block (it and everything after it has no key).
         """
-        stride = 4 * self.block_size
+        stride = TOKEN_ID_BYTES * self.block_size
         full_blocks = min(len(token_bytes) // stride, len(scopes))
         if end_block is not None:
             full_blocks = min(full_blocks, end_block)

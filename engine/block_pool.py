@@ -151,7 +151,7 @@ class BlockPool:
         self._num_idle -= 1
         self._release(block)
 
-    def forget(self, block: Block) -> None:
+    def clear_identity(self, block: Block) -> None:
         """Strip the cache identity of an active block: it is zeroed when its last user leaves."""
         block.key = None
         block.parent_key = None
@@ -161,7 +161,7 @@ class BlockPool:
     def _release(self, block: Block) -> None:
         assert block.owner is not None
         self._owned[block.owner] -= 1
-        self.forget(block)
+        self.clear_identity(block)
         block.owner = None
         block.parent_id = -1
         block.parent_generation = -1

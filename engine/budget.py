@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from engine.scope import CacheScope, Public
+
 
 class PublicOwner(enum.Enum):
     """The owner of blocks cached under a `Public` scope: the public budget, not a tenant."""
@@ -13,8 +15,17 @@ class PublicOwner(enum.Enum):
 
 
 PUBLIC_OWNER = PublicOwner.PUBLIC
-# Blocks are charged to the tenant whose scope they carry, public blocks to the public budget.
+# Who pays for a block: a tenant (by id) or the public budget; see `owner_of`.
 Owner = str | PublicOwner
+
+
+def owner_of(scope: CacheScope, tenant_id: str) -> Owner:
+    """Who pays for a block of `tenant_id`'s request that carries `scope`.
+
+    A public block is shared by every tenant, so the public budget pays for it; any other
+    block is the requesting tenant's.
+    """
+    return PUBLIC_OWNER if isinstance(scope, Public) else tenant_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import abc
 from dataclasses import dataclass, field
 
 from engine.block_hash import BlockHash
 from engine.block_pool import Block
 from engine.budget import TenantBudget
+from engine.math_utils import cdiv
 from engine.scope import NO_CACHE, CacheScope, Segment, block_scopes
 
 
@@ -17,8 +18,8 @@ class CacheRequest:
 
     request_id: str
     tenant_id: str
-    prompt_token_ids: Sequence[int]
-    segments: Sequence[Segment]
+    prompt_token_ids: abc.Sequence[int]
+    segments: abc.Sequence[Segment]
     # Scope of the tokens no segment covers: the generated text.
     tail_scope: CacheScope = NO_CACHE
     budget: TenantBudget | None = None
@@ -42,12 +43,17 @@ class CacheSequence:
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """The verified cached prefix of a request, valid until the cache next changes."""
+    """The verified cached prefix of a request, valid until the cache next changes.
+
+    Callers read `blocks` and `cached_tokens` and hand the match to `KVCacheManager.admit`;
+    the rest is the manager's own: its record of the request (with the keys `match` computed)
+    and the blocks' generations, which `admit` checks so that a stale match is refused.
+    """
 
     blocks: list[Block]
-    generations: list[int]
     block_size: int
-    sequence: CacheSequence
+    _record: CacheSequence = field(repr=False)
+    _generations: list[int] = field(repr=False)
 
     @property
     def cached_tokens(self) -> int:
@@ -62,5 +68,5 @@ def request_block_scopes(request: CacheRequest, block_size: int) -> list[CacheSc
     """
     if not request.prompt_token_ids:
         raise ValueError("a request needs at least one prompt token")
-    padded = -(-len(request.prompt_token_ids) // block_size) * block_size
+    padded = cdiv(len(request.prompt_token_ids), block_size) * block_size
     return block_scopes(request.segments, padded, block_size, request.tail_scope)

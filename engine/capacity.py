@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from engine.kv_spec import KVSpec
+from engine.math_utils import cdiv
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +43,7 @@ def plan_capacity(
     block = spec.block_size
     prompt_tokens = prefix_tokens + suffix_tokens
     shareable = min(prefix_tokens // block, (prompt_tokens - 1) // block) * block
-    blocks_per_request = -(-prompt_tokens // block)
+    blocks_per_request = cdiv(prompt_tokens, block)
     unshared_blocks = requests * blocks_per_request
     shared_blocks = shareable // block + requests * (blocks_per_request - shareable // block)
     uncached = requests * prompt_tokens

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import abc
 from typing import Any
 
 # Prompt tokens to decode with the first output tokens, so word boundaries come out right.
@@ -16,7 +16,9 @@ class Detokenizer:
     string and everything after it is never released.
     """
 
-    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int], stop: Sequence[str]) -> None:
+    def __init__(
+        self, tokenizer: Any, prompt_ids: abc.Sequence[int], stop: abc.Sequence[str]
+    ) -> None:
         self._tokenizer = tokenizer
         self._ids = list(prompt_ids[-_CONTEXT_TOKENS:])
         self._prefix_offset = 0

@@ -1,8 +1,8 @@
-"""The engine: a loop in its own thread that schedules, runs the model and streams deltas.
+"""The engine: each step schedules, runs the model, samples and streams deltas.
 
 Callers submit requests from any thread or event loop; everything that touches the KV cache
-runs on the engine thread, one step at a time. Cancellation, purges and budget changes are
-queued to that thread and take effect at the next step boundary.
+runs on the engine thread (see `inbox.py`), one step at a time. Cancellation, purges and budget
+changes are queued to that thread and take effect at the next step boundary.
 """
 
 from __future__ import annotations
@@ -11,11 +11,8 @@ import asyncio
 import contextlib
 import logging
 import queue
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Future
-from typing import TypeVar
+from collections.abc import AsyncIterator, Iterator
 
 import torch
 
@@ -23,7 +20,7 @@ from engine.attention import make_backend
 from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool
 from engine.budget import Owner, TenantBudget
-from engine.cache_stats import CacheStats
+from engine.cache_stats import CacheStats, snapshot
 from engine.config import EngineConfig
 from engine.errors import (
     EngineError,
@@ -33,20 +30,19 @@ from engine.errors import (
     RequestFailed,
 )
 from engine.fault_isolation import run_isolated
+from engine.inbox import Inbox
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_spec import KVSpec, dtype_name
 from engine.metrics import EngineMetrics
 from engine.model_loader import LoadedModel
 from engine.model_runner import Chunk, ModelRunner
-from engine.request import GenerationDelta, GenerationRequest, Timings
+from engine.request import GenerationDelta, GenerationRequest
 from engine.sampler import sample
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from engine.sequence import Sequence, Sink
+from engine.sequence import Sequence, Sink, Status
 from engine.validation import ModelLimits, validate
 
-T = TypeVar("T")
 logger = logging.getLogger(__name__)
-_IDLE_WAIT_S = 0.5
 
 
 class Engine:
@@ -84,54 +80,26 @@ class Engine:
             loaded.vocab_size, self.max_model_len, loaded.tokenizer is not None
         )
         self.metrics = EngineMetrics()
-        self._inbox: list[Callable[[], None]] = []
-        self._wake = threading.Condition()
-        self._active: set[str] = set()
-        self._sequences: dict[str, Sequence] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self._cache_stats = self.cache.stats()
+        self._inbox = Inbox()
+        # Every request in flight, from `submit` until `_settle`, guarded by the inbox's lock.
+        self._requests: dict[str, Sequence] = {}
+        self._cache_stats = snapshot(self.cache)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> Engine:
         """Start the engine thread (idempotent)."""
-        if self._thread is None:
-            self._stopping = False
-            self._thread = threading.Thread(
-                target=self._loop, name="prefixgate-engine", daemon=True
-            )
-            self._thread.start()
+        self._inbox.start(self._step_or_fail_all, self.scheduler.has_work)
         return self
 
     @property
     def running(self) -> bool:
         """Whether the engine thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._inbox.running
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish what is running and waiting, then stop the thread."""
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-
-    def _loop(self) -> None:
-        while True:
-            with self._wake:
-                while not self._inbox and not self.scheduler.has_work() and not self._stopping:
-                    self._wake.wait(_IDLE_WAIT_S)
-                if self._stopping and not self._inbox and not self.scheduler.has_work():
-                    return
-            try:
-                self.step()
-            except Exception:  # the last resort, for a bug outside any one request's part
-                logger.exception("engine step failed; failing all in-flight requests")
-                for sequence in list(self._sequences.values()):
-                    self._settle(sequence, EngineError("internal engine error"))
-                self.cache.end_step()
+        self._inbox.stop(timeout)
 
     # -- submitting ---------------------------------------------------------------------------
 
@@ -143,20 +111,19 @@ class Engine:
         """
         validate(request, self.limits, self.cache)
         sequence = Sequence.create(request, sink, self.loaded.tokenizer, self.device)
-        with self._wake:
-            if self._stopping:
+        with self._inbox.lock:
+            if self._inbox.stopping:
                 raise EngineStopped("the engine is shutting down")
-            if request.request_id in self._active:
+            if request.request_id in self._requests:
                 raise InvalidRequest(f"request id {request.request_id!r} is already in flight")
-            if len(self._active) >= self.config.max_waiting + self.config.max_num_seqs:
+            if len(self._requests) >= self.config.max_waiting + self.config.max_num_seqs:
                 raise EngineOverloaded("too many requests in flight; retry shortly")
-            self._active.add(request.request_id)
-            self._inbox.append(lambda: self._accept(sequence))
-            self._wake.notify()
+            self._requests[request.request_id] = sequence
+            self._inbox.post(lambda: self.scheduler.add(sequence))
 
     def cancel(self, request_id: str) -> None:
         """Stop a request and free its blocks at the next step boundary."""
-        self._post(lambda: self._cancel(request_id))
+        self._inbox.post(lambda: self._cancel(request_id))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
         """Stream a request's deltas; the last one carries `finish_reason` and `usage`.
@@ -202,18 +169,18 @@ class Engine:
 
     def set_budget(self, owner: Owner, budget: TenantBudget) -> int:
         """Change a tenant's (or the public) cache budget now; returns blocks evicted."""
-        return self._call(lambda: self.cache.set_budget(owner, budget))
+        return self._inbox.call(lambda: self.cache.set_budget(owner, budget))
 
     def purge_tenant(self, tenant_id: str) -> int:
         """Cancel the tenant's requests, then drop and zero all its cached blocks."""
 
         def purge() -> int:
-            for sequence in list(self._sequences.values()):
+            for sequence in self._scheduled():
                 if sequence.request.tenant_id == tenant_id:
                     self._settle(sequence, EngineError("the tenant's cache was purged"))
             return self.cache.purge(tenant_id)
 
-        return self._call(purge)
+        return self._inbox.call(purge)
 
     def cache_stats(self) -> CacheStats:
         """The cache as of the last step (safe from any thread)."""
@@ -227,9 +194,11 @@ class Engine:
 
     def step(self) -> bool:
         """Run one scheduling step on the calling thread; returns whether there was work."""
-        self._drain_inbox()
+        self._inbox.drain()
         if not self.scheduler.has_work():
-            self._cache_stats = self.cache.stats()
+            # The drain may have ended the last requests (a cancel, a purge): with nothing left
+            # to step, this is the last chance to report the empty queue before the thread sleeps.
+            self._record_queue_and_cache()
             return False
         started = time.perf_counter()
         output = self.scheduler.schedule()
@@ -238,7 +207,7 @@ class Engine:
         if output.chunks:
             self._execute(output)
         self.cache.end_step()
-        self._cache_stats = self.cache.stats()
+        self._cache_stats = snapshot(self.cache)
         self.metrics.record_step(
             time.perf_counter() - started,
             sum(chunk.num_tokens for chunk in output.chunks),
@@ -247,6 +216,24 @@ class Engine:
             len(self.scheduler.running),
         )
         return True
+
+    def _step_or_fail_all(self) -> None:
+        """A step on the engine thread; a bug outside any one request's part fails them all."""
+        try:
+            self.step()
+        except Exception:  # the last resort
+            logger.exception("engine step failed; failing all in-flight requests")
+            for sequence in self._scheduled():
+                self._settle(sequence, EngineError("internal engine error"))
+            self.cache.end_step()
+            self._record_queue_and_cache()
+
+    def _record_queue_and_cache(self) -> None:
+        """Record the queue depth and cache stats as they are now, for a step that ran no
+        work: otherwise `queue_depth` and `cache_stats` tell of requests already ended."""
+        self._cache_stats = snapshot(self.cache)
+        self.metrics.waiting = len(self.scheduler.waiting)
+        self.metrics.running = len(self.scheduler.running)
 
     def _execute(self, output: SchedulerOutput) -> None:
         """Run the step's chunks; a request whose part fails is settled alone, the rest go on."""
@@ -314,75 +301,46 @@ class Engine:
             self._settle(sequence, delta)
 
     def _cancel(self, request_id: str) -> None:
-        sequence = self._sequences.get(request_id)
-        if sequence is not None:
+        with self._inbox.lock:
+            sequence = self._requests.get(request_id)
+        # One still in the inbox was submitted after this cancel was queued: not the one meant.
+        if sequence is not None and sequence.status is not Status.SUBMITTED:
             self._settle(sequence, None)
 
+    def _scheduled(self) -> list[Sequence]:
+        """The requests in flight that the scheduler has taken.
+
+        Those still in the inbox are left out: they were submitted after the action now running
+        was queued, and their turn comes after it.
+        """
+        with self._inbox.lock:
+            in_flight = list(self._requests.values())
+        return [sequence for sequence in in_flight if sequence.status is not Status.SUBMITTED]
+
     def _settle(self, sequence: Sequence, outcome: GenerationDelta | EngineError | None) -> None:
-        """End a request, once: free its blocks, forget it, and send its last delta or error.
+        """End a request once: free its blocks, unregister it, send its last delta or error.
 
         `outcome` is the last delta (finished), an error (failed) or None (cancelled: nobody is
         listening).
         """
-        if self._sequences.pop(sequence.request_id, None) is None:
-            return  # already settled
+        with self._inbox.lock:
+            if self._requests.get(sequence.request_id) is not sequence:
+                return  # already settled
+            del self._requests[sequence.request_id]
         # A failed request's KV may be what failed it: none of it stays cached.
         self.scheduler.remove(sequence, keep_computed=not isinstance(outcome, EngineError))
-        computed_prompt_positions = self.runner.forget(sequence.request_id)
-        with self._wake:
-            self._active.discard(sequence.request_id)
+        computed_prompt_positions = self.runner.pop_computed_prompt_positions(sequence.request_id)
         if outcome is None:
             self.metrics.cancelled += 1
             return
         if isinstance(outcome, GenerationDelta):
             usage = sequence.usage(computed_prompt_positions)
             self.metrics.record_finish(usage)
-            now = time.time()
-            timings = Timings(
-                sequence.arrived_wall,
-                sequence.admitted_wall or now,
-                sequence.first_token_wall or now,
-                now,
-            )
-            last = outcome
-            outcome = GenerationDelta(last.text, last.token_ids, last.finish_reason, usage, timings)
+            outcome = sequence.final_delta(outcome, usage)
         try:
             sequence.sink(outcome)
         except Exception:  # the request is over either way; the engine must go on
             logger.exception("a request's sink raised on its last item")
-
-    def _accept(self, sequence: Sequence) -> None:
-        self._sequences[sequence.request_id] = sequence
-        self.scheduler.add(sequence)
-
-    # -- plumbing -----------------------------------------------------------------------------
-
-    def _post(self, action: Callable[[], None]) -> None:
-        with self._wake:
-            self._inbox.append(action)
-            self._wake.notify()
-
-    def _call(self, action: Callable[[], T]) -> T:
-        """Run `action` on the engine thread (or right here if no thread runs) and wait."""
-        if self._thread is None or threading.current_thread() is self._thread:
-            self._drain_inbox()
-            return action()
-        future: Future[T] = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(action())
-            except BaseException as error:  # handed to the waiting caller
-                future.set_exception(error)
-
-        self._post(run)
-        return future.result()
-
-    def _drain_inbox(self) -> None:
-        with self._wake:
-            actions, self._inbox = self._inbox, []
-        for action in actions:
-            action()
 
 
 def _delta_or_raise(item: GenerationDelta | Exception) -> GenerationDelta:

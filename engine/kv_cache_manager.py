@@ -13,15 +13,38 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Sequence
+from dataclasses import dataclass
 
-from engine.block_hash import BlockHash, BlockHasher, encode_token_ids
+from engine.block_hash import BlockHash, BlockHasher, block_token_bytes, encode_token_ids
 from engine.block_pool import Block, BlockPool
-from engine.budget import PUBLIC_OWNER, Owner, PoolExhausted, QuotaExceeded, Refusal, TenantBudget
+from engine.budget import (
+    PUBLIC_OWNER,
+    Owner,
+    PoolExhausted,
+    QuotaExceeded,
+    Refusal,
+    TenantBudget,
+    owner_of,
+)
 from engine.cache_request import CacheRequest, CacheSequence, PrefixMatch, request_block_scopes
-from engine.cache_stats import CacheStats, OwnerCounters, OwnerStats
+from engine.math_utils import cdiv
 from engine.prefix_cache import PrefixCache
-from engine.scope import Public, privacy
+from engine.scope import no_less_private
+
+
+@dataclass(slots=True)
+class OwnerCounters:
+    """Running totals for one owner (a tenant or the public budget)."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    evicted_blocks: int = 0
+    purged_blocks: int = 0
+
+    @property
+    def reuse(self) -> float:
+        """Token-weighted reuse: prompt tokens served from cache over prompt tokens queried."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 class KVCacheManager:
@@ -56,7 +79,16 @@ class KVCacheManager:
     # -- budgets ------------------------------------------------------------------------------
 
     def budget(self, owner: Owner) -> TenantBudget:
+        """The owner's quota and reservation (the default budget if it has none of its own)."""
         return self._budgets.get(owner, self.default_budget)
+
+    def owners(self) -> set[Owner]:
+        """Every owner that holds blocks, has been counted or has a budget of its own."""
+        return set(self.pool.owners()) | set(self._counters) | set(self._budgets)
+
+    def counters(self, owner: Owner) -> OwnerCounters:
+        """A copy of the owner's running totals."""
+        return dataclasses.replace(self._counters.get(owner, OwnerCounters()))
 
     def set_budget(self, owner: Owner, budget: TenantBudget) -> int:
         """Set an owner's quota and reservation now; returns how many idle blocks it evicted.
@@ -109,18 +141,18 @@ class KVCacheManager:
                 blocks.append(block)
                 parent, parent_key = block, key
         generations = [block.generation for block in blocks]
-        return PrefixMatch(blocks, generations, self.block_size, sequence)
+        return PrefixMatch(blocks, self.block_size, sequence, generations)
 
     def admit(self, hit: PrefixMatch, num_new_tokens: int) -> Refusal | None:
         """Start a request: reference its cached prefix and allocate for `num_new_tokens` more.
 
         Atomic: a refusal leaves the pool, the cache and the request untouched.
         """
-        sequence = hit.sequence
+        sequence = hit._record
         request = sequence.request
         if request.request_id in self._sequences:
             raise ValueError(f"request {request.request_id!r} is already admitted")
-        if [block.generation for block in hit.blocks] != hit.generations:
+        if [block.generation for block in hit.blocks] != hit._generations:
             raise ValueError("stale prefix match: the cache changed since match()")
         if request.budget is not None and request.budget != self._requested.get(request.tenant_id):
             self._apply_requested_budget(request.tenant_id, request.budget)
@@ -142,7 +174,7 @@ class KVCacheManager:
         """Make sure an admitted request has blocks for its first `total_tokens` tokens."""
         return self._allocate(self._sequences[request_id], total_tokens, Counter(), [])
 
-    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+    def append_tokens(self, request_id: str, token_ids: list[int]) -> None:
         """Record generated tokens so their full blocks can be keyed and committed."""
         self._sequences[request_id].token_bytes += encode_token_ids(token_ids)
 
@@ -187,9 +219,10 @@ class KVCacheManager:
         Reads only the request and fixed settings, so any thread may ask.
         """
         sequence = self._new_sequence(request)
-        num_blocks = -(-num_tokens // self.block_size)
+        num_blocks = cdiv(num_tokens, self.block_size)
         self._extend_scopes(sequence, num_blocks)
-        return Counter(self._owner_of(sequence, index) for index in range(num_blocks))
+        tenant_id = request.tenant_id
+        return Counter(owner_of(scope, tenant_id) for scope in sequence.scopes[:num_blocks])
 
     def free(self, request_id: str, keep_computed: bool = True) -> None:
         """Give back a finished or cancelled request's blocks, tail first.
@@ -204,8 +237,7 @@ class KVCacheManager:
             return
         if not keep_computed:
             for block in sequence.blocks[sequence.cached_tokens // self.block_size :]:
-                self.prefix_cache.remove(block)
-                self.pool.forget(block)
+                self._unhook(block)
         for block in reversed(sequence.blocks):
             self.pool.unref(block)
         for owner in {block.owner for block in sequence.blocks}:
@@ -225,8 +257,7 @@ class KVCacheManager:
             purged += 1
         for block in self.pool.blocks:
             if block.owner == tenant_id and block.key is not None:
-                self.prefix_cache.remove(block)
-                self.pool.forget(block)
+                self._unhook(block)
                 purged += 1
         self.pool.flush_zeroing()
         self._counter(tenant_id).purged_blocks += purged
@@ -236,42 +267,12 @@ class KVCacheManager:
         """Zero, in one batched operation, every block that left a scope during this step."""
         return self.pool.flush_zeroing()
 
-    def cached_tokens(self, request_id: str) -> int:
-        return self._sequences[request_id].cached_tokens
-
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table."""
         return [block.block_id for block in self._sequences[request_id].blocks]
 
     def num_blocks(self, request_id: str) -> int:
         return len(self._sequences[request_id].blocks)
-
-    # -- stats --------------------------------------------------------------------------------
-
-    def stats(self) -> CacheStats:
-        """A snapshot of per-owner block counts and reuse, and pool-wide counters."""
-        owners = set(self.pool.owners()) | set(self._counters) | set(self._budgets)
-        per_owner = {}
-        for owner in owners:
-            budget = self.budget(owner)
-            owned, idle = self.pool.owned(owner), self.pool.idle_count(owner)
-            per_owner[owner] = OwnerStats(
-                active_blocks=owned - idle,
-                cached_blocks=idle,
-                reserved_blocks=budget.reserved_blocks,
-                quota_blocks=budget.quota_blocks,
-                counters=dataclasses.replace(self._counters.get(owner, OwnerCounters())),
-            )
-        return CacheStats(
-            num_blocks=self.pool.num_blocks,
-            free_blocks=self.pool.num_available,
-            cached_keys=len(self.prefix_cache),
-            blocks_zeroed=self.pool.blocks_zeroed,
-            zero_operations=self.pool.zero_operations,
-            collisions=self.prefix_cache.collisions,
-            peak_active_blocks=self.peak_active_blocks,
-            owners=per_owner,
-        )
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -284,8 +285,7 @@ class KVCacheManager:
         """Scopes for blocks of generated text: the tail scope, never less private."""
         tail = sequence.request.tail_scope
         while len(sequence.scopes) < num_blocks:
-            last = sequence.scopes[-1]
-            sequence.scopes.append(tail if privacy(tail) >= privacy(last) else last)
+            sequence.scopes.append(no_less_private(tail, sequence.scopes[-1]))
 
     def _extend_keys(self, sequence: CacheSequence, num_blocks: int) -> None:
         self._extend_scopes(sequence, num_blocks)
@@ -296,11 +296,6 @@ class KVCacheManager:
                 parent, sequence.token_bytes, sequence.scopes, have, num_blocks
             )
 
-    def _owner_of(self, sequence: CacheSequence, index: int) -> Owner:
-        if isinstance(sequence.scopes[index], Public):
-            return PUBLIC_OWNER
-        return sequence.request.tenant_id
-
     def _allocate(
         self,
         sequence: CacheSequence,
@@ -310,9 +305,10 @@ class KVCacheManager:
     ) -> Refusal | None:
         """Reference `hits`, then add blocks up to `total_tokens`, evicting as planned."""
         have = len(sequence.blocks) + len(hits)
-        needed_blocks = -(-total_tokens // self.block_size)
+        needed_blocks = cdiv(total_tokens, self.block_size)
         self._extend_scopes(sequence, needed_blocks)
-        owners = [self._owner_of(sequence, index) for index in range(have, needed_blocks)]
+        tenant_id = sequence.request.tenant_id
+        owners = [owner_of(scope, tenant_id) for scope in sequence.scopes[have:needed_blocks]]
         needs = Counter(owners)
 
         # Plan: first each owner's own evictions to stay within its quota...
@@ -375,6 +371,11 @@ class KVCacheManager:
             evicted += 1
         return evicted
 
+    def _unhook(self, block: Block) -> None:
+        """Uncache a block still in use: nobody can hit it any more; it is zeroed once released."""
+        self.prefix_cache.remove(block)
+        self.pool.clear_identity(block)
+
     def _evict(self, block: Block, count_eviction: bool = True) -> None:
         assert block.owner is not None
         if count_eviction:
@@ -384,8 +385,7 @@ class KVCacheManager:
 
     def _chunk(self, sequence: CacheSequence, index: int) -> bytes:
         """The encoded token ids of block `index`."""
-        stride = 4 * self.block_size
-        return bytes(sequence.token_bytes[index * stride : (index + 1) * stride])
+        return block_token_bytes(sequence.token_bytes, index, self.block_size)
 
     def _counter(self, owner: Owner) -> OwnerCounters:
         counters = self._counters.get(owner)

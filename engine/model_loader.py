@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -112,7 +113,14 @@ def _gguf_package_dir() -> Path:
 def _convert_gguf(target: Path) -> None:
     """GGUF -> fresh model -> safetensors, written to a temp dir and renamed into place."""
     source = _gguf_package_dir()
-    steps = tqdm(total=4, desc="Converting embedded SmolLM2 (once)", unit="step")
+    # A bar open around transformers' own bars makes theirs nested, and a nested bar moves the
+    # cursor with ESC[A, which a log file keeps verbatim: outside a terminal, one plain line.
+    interactive = sys.stderr.isatty()
+    if not interactive:
+        print("Converting embedded SmolLM2 (once, about a minute)", file=sys.stderr, flush=True)
+    steps = tqdm(
+        total=4, desc="Converting embedded SmolLM2 (once)", unit="step", disable=not interactive
+    )
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=_GGUF_FILE)
     steps.update()
     gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=_GGUF_FILE)

@@ -112,10 +112,6 @@ class ModelRunner:
             marks.extend(bytes(end - len(marks)))
         marks[chunk.start : end] = b"\x01" * chunk.prompt_positions
 
-    def computed_prompt_positions(self, request_id: str) -> int:
-        """How many distinct prompt positions of a request the model has computed."""
-        return self._prompt_positions.get(request_id, bytearray()).count(1)
-
-    def forget(self, request_id: str) -> int:
-        """Stop tracking a finished request; returns its distinct computed prompt positions."""
+    def pop_computed_prompt_positions(self, request_id: str) -> int:
+        """How many distinct prompt positions of a request the model computed; stops tracking it."""
         return self._prompt_positions.pop(request_id, bytearray()).count(1)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import abc
 from dataclasses import dataclass, field
 
 from engine.budget import TenantBudget
@@ -20,9 +20,9 @@ class GenerationRequest:
 
     request_id: str
     tenant_id: str
-    prompt_token_ids: Sequence[int]
+    prompt_token_ids: abc.Sequence[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    segments: Sequence[Segment] = ()
+    segments: abc.Sequence[Segment] = ()
     tail_scope: CacheScope = NO_CACHE
     budget: TenantBudget | None = None
 

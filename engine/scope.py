@@ -1,15 +1,17 @@
-"""Cache scopes: who may reuse a cached block, and how a scope is encoded into block keys.
+"""Cache scopes: who may reuse a cached block, and which scope each block of a request takes.
 
-A scope is part of every block key, so two requests can only share a block when their plans
-give that block the same scope. The engine never decides scopes; it receives them with each
-request as segments over the token ids and derives one scope per block from them.
+A scope is part of every block key (`block_hash.encode_scope` gives its bytes), so two requests
+can only share a block when their plans give that block the same scope. The engine never
+decides scopes; it receives them with each request as segments over the token ids and derives
+one scope per block from them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import abc
 from dataclasses import dataclass
-from functools import cache
+
+from engine.math_utils import cdiv
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,24 +61,13 @@ def more_private(a: CacheScope, b: CacheScope) -> CacheScope:
     return a if rank_a >= rank_b else b
 
 
-def _length_prefixed(text: str) -> bytes:
-    raw = text.encode("utf-8")
-    return len(raw).to_bytes(4, "little") + raw
+def no_less_private(scope: CacheScope, previous: CacheScope) -> CacheScope:
+    """The scope of a block after one scoped `previous`: `scope`, but never less private.
 
-
-@cache
-def encode_scope(scope: CacheScope) -> bytes:
-    """Canonical, unambiguous bytes for a scope: a tag byte, then length-prefixed fields."""
-    match scope:
-        case Public(namespace):
-            return b"P" + _length_prefixed(namespace)
-        case Tenant(tenant_id):
-            return b"T" + _length_prefixed(tenant_id)
-        case User(tenant_id, user_id):
-            return b"U" + _length_prefixed(tenant_id) + _length_prefixed(user_id)
-        case NoCache():
-            raise ValueError("NoCache blocks have no key")
-    raise TypeError(f"not a cache scope: {scope!r}")
+    Once a chain of blocks turns private it stays private, so `previous` wins when it is the
+    more private of the two.
+    """
+    return scope if privacy(scope) >= privacy(previous) else previous
 
 
 def _merge(current: CacheScope | None, scope: CacheScope) -> CacheScope:
@@ -93,15 +84,14 @@ class Segment:
 
 
 def block_scopes(
-    segments: Sequence[Segment], num_tokens: int, block_size: int, tail_scope: CacheScope
+    segments: abc.Sequence[Segment], num_tokens: int, block_size: int, tail_scope: CacheScope
 ) -> list[CacheScope]:
     """One scope per block covering `num_tokens` tokens (the last block may be partial).
 
     Tokens no segment covers (generated text) take `tail_scope`. Each block takes the most
-    private scope of its tokens, and once the chain turns private it stays private: a block
-    is never less private than the block before it.
+    private scope of its tokens, and is never less private than the block before it.
     """
-    num_blocks = -(-num_tokens // block_size)
+    num_blocks = cdiv(num_tokens, block_size)
     scopes: list[CacheScope | None] = [None] * num_blocks
     covered = 0
     for segment in sorted(segments, key=lambda s: s.start):
@@ -109,7 +99,7 @@ def block_scopes(
             raise ValueError(f"segments must tile the tokens without gaps: {segment}")
         covered = segment.end
         first = segment.start // block_size
-        last = min(-(-segment.end // block_size), num_blocks)
+        last = min(cdiv(segment.end, block_size), num_blocks)
         for index in range(first, last):
             scopes[index] = _merge(scopes[index], segment.scope)
     if covered < num_tokens:
@@ -118,7 +108,5 @@ def block_scopes(
     result: list[CacheScope] = []
     for scope in scopes:
         assert scope is not None
-        if result and privacy(scope) < privacy(result[-1]):
-            scope = result[-1]
-        result.append(scope)
+        result.append(no_less_private(scope, result[-1]) if result else scope)
     return result

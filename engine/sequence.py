@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from collections.abc import Callable, Collection
@@ -12,7 +13,7 @@ import torch
 
 from engine.cache_request import CacheRequest
 from engine.detokenizer import Detokenizer
-from engine.request import GenerationDelta, GenerationRequest, Usage
+from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
 from engine.sampler import make_generator
 
 # Receives deltas, and at most one exception, from the engine thread.
@@ -20,6 +21,9 @@ Sink = Callable[[GenerationDelta | Exception], None]
 
 
 class Status(enum.Enum):
+    """Where a sequence is: in the engine's inbox, waiting, running, or done."""
+
+    SUBMITTED = "submitted"  # in the engine's inbox: the scheduler has not taken it yet
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -37,7 +41,7 @@ def cache_request(request: GenerationRequest, token_ids: list[int]) -> CacheRequ
     )
 
 
-@dataclass(eq=False)
+@dataclass(slots=True, eq=False)
 class Sequence:
     """A request being served: prompt plus generated tokens, and how much KV is computed."""
 
@@ -47,7 +51,7 @@ class Sequence:
     prompt_len: int
     generator: torch.Generator | None
     detokenizer: Detokenizer | None
-    status: Status = Status.WAITING
+    status: Status = Status.SUBMITTED
     num_computed: int = 0
     arrival: float = field(default_factory=time.monotonic)
     arrived_wall: float = field(default_factory=time.time)
@@ -55,7 +59,6 @@ class Sequence:
     first_token_wall: float | None = None
     waiting_since: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
-    finish_reason: str | None = None
 
     @classmethod
     def create(
@@ -78,11 +81,6 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.prompt_len :]
-
-    @property
-    def in_prefill(self) -> bool:
-        """Still computing tokens it already has (the prompt, or everything after preemption)."""
-        return self.num_tokens - self.num_computed > 1
 
     def append(
         self, token: int, eos_token_ids: Collection[int], max_model_len: int
@@ -117,3 +115,11 @@ class Sequence:
         """OpenAI usage; cached tokens are prompt positions the model never computed (I6)."""
         cached = max(0, self.prompt_len - computed_prompt_positions)
         return Usage(self.prompt_len, cached, len(self.output_ids))
+
+    def final_delta(self, delta: GenerationDelta, usage: Usage) -> GenerationDelta:
+        """The finishing `delta` with the request's usage and the times of its phases."""
+        now = time.time()
+        timings = Timings(
+            self.arrived_wall, self.admitted_wall or now, self.first_token_wall or now, now
+        )
+        return dataclasses.replace(delta, usage=usage, timings=timings)
