@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from engine.scope import NO_CACHE, CacheScope, Public, Segment, Tenant, User
 from policies.config import PolicyConfig
 from policies.registry import PublicPrefixRegistry, RegisteredPrefix
+from policies.templates import MessageSpan
 
 
 @dataclass(frozen=True, slots=True)
-class Principal:
-    """Who is asking: the tenant (from the API key) and the end user inside it."""
+class PlanSubject:
+    """Whose request is planned: the tenant (from the API key) and the end user inside it."""
 
     tenant_id: str
     user_id: str
@@ -31,27 +32,23 @@ class Principal:
 
 @dataclass(frozen=True, slots=True)
 class TenantPolicy:
+    """What the tenant chose: how widely its private blocks are shared, and public prefixes."""
+
     sharing_mode: str = "user"  # or "tenant"
     may_use_public_prefixes: bool = True
 
 
 @dataclass(frozen=True, slots=True)
-class MessageSpan:
-    """Where one chat message lies in the rendered token ids."""
-
-    role: str
-    start: int
-    end: int
-
-
-@dataclass(frozen=True, slots=True)
 class Plan:
+    """The scopes of one request's tokens: segments tiling the prompt, and its tail's scope."""
+
     segments: list[Segment]
     tail_scope: CacheScope  # for generated tokens
     public: RegisteredPrefix | None = None
 
     @property
     def public_tokens(self) -> int:
+        """How many leading tokens are shared publicly."""
         return sum(s.end - s.start for s in self.segments if isinstance(s.scope, Public))
 
 
@@ -64,14 +61,15 @@ class SharingPolicy:
         self.config = config
         self.registry = registry
 
-    def private_scope(self, principal: Principal, tenant: TenantPolicy) -> CacheScope:
+    def private_scope(self, subject: PlanSubject, tenant: TenantPolicy) -> CacheScope:
+        """The scope of the subject's private blocks: its user's, or its tenant's if shared."""
         if tenant.sharing_mode == "tenant" and self.config.allow_tenant_sharing:
-            return Tenant(principal.tenant_id)
-        return User(principal.tenant_id, principal.user_id)
+            return Tenant(subject.tenant_id)
+        return User(subject.tenant_id, subject.user_id)
 
     def plan(
         self,
-        principal: Principal,
+        subject: PlanSubject,
         tenant: TenantPolicy,
         model: str,
         token_ids: Sequence[int],
@@ -84,7 +82,7 @@ class SharingPolicy:
             raise ValueError("cannot plan an empty prompt")
         if no_cache:
             return Plan([Segment(0, total, NO_CACHE)], NO_CACHE)
-        private = self.private_scope(principal, tenant)
+        private = self.private_scope(subject, tenant)
         public = self._public_match(tenant, model, token_ids, spans)
         if public is None:
             return Plan([Segment(0, total, private)], private)

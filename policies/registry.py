@@ -7,13 +7,17 @@ request costs one dictionary lookup on its first block and then one comparison p
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from engine.block_hash import encode_token_ids
+from policies.templates import system_prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
 class RegisteredPrefix:
+    """An admin-registered system prompt as token ids, for one model and namespace."""
+
     model: str
     namespace: str
     name: str
@@ -21,7 +25,7 @@ class RegisteredPrefix:
 
 
 def _first_block(token_ids: Sequence[int], block_size: int) -> bytes:
-    return array("I", token_ids[:block_size]).tobytes()
+    return encode_token_ids(token_ids[:block_size])
 
 
 @dataclass
@@ -71,8 +75,6 @@ def build_registry(
     min_blocks: int,
 ) -> PublicPrefixRegistry:
     """A registry for one model from (namespace, name, system prompt text) entries."""
-    from policies.templates import system_prompt_tokens
-
     registry = PublicPrefixRegistry(block_size, min_blocks)
     for namespace, name, text in entries:
         tokens = tuple(system_prompt_tokens(tokenizer, text))

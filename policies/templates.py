@@ -43,14 +43,21 @@ from typing import Any
 from jinja2 import TemplateError
 from tokenizers import Tokenizer
 
-from policies.planner import MessageSpan
-
 # Two user messages that share no first character, so renderings diverge at the user text.
 _PROBES = ("A", "\u2603 z")
 
 
 class TemplateRejected(ValueError):
     """A conversation the chat template cannot render safely; the client should change it."""
+
+
+@dataclass(frozen=True, slots=True)
+class MessageSpan:
+    """Where one chat message lies in the rendered token ids."""
+
+    role: str
+    start: int
+    end: int
 
 
 @dataclass(frozen=True, slots=True)

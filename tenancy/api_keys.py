@@ -34,8 +34,8 @@ class AuthFailure(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class KeyPrincipal:
-    """Who a valid key speaks for."""
+class VerifiedKey:
+    """A key that passed every check, and the tenant it speaks for."""
 
     tenant_id: uuid.UUID
     tenant_slug: str
@@ -114,7 +114,7 @@ def rotate_key(
 
 def authenticate(
     session: Session, presented: str, server_secret: str, now: datetime | None = None
-) -> KeyPrincipal | AuthFailure:
+) -> VerifiedKey | AuthFailure:
     """Check a presented key: shape, checksum, lookup by key id, constant-time secret compare."""
     try:
         parsed = parse_key(presented)
@@ -133,18 +133,28 @@ def authenticate(
     if not secret_matches(parsed.secret, key.secret_hash, server_secret):
         return AuthFailure.WRONG_SECRET
     now = now or utcnow()
-    if key.revoked_at is not None:
+    state = key_state(key, now)
+    if state == "revoked":
         return AuthFailure.REVOKED
-    if key.expires_at is not None and _aware(key.expires_at) <= now:
-        return AuthFailure.EXPIRED
-    if key.grace_until is not None and _aware(key.grace_until) <= now:
+    if state == "expired":
         return AuthFailure.EXPIRED
     if tenant.status == "suspended":
         return AuthFailure.TENANT_SUSPENDED
     if tenant.status == "deleted":
         return AuthFailure.TENANT_DELETED
     key.last_used_at = now
-    return KeyPrincipal(tenant.id, tenant.slug, key.key_id, key.role)
+    return VerifiedKey(tenant.id, tenant.slug, key.key_id, key.role)
+
+
+def key_state(key: ApiKey, now: datetime) -> str:
+    """What presenting `key` does at `now`: `revoked`, `expired` (past its expiry or the end
+    of its rotation's grace period), `rotating` (in that grace period) or `active`."""
+    if key.revoked_at is not None:
+        return "revoked"
+    ends = [_aware(moment) for moment in (key.expires_at, key.grace_until) if moment is not None]
+    if any(end <= now for end in ends):
+        return "expired"
+    return "rotating" if key.grace_until is not None else "active"
 
 
 def _aware(moment: datetime) -> datetime:

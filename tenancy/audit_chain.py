@@ -11,61 +11,48 @@ import hashlib
 import hmac
 import json
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from typing import Any
 
 GENESIS_HASH = "0" * 64
-EVENT_FIELDS = (
-    "event_id",
-    "seq",
-    "time",
-    "actor_type",
-    "actor_id",
-    "tenant_id",
-    "action",
-    "resource_type",
-    "resource_id",
-    "outcome",
-    "request_id",
-    "source_ip",
-    "details",
-)
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
 
 
 @dataclass(frozen=True, slots=True)
 class AuditRecord:
-    """An event as the caller describes it; the log gives it a sequence number and hashes."""
+    """An event as the caller describes it; the log gives it a sequence number and hashes.
 
+    Fields are declared in the order of an event's columns (in the database and in exports);
+    the three every caller names, `actor_type`, `action` and `outcome`, may be positional.
+    """
+
+    event_id: uuid.UUID = field(default_factory=uuid.uuid4, kw_only=True)
+    time: datetime = field(default_factory=_now, kw_only=True)
     actor_type: str
+    actor_id: str | None = field(default=None, kw_only=True)
+    tenant_id: str | None = field(default=None, kw_only=True)
     action: str
+    resource_type: str | None = field(default=None, kw_only=True)
+    resource_id: str | None = field(default=None, kw_only=True)
     outcome: str
-    actor_id: str | None = None
-    tenant_id: str | None = None
-    resource_type: str | None = None
-    resource_id: str | None = None
-    request_id: str | None = None
-    source_ip: str | None = None
-    details: dict[str, Any] = field(default_factory=dict)
-    event_id: uuid.UUID = field(default_factory=uuid.uuid4)
-    time: datetime = field(default_factory=lambda: datetime.now(UTC))
+    request_id: str | None = field(default=None, kw_only=True)
+    source_ip: str | None = field(default=None, kw_only=True)
+    details: dict[str, Any] = field(default_factory=dict, kw_only=True)
+
+    def field_values(self) -> dict[str, Any]:
+        """Every field by name, as the database stores it."""
+        return {name: getattr(self, name) for name in RECORD_FIELDS}
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-safe dict (for the spool file)."""
-        return {
-            "actor_type": self.actor_type,
-            "action": self.action,
-            "outcome": self.outcome,
-            "actor_id": self.actor_id,
-            "tenant_id": self.tenant_id,
-            "resource_type": self.resource_type,
-            "resource_id": self.resource_id,
-            "request_id": self.request_id,
-            "source_ip": self.source_ip,
-            "details": self.details,
-            "event_id": str(self.event_id),
-            "time": format_time(self.time),
-        }
+        values = self.field_values()
+        values["event_id"] = str(self.event_id)
+        values["time"] = format_time(self.time)
+        return values
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> AuditRecord:
@@ -73,6 +60,11 @@ class AuditRecord:
         values["event_id"] = uuid.UUID(values["event_id"])
         values["time"] = parse_time(values["time"])
         return cls(**values)
+
+
+RECORD_FIELDS = tuple(record_field.name for record_field in fields(AuditRecord))
+# An event's columns: the record's, with the sequence number the log gives it after its id.
+EVENT_FIELDS = ("event_id", "seq", *(name for name in RECORD_FIELDS if name != "event_id"))
 
 
 def format_time(moment: datetime) -> str:

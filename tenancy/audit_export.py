@@ -192,16 +192,14 @@ def verify_database(
             return VerifyResult(False, count, f"checkpoint seq={checkpoint.seq}{where} is forged")
     attested = max((checkpoint.seq for checkpoint in external), default=0)
     if attested > previous_seq:
-        return VerifyResult(
-            False, count,
-            f"the chain ends at seq={previous_seq} but the checkpoint file attests seq={attested}",
-        )  # fmt: skip
+        problem = (
+            f"the chain ends at seq={previous_seq} but the checkpoint file attests seq={attested}"
+        )
+        return VerifyResult(False, count, problem)
     for checkpoint, where in checkpoints:
         if hashes.get(checkpoint.seq) != checkpoint.hash:
-            return VerifyResult(
-                False, count,
-                f"events up to checkpoint seq={checkpoint.seq}{where} are missing or changed",
-            )  # fmt: skip
+            problem = f"events up to checkpoint seq={checkpoint.seq}{where} are missing or changed"
+            return VerifyResult(False, count, problem)
     return VerifyResult(True, count)
 
 

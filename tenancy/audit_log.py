@@ -31,7 +31,14 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tenancy import audit_files
 from tenancy.audit_bounds import bounded
-from tenancy.audit_chain import AuditRecord, chain_hash, event_payload, format_time, sign
+from tenancy.audit_chain import (
+    RECORD_FIELDS,
+    AuditRecord,
+    chain_hash,
+    event_payload,
+    format_time,
+    sign,
+)
 from tenancy.audit_files import SignedCheckpoint
 from tenancy.models import AuditCheckpoint, AuditEvent, AuditHead, utcnow
 
@@ -242,8 +249,10 @@ class AuditLog:
         audit_files.append_lines(self.dead_letter_path, [audit_files.dumps(line)])
         logger.error(
             "audit event %s refused by the database (%s); kept in %s",
-            event.get("event_id", "?"), _describe(error), self.dead_letter_path,
-        )  # fmt: skip
+            event.get("event_id", "?"),
+            _describe(error),
+            self.dead_letter_path,
+        )
 
 
 def _is_outage(error: BaseException) -> bool:
@@ -274,38 +283,9 @@ def _checkpoint_row(checkpoint: SignedCheckpoint) -> dict[str, Any]:
 
 
 def _row(record: AuditRecord, seq: int, prev_hash: str, digest: str) -> dict[str, Any]:
-    return {
-        "seq": seq,
-        "event_id": record.event_id,
-        "time": record.time,
-        "actor_type": record.actor_type,
-        "actor_id": record.actor_id,
-        "tenant_id": record.tenant_id,
-        "action": record.action,
-        "resource_type": record.resource_type,
-        "resource_id": record.resource_id,
-        "outcome": record.outcome,
-        "request_id": record.request_id,
-        "source_ip": record.source_ip,
-        "details": record.details,
-        "prev_hash": prev_hash,
-        "hash": digest,
-    }
+    return {"seq": seq, **record.field_values(), "prev_hash": prev_hash, "hash": digest}
 
 
 def record_from_row(row: AuditEvent) -> AuditRecord:
     """The caller-level record of a stored event (for re-hashing during verification)."""
-    return AuditRecord(
-        actor_type=row.actor_type,
-        action=row.action,
-        outcome=row.outcome,
-        actor_id=row.actor_id,
-        tenant_id=row.tenant_id,
-        resource_type=row.resource_type,
-        resource_id=row.resource_id,
-        request_id=row.request_id,
-        source_ip=row.source_ip,
-        details=row.details,
-        event_id=row.event_id,
-        time=row.time,
-    )
+    return AuditRecord(**{name: getattr(row, name) for name in RECORD_FIELDS})

@@ -8,6 +8,7 @@ and count tenancy changes (`tenancy.changes`).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +47,13 @@ def check_database_url(url: str) -> str:
 
 
 def make_engine(url: str, **options: Any) -> Engine:
-    """An engine for `url`; SQLite gets foreign keys on, cross-thread use allowed, and the
-    directory of its file created (mode 0700) on first use."""
+    """An engine for `url`; SQLite gets foreign keys on, cross-thread use allowed, and its
+    file (mode 0600) and the file's directory (mode 0700) created on first use."""
     check_database_url(url)
     if url.startswith("sqlite"):
         database = make_url(url).database
         if database and database != ":memory:" and not database.startswith("file:"):
-            Path(database).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _create_private_file(Path(database))
         options.setdefault("connect_args", {"check_same_thread": False})
         engine = create_engine(url, **options)
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -60,6 +61,20 @@ def make_engine(url: str, **options: Any) -> Engine:
     options.setdefault("pool_pre_ping", True)
     options.setdefault("connect_args", {"connect_timeout": 5})
     return create_engine(url, **options)
+
+
+def _create_private_file(path: Path) -> None:
+    """Create `path` empty and mode 0600 unless it exists; an existing file keeps its mode.
+
+    SQLite would create it with the umask's mode (usually 0644), and gives its journal and
+    WAL files the database file's mode, so this keeps them all private too.
+    """
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    os.close(descriptor)
 
 
 def _sqlite_pragmas(connection: Any, _record: Any) -> None:
