@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import EMBEDDED_MODEL_NAME, LoadedModel, load_model
 from gateway.api.openapi import install_openapi
-from gateway.api.routes import inference, system
+from gateway.api.routes import completions, system
 from gateway.audit_queue import AuditQueue
 from gateway.auth import KeyAuthenticator
 from gateway.errors import install_error_handlers
@@ -27,7 +27,8 @@ from gateway.limits import RateLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import BodySizeLimit, RequestGate
 from gateway.settings import Settings
-from gateway.state import GatewayState, PolicyHolder
+from gateway.sharing import SharingPolicyHolder
+from gateway.state import GatewayState
 from gateway.tenancy_sync import TenancySync
 from gateway.tracing import make_tracer_provider
 from policies.config import load_policy
@@ -54,7 +55,7 @@ def create_app(
         app.state.gateway = state
         if on_ready is not None:
             on_ready(state)
-        refresh_registry = functools.partial(state.policy.refresh, state.store)
+        refresh_registry = functools.partial(state.sharing.refresh, state.store)
         background = [
             asyncio.create_task(
                 _every(settings.registry_refresh_s, refresh_registry, "the prefix registry")
@@ -76,10 +77,12 @@ def create_app(
     app = FastAPI(title="PrefixGate", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     install_openapi(app)
-    app.include_router(inference.router)
+    app.include_router(completions.router)
     app.include_router(system.router)
     # The last added is outermost: the gate checks the key before the body is read.
-    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit, max_bytes=settings.max_body_bytes, deadline_s=settings.body_read_timeout_s
+    )
     app.add_middleware(RequestGate)
     return app
 
@@ -133,8 +136,8 @@ def build_state(
     ).start()
     with store.transaction() as session:  # so the CLI can check quotas against the pool
         deployment.record_pool_blocks(session, engine.pool.num_blocks)
-    policy = PolicyHolder(policy_config, loaded, model_name, settings.block_size)
-    policy.refresh(store)
+    sharing = SharingPolicyHolder(policy_config, loaded, model_name, settings.block_size)
+    sharing.refresh(store)
     auth = KeyAuthenticator(store, settings.auth_cache_ttl_s, settings.auth_stale_ttl_s)
     tenancy_sync = TenancySync(store, engine, auth)
     tenancy_sync.poll()
@@ -145,7 +148,7 @@ def build_state(
         engine=engine,
         store=store,
         model_name=model_name,
-        policy=policy,
+        sharing=sharing,
         auth=auth,
         tenancy_sync=tenancy_sync,
         limiter=RateLimiter(),

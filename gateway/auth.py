@@ -16,13 +16,15 @@ from starlette.concurrency import run_in_threadpool
 
 from gateway.errors import APIError
 from tenancy import api_keys
-from tenancy.api_keys import AuthFailure, KeyPrincipal
+from tenancy.api_keys import AuthFailure, VerifiedKey
 from tenancy.store import Store
 from tenancy.tenants import get_tenant_by_id
 
 
 @dataclass(frozen=True, slots=True)
 class TenantSnapshot:
+    """The tenant's settings as they were when its key was checked."""
+
     sharing_mode: str
     may_use_public_prefixes: bool
     cache_quota_blocks: int
@@ -33,37 +35,39 @@ class TenantSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
-class Principal:
-    """Who a request speaks for: a tenant (by id) through one of its keys."""
+class Caller:
+    """Who sent a request: a tenant (by id) through one of its keys."""
 
     tenant_id: str
     tenant_slug: str
     key_id: str
-    role: str
     tenant: TenantSnapshot
 
 
-class AuthenticationFailed(APIError):
+class AuthenticationFailed(Exception):
+    """A presented key was refused; `failure` says why (for the audit event, not the client)."""
+
     def __init__(self, failure: AuthFailure, key_id: str | None) -> None:
-        if failure in (AuthFailure.TENANT_SUSPENDED, AuthFailure.TENANT_DELETED):
-            super().__init__(403, "this tenant is suspended", "permission_error", None,
-                             "tenant_suspended")  # fmt: skip
-        else:
-            super().__init__(401, "invalid API key", "authentication_error", None,
-                             "invalid_api_key")  # fmt: skip
+        super().__init__(failure.value)
         self.failure = failure
         self.key_id = key_id
 
 
 class KeyAuthenticator:
+    """Checks presented keys against the database, remembering the ones that passed."""
+
     def __init__(self, store: Store, ttl: float, stale_ttl: float) -> None:
         self._store = store
         self._ttl = ttl
         self._stale_ttl = stale_ttl
-        self._cache: dict[str, tuple[Principal, float]] = {}
+        self._cache: dict[str, tuple[Caller, float]] = {}
 
-    async def authenticate(self, presented: str) -> Principal:
-        """The principal for a presented key, or an `APIError` (401, 403 or 503)."""
+    async def authenticate(self, presented: str) -> Caller:
+        """The caller behind a presented key.
+
+        Raises AuthenticationFailed for a refused key, and an `APIError` (503) when keys cannot
+        be checked at all.
+        """
         digest = hashlib.sha256(presented.encode()).hexdigest()
         cached = self._cache.get(digest)
         now = time.monotonic()
@@ -74,9 +78,8 @@ class KeyAuthenticator:
         except (OperationalError, DBAPIError) as error:
             if cached is not None and now - cached[1] < self._stale_ttl:
                 return cached[0]
-            raise APIError(503, "authentication is unavailable; retry shortly", "server_error",
-                           None, "auth_unavailable", {"Retry-After": "5"}) from error  # fmt: skip
-        if isinstance(result, Principal):
+            raise APIError.auth_unavailable() from error
+        if isinstance(result, Caller):
             self._cache[digest] = (result, now)
             return result
         self._cache.pop(digest, None)
@@ -87,23 +90,22 @@ class KeyAuthenticator:
         """Drop every remembered key check (tenancy changed somewhere)."""
         self._cache.clear()
 
-    def _lookup(self, presented: str) -> Principal | tuple[AuthFailure, str | None]:
+    def _lookup(self, presented: str) -> Caller | tuple[AuthFailure, str | None]:
         with self._store.transaction() as session:
             result = api_keys.authenticate(session, presented, self._store.key_secret)
-            if not isinstance(result, KeyPrincipal):
+            if not isinstance(result, VerifiedKey):
                 return result, _key_id_of(presented)
             tenant = get_tenant_by_id(session, result.tenant_id)
             snapshot = TenantSnapshot(
-                tenant.sharing_mode,
-                tenant.may_use_public_prefixes,
-                tenant.cache_quota_blocks,
-                tenant.cache_reservation_blocks,
-                tenant.requests_per_minute,
-                tenant.tokens_per_minute,
-                tenant.max_concurrent,
+                sharing_mode=tenant.sharing_mode,
+                may_use_public_prefixes=tenant.may_use_public_prefixes,
+                cache_quota_blocks=tenant.cache_quota_blocks,
+                cache_reservation_blocks=tenant.cache_reservation_blocks,
+                requests_per_minute=tenant.requests_per_minute,
+                tokens_per_minute=tenant.tokens_per_minute,
+                max_concurrent=tenant.max_concurrent,
             )
-            return Principal(str(result.tenant_id), result.tenant_slug, result.key_id,
-                             result.role, snapshot)  # fmt: skip
+            return Caller(str(result.tenant_id), result.tenant_slug, result.key_id, snapshot)
 
 
 def _key_id_of(presented: str) -> str | None:

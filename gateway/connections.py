@@ -106,24 +106,6 @@ class _ResumableFlow(FlowControl):
             self._on_resume()
 
 
-def too_many_pending() -> APIError:
-    """503: a new connection while too many are still sending their headers."""
-    message = "too many connections are waiting to send a request; retry shortly"
-    return APIError(503, message, "server_error", code="overloaded", headers={"Retry-After": "1"})
-
-
-def headers_too_large(max_bytes: int) -> APIError:
-    """431: request headers past `max_bytes`."""
-    message = f"request headers are larger than {max_bytes} bytes"
-    return APIError(431, message, code="headers_too_large")
-
-
-def body_stalled(timeout_s: float) -> APIError:
-    """408: no body bytes for `timeout_s` while the server was reading."""
-    message = f"the request body stalled: no bytes for {timeout_s:g} s"
-    return APIError(408, message, code="request_timeout")
-
-
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with header and body read deadlines and a pending bound."""
 
@@ -158,7 +140,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                 self._peer,
                 self.guard.pending,
             )
-            self._answer_and_close(too_many_pending())
+            message = "too many connections are waiting to send a request; retry shortly"
+            self._answer_and_close(APIError.overloaded(message, retry_after=1))
             return
         self._pending = True
         self.flow = _ResumableFlow(transport, self._reading_resumed)
@@ -175,12 +158,25 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             # Bytes on an idle keep-alive connection begin the next request, even bytes the
             # parser skips (blank lines between requests never reach on_message_begin).
             self._start_waiting_for_headers()
-        if self._pending:
-            self._header_bytes += len(data)
-        super().data_received(data)
-        if self._pending and self._header_bytes > self.guard.max_header_bytes:
-            self._stop_waiting_for_headers()
-            self._give_up_on_headers(headers_too_large(self.guard.max_header_bytes))
+        # The parser gets no more header bytes than the cap leaves, so headers that arrive in
+        # one read are bounded as surely as headers that trickle in, and a body that shares
+        # the read is not counted. A request that begins inside a piece (pipelined behind
+        # another) is counted from the next piece, so pieces are never larger than the cap.
+        cap = self.guard.max_header_bytes
+        while data:
+            if self._pending:
+                allowance = cap - self._header_bytes
+                if allowance <= 0:
+                    self._stop_waiting_for_headers()
+                    self._give_up_on_headers(APIError.headers_too_large(cap))
+                    return
+                piece, data = data[:allowance], data[allowance:]
+                self._header_bytes += len(piece)
+            else:
+                piece, data = data[:cap], data[cap:]
+            super().data_received(piece)
+            if self.transport.is_closing():  # the parser refused the request and answered
+                return
 
     # Parser callbacks
 
@@ -288,7 +284,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if cycle.response_started:
             self.transport.close()
             return
-        self._answer_and_close(body_stalled(self.guard.body_read_timeout_s))
+        # Told to the app's side, which never sees this response, for the request's audit event.
+        cycle.scope.setdefault("state", {})["status_sent"] = 408
+        self._answer_and_close(APIError.body_stalled(self.guard.body_read_timeout_s))
 
     def _answer_and_close(self, error: APIError) -> None:
         """Write an error response in OpenAI's shape ourselves, then close the connection."""

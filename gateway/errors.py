@@ -20,24 +20,27 @@ from engine.errors import (
     EngineError,
     EngineOverloaded,
     EngineStopped,
+    ExceedsCacheQuota,
     InvalidRequest,
     PoolTimeout,
     RequestFailed,
 )
 from engine.sampler import InvalidSampling
+from tenancy.api_keys import AuthFailure
 
 
 class APIError(Exception):
-    """An error to send to the client as it is."""
+    """An error to send to the client as it is; build one with a named constructor below."""
 
     def __init__(
         self,
         status: int,
         message: str,
+        *,
         error_type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
-        headers: dict[str, str] | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -45,7 +48,7 @@ class APIError(Exception):
         self.error_type = error_type
         self.param = param
         self.code = code
-        self.headers = headers or {}
+        self.headers = {} if retry_after is None else {"Retry-After": str(retry_after)}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -60,47 +63,139 @@ class APIError(Exception):
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
-    @classmethod
-    def internal(cls) -> APIError:
-        return cls(500, "internal server error", "server_error")
+    # 4xx: the client can change something
 
     @classmethod
-    def shutting_down(cls) -> APIError:
-        return cls(503, "the server is shutting down", "server_error", code="shutting_down")
+    def invalid(cls, message: str, param: str | None = None, code: str | None = None) -> APIError:
+        """400: the request is wrong; `param` names the field."""
+        return cls(400, message, param=param, code=code)
 
     @classmethod
-    def timeout(cls) -> APIError:
-        return cls(504, "the request timed out", "server_error", code="timeout")
+    def unauthorized(cls, message: str) -> APIError:
+        """401: no key, or not a valid one."""
+        return cls(401, message, error_type="authentication_error", code="invalid_api_key")
+
+    @classmethod
+    def tenant_suspended(cls) -> APIError:
+        """403: a valid key of a suspended (or deleted) tenant."""
+        message = "this tenant is suspended"
+        return cls(403, message, error_type="permission_error", code="tenant_suspended")
+
+    @classmethod
+    def model_not_found(cls, model: str) -> APIError:
+        """404: a model this gateway does not serve."""
+        message = f"the model {model!r} does not exist"
+        return cls(
+            404, message, error_type="not_found_error", param="model", code="model_not_found"
+        )
+
+    @classmethod
+    def body_stalled(cls, timeout_s: float) -> APIError:
+        """408: no body bytes for `timeout_s` while the server was reading."""
+        message = f"the request body stalled: no bytes for {timeout_s:g} s"
+        return cls(408, message, code="request_timeout")
 
     @classmethod
     def too_large(cls, max_bytes: int) -> APIError:
-        return cls(413, f"the request body is larger than {max_bytes} bytes",
-                   code="request_too_large")  # fmt: skip
+        """413: a request body past `max_bytes`."""
+        message = f"the request body is larger than {max_bytes} bytes"
+        return cls(413, message, code="request_too_large")
 
+    @classmethod
+    def rate_limited(
+        cls,
+        message: str,
+        retry_after: int,
+        code: str = "rate_limit_exceeded",
+        param: str | None = None,
+    ) -> APIError:
+        """429: a limit of the tenant's; it may retry after `retry_after` seconds."""
+        return cls(
+            429,
+            message,
+            error_type="rate_limit_error",
+            param=param,
+            code=code,
+            retry_after=retry_after,
+        )
 
-def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param, code)
+    @classmethod
+    def headers_too_large(cls, max_bytes: int) -> APIError:
+        """431: request headers past `max_bytes`."""
+        message = f"request headers are larger than {max_bytes} bytes"
+        return cls(431, message, code="headers_too_large")
+
+    # 5xx: the server cannot serve it now
+
+    @classmethod
+    def internal(cls, message: str = "internal server error", code: str | None = None) -> APIError:
+        """500: something failed on our side; the message never holds a stack trace."""
+        return cls(500, message, error_type="server_error", code=code)
+
+    @classmethod
+    def overloaded(cls, message: str, retry_after: int) -> APIError:
+        """503: too much work right now; retry after `retry_after` seconds."""
+        return cls(
+            503, message, error_type="server_error", code="overloaded", retry_after=retry_after
+        )
+
+    @classmethod
+    def auth_unavailable(cls) -> APIError:
+        """503: keys cannot be checked (the database is away and the key is not remembered)."""
+        message = "authentication is unavailable; retry shortly"
+        return cls(503, message, error_type="server_error", code="auth_unavailable", retry_after=5)
+
+    @classmethod
+    def shutting_down(cls, message: str = "the server is shutting down") -> APIError:
+        """503: the server (or its engine) is stopping."""
+        return cls(503, message, error_type="server_error", code="shutting_down")
+
+    @classmethod
+    def timeout(cls) -> APIError:
+        """504: the request ran past `request_timeout_s`."""
+        return cls(504, "the request timed out", error_type="server_error", code="timeout")
 
 
 def from_engine_error(error: EngineError | InvalidSampling) -> APIError:
     """The HTTP form of an engine error."""
     if isinstance(error, InvalidSampling):
-        return invalid(str(error), error.param)
+        return APIError.invalid(str(error), error.param)
     if isinstance(error, ContextTooLong):
-        return invalid(str(error), "messages", "context_length_exceeded")
+        return APIError.invalid(str(error), "messages", "context_length_exceeded")
     if isinstance(error, InvalidRequest):
-        return invalid(str(error), error.param)
+        return APIError.invalid(str(error), error.param)
     if isinstance(error, CacheQuotaTimeout):
-        return APIError(
-            429, str(error), "rate_limit_error", None, "cache_quota_exceeded", {"Retry-After": "5"}
-        )
+        return APIError.rate_limited(str(error), retry_after=5, code="cache_quota_exceeded")
     if isinstance(error, PoolTimeout | EngineOverloaded):
-        return APIError(503, str(error), "server_error", None, "overloaded", {"Retry-After": "5"})
+        return APIError.overloaded(str(error), retry_after=5)
     if isinstance(error, RequestFailed):  # this request alone; the others went on
-        return APIError(500, str(error), "server_error", code="request_failed")
+        return APIError.internal(str(error), code="request_failed")
     if isinstance(error, EngineStopped):
-        return APIError(503, str(error), "server_error", None, "shutting_down")
-    return APIError(500, "the request failed inside the engine", "server_error")
+        return APIError.shutting_down(str(error))
+    return APIError.internal("the request failed inside the engine")
+
+
+def engine_failure(error: Exception, tenant_slug: str, prompt_param: str) -> APIError:
+    """The client's error for an exception from the engine while it served a request.
+
+    `prompt_param` is the request's name for its prompt ("messages" or "prompt").
+    """
+    if isinstance(error, ExceedsCacheQuota):  # say it in the tenant's terms, not its id
+        param = error.param if error.param != "messages" else prompt_param
+        return APIError.invalid(f"tenant {tenant_slug}: {error}", param, "cache_quota_too_small")
+    if isinstance(error, EngineError | InvalidSampling):
+        api_error = from_engine_error(error)
+        if api_error.param == "messages":  # the engine's name for the prompt
+            api_error.param = prompt_param
+        return api_error
+    return APIError.internal()
+
+
+def from_auth_failure(failure: AuthFailure) -> APIError:
+    """The HTTP form of a refused key: a suspended tenant is told so, other refusals look alike."""
+    if failure in (AuthFailure.TENANT_SUSPENDED, AuthFailure.TENANT_DELETED):
+        return APIError.tenant_suspended()
+    return APIError.unauthorized("invalid API key")
 
 
 def respond_with(request: Request, error: APIError) -> JSONResponse:
@@ -125,15 +220,23 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kinds = {404: "not_found_error", 405: "invalid_request_error"}
         status = error.status_code
-        return respond_with(
-            request, APIError(status, str(error.detail), kinds.get(status, "server_error"))
-        )
+        error_type = kinds.get(status, "server_error")
+        return respond_with(request, APIError(status, str(error.detail), error_type=error_type))
 
 
 def validation_to_api_error(errors: Any) -> APIError:
-    """The first validation problem, with the offending field as `param`."""
-    first = next(iter(errors), None) or {"loc": (), "msg": "invalid request"}
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    """The most telling problem with the first bad field, with that field as `param`.
+
+    A field that may take several shapes (a prompt is a string or token ids) fails once per
+    shape; the error that got furthest into the value (`prompt.0: >= 0`) says more than "not a
+    string". Pydantic's names for the shapes (`list[int]`, `function-after[...]`) are left out.
+    """
+    errors = list(errors) or [{"loc": (), "msg": "invalid request"}]
+    field = errors[0].get("loc", ())[:1]
+    candidates = [error for error in errors if error.get("loc", ())[:1] == field]
+    first = min(candidates, key=_specificity)
+    parts = (_plain(part) for part in first.get("loc", ()) if part != "body")
+    location = [part for part in parts if part is not None]
     # `param` names the top-level field, as OpenAI does; the message keeps the full path.
     param = location[0] if location else None
     message = str(first.get("msg", "invalid request"))
@@ -145,4 +248,18 @@ def validation_to_api_error(errors: Any) -> APIError:
         message, param = "the request body is not valid JSON", None
     elif location:
         message = f"{'.'.join(location)}: {message}"
-    return invalid(message, param)
+    return APIError.invalid(message, param)
+
+
+def _specificity(error: Any) -> tuple[bool, int]:
+    """Sort key: errors about a value before errors about its type, deeper ones first."""
+    return str(error.get("type", "")).endswith("_type"), -len(error.get("loc", ()))
+
+
+def _plain(part: Any) -> str | None:
+    """A location part a client would recognise (a field or an index), else None."""
+    text = str(part)
+    return text if isinstance(part, int) or (text.isidentifier() and text not in _SHAPES) else None
+
+
+_SHAPES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway.auth import Principal
+from gateway.auth import Caller
 from gateway.errors import APIError
 
 
@@ -49,66 +49,69 @@ class Admission:
     """A request let in: charge its tokens once, release it exactly once when it ends."""
 
     limiter: RateLimiter
-    principal: Principal
+    caller: Caller
     reserved_tokens: int = 0
     released: bool = field(default=False)
 
     def charge(self, tokens: int) -> None:
         """Take `tokens` from the tenant's per-minute budget, or raise a 429."""
-        self.limiter._charge(self.principal, tokens)
+        self.limiter._charge(self.caller, tokens)
         self.reserved_tokens = tokens
 
     def release(self, used_tokens: int | None = None) -> None:
         if not self.released:
             self.released = True
-            self.limiter._release(self.principal.tenant_id, self.reserved_tokens, used_tokens)
+            self.limiter._release(self.caller.tenant_id, self.reserved_tokens, used_tokens)
 
 
 class RateLimiter:
+    """Each tenant's request and token buckets and its requests in flight, in this process."""
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._tenants: dict[str, _TenantState] = {}
         self._lock = threading.Lock()
 
-    def enter(self, principal: Principal) -> Admission:
+    def enter(self, caller: Caller) -> Admission:
         """Take a concurrency slot and one request, or raise a 429 with Retry-After."""
-        limits = principal.tenant
+        limits = caller.tenant
         now = self._clock()
         with self._lock:
-            state = self._state(principal, now)
+            state = self._state(caller, now)
             if state.active >= limits.max_concurrent:
                 raise _too_many("too many concurrent requests for this tenant", 1.0)
             wait = state.requests.take(1, limits.requests_per_minute, now)
             if wait:
                 raise _too_many("request rate limit reached for this tenant", wait)
             state.active += 1
-        return Admission(self, principal)
+        return Admission(self, caller)
 
-    def _state(self, principal: Principal, now: float) -> _TenantState:
-        limits = principal.tenant
-        state = self._tenants.get(principal.tenant_id)
+    def _state(self, caller: Caller, now: float) -> _TenantState:
+        limits = caller.tenant
+        state = self._tenants.get(caller.tenant_id)
         if state is None:
             state = _TenantState(
                 _Bucket(limits.requests_per_minute, limits.requests_per_minute, now),
                 _Bucket(limits.tokens_per_minute, limits.tokens_per_minute, now),
             )
-            self._tenants[principal.tenant_id] = state
+            self._tenants[caller.tenant_id] = state
         # Limits can change while the process runs: follow the tenant's current values.
         state.requests.capacity = limits.requests_per_minute
         state.tokens.capacity = limits.tokens_per_minute
         return state
 
-    def _charge(self, principal: Principal, tokens: int) -> None:
-        limits = principal.tenant
+    def _charge(self, caller: Caller, tokens: int) -> None:
+        limits = caller.tenant
         if tokens > limits.tokens_per_minute:
-            raise APIError(
-                429, "the request needs more tokens than the tenant's per-minute limit",
-                "rate_limit_error", "max_tokens", "tokens_per_minute_exceeded",
-                {"Retry-After": "60"},
-            )  # fmt: skip
+            raise APIError.rate_limited(
+                "the request needs more tokens than the tenant's per-minute limit",
+                retry_after=60,
+                code="tokens_per_minute_exceeded",
+                param="max_tokens",
+            )
         now = self._clock()
         with self._lock:
-            wait = self._state(principal, now).tokens.take(tokens, limits.tokens_per_minute, now)
+            wait = self._state(caller, now).tokens.take(tokens, limits.tokens_per_minute, now)
         if wait:
             raise _too_many("token rate limit reached for this tenant", wait)
 
@@ -121,6 +124,6 @@ class RateLimiter:
 
 
 def _too_many(message: str, wait: float) -> APIError:
-    retry_after = str(max(1, math.ceil(wait))) if math.isfinite(wait) else "60"
-    return APIError(429, message, "rate_limit_error", None, "rate_limit_exceeded",
-                    {"Retry-After": retry_after})  # fmt: skip
+    """429 with the whole seconds until the bucket could let the request in."""
+    retry_after = max(1, math.ceil(wait)) if math.isfinite(wait) else 60
+    return APIError.rate_limited(message, retry_after)

@@ -36,10 +36,17 @@ def tiny_chat_model(directory: Path, tokenizer_dir: Path) -> Path:
     """A small random Llama with SmolLM2's real tokenizer and chat template."""
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
     LlamaForCausalLM(config).save_pretrained(directory)
     for path in tokenizer_dir.iterdir():
         if path.name.startswith(("tokenizer", "chat_template", "special_tokens")):

@@ -22,41 +22,58 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 
 class GatewayMetrics:
+    """The app's own registry: request counters and histograms, plus gauges read on scrape."""
+
     def __init__(self, engine: Engine, audit: AuditLog, tenant_name: Callable[[str], str]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "prefixgate_requests", "HTTP API requests by endpoint and status.",
-            ["endpoint", "status"], registry=self.registry,
-        )  # fmt: skip
+            "prefixgate_requests",
+            "HTTP API requests by endpoint and status.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
         self.ttft = Histogram(
-            "prefixgate_time_to_first_token_seconds", "Time from arrival to the first token.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "prefixgate_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.latency = Histogram(
-            "prefixgate_request_duration_seconds", "End-to-end request latency.",
-            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "prefixgate_request_duration_seconds",
+            "End-to-end request latency.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.prompt_tokens = Counter(
-            "prefixgate_prompt_tokens", "Prompt tokens per tenant.", ["tenant"],
+            "prefixgate_prompt_tokens",
+            "Prompt tokens per tenant.",
+            ["tenant"],
             registry=self.registry,
-        )  # fmt: skip
+        )
         self.cached_tokens = Counter(
-            "prefixgate_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
-            ["tenant"], registry=self.registry,
-        )  # fmt: skip
-        self.completion_tokens = Counter(
-            "prefixgate_completion_tokens", "Generated tokens per tenant.", ["tenant"],
+            "prefixgate_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache.",
+            ["tenant"],
             registry=self.registry,
-        )  # fmt: skip
+        )
+        self.completion_tokens = Counter(
+            "prefixgate_completion_tokens",
+            "Generated tokens per tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
         self.registry.register(EngineCollector(engine, tenant_name))
         Gauge(
-            "prefixgate_audit_dead_letters", "Audit events the database refused (in the file).",
+            "prefixgate_audit_dead_letters",
+            "Audit events the database refused (in the file).",
             registry=self.registry,
-        ).set_function(audit.dead_letters)  # fmt: skip
+        ).set_function(audit.dead_letters)
         Gauge(
-            "prefixgate_audit_spooled_events", "Audit events waiting for the database.",
+            "prefixgate_audit_spooled_events",
+            "Audit events waiting for the database.",
             registry=self.registry,
-        ).set_function(audit.pending)  # fmt: skip
+        ).set_function(audit.pending)
 
     def exposition(self, include_tenants: bool) -> bytes:
         """The text exposition; per-tenant series only when `include_tenants`."""
@@ -95,9 +112,10 @@ class EngineCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stats = self._engine.cache_stats()
         blocks = GaugeMetricFamily(
-            "prefixgate_kv_cache_blocks", "KV blocks per owner by state (and its quota).",
+            "prefixgate_kv_cache_blocks",
+            "KV blocks per owner by state (and its quota).",
             labels=["owner", "state"],
-        )  # fmt: skip
+        )
         evictions = CounterMetricFamily(
             "prefixgate_kv_cache_evictions", "Cached blocks evicted, per owner.", labels=["owner"]
         )
@@ -110,26 +128,31 @@ class EngineCollector(Collector):
             evictions.add_metric([name], owner_stats.counters.evicted_blocks)
         yield blocks
         yield evictions
-        pool = GaugeMetricFamily("prefixgate_kv_cache_pool_blocks", "KV pool blocks by state.",
-                                 labels=["state"])  # fmt: skip
+        pool = GaugeMetricFamily(
+            "prefixgate_kv_cache_pool_blocks", "KV pool blocks by state.", labels=["state"]
+        )
         pool.add_metric(["total"], stats.num_blocks)
         pool.add_metric(["free"], stats.free_blocks)
         yield pool
         yield CounterMetricFamily(
-            "prefixgate_kv_cache_zeroed_blocks", "KV blocks zeroed before reuse.",
+            "prefixgate_kv_cache_zeroed_blocks",
+            "KV blocks zeroed before reuse.",
             value=stats.blocks_zeroed,
-        )  # fmt: skip
+        )
         yield CounterMetricFamily(
-            "prefixgate_kv_cache_key_collisions", "Block-key hits rejected by verification.",
+            "prefixgate_kv_cache_key_collisions",
+            "Block-key hits rejected by verification.",
             value=stats.collisions,
-        )  # fmt: skip
+        )
         waiting, running = self._engine.queue_depth()
-        depth = GaugeMetricFamily("prefixgate_queue_depth", "Sequences in the engine.",
-                                  labels=["state"])  # fmt: skip
+        depth = GaugeMetricFamily(
+            "prefixgate_queue_depth", "Sequences in the engine.", labels=["state"]
+        )
         depth.add_metric(["waiting"], waiting)
         depth.add_metric(["running"], running)
         yield depth
         yield CounterMetricFamily(
-            "prefixgate_engine_preemptions", "Sequences preempted for recompute.",
+            "prefixgate_engine_preemptions",
+            "Sequences preempted for recompute.",
             value=self._engine.metrics.preemptions,
-        )  # fmt: skip
+        )

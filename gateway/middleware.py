@@ -6,19 +6,20 @@ connection stays usable. Under /v1 it also opens the request's `Settlement`, che
 from the headers before a byte of the body is read (a bad key never costs a body read), and
 settles the request exactly once when it ends, whatever the outcome.
 
-`BodySizeLimit` rejects bodies over the limit with a 413 without reading them whole.
+`BodySizeLimit` reads the body within its size limit and deadline before any route runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.auth import AuthenticationFailed, Principal
-from gateway.errors import APIError
+from gateway.auth import AuthenticationFailed, Caller
+from gateway.errors import APIError, from_auth_failure
 from gateway.settlement import Settlement, settle
 from gateway.state import GatewayState
 
@@ -59,8 +60,10 @@ class RequestGate:
 
         try:
             if settlement is not None:
-                principal = await _authenticate(state, settlement, Headers(scope=scope))
-                settlement.principal = scope["state"]["principal"] = principal
+                settlement.caller = await _authenticate(state, settlement, Headers(scope=scope))
+                # The tenant's concurrency slot is taken before the body is read: one key's
+                # slow uploads hold at most its own share of the server.
+                settlement.admission = state.limiter.enter(settlement.caller)
             await self.app(scope, receive, tracking_send)
         except APIError as error:  # refused at the gate (bad key, draining)
             if settlement is not None:
@@ -78,27 +81,28 @@ class RequestGate:
         finally:
             if settlement is not None:
                 settlement.note_error_from(scope["state"])
+                # A response the connection layer sent itself (a stalled body's 408).
+                settlement.status = settlement.status or scope["state"].get("status_sent")
                 settle(state, settlement)
 
 
-async def _authenticate(state: GatewayState, settlement: Settlement, headers: Headers) -> Principal:
+async def _authenticate(state: GatewayState, settlement: Settlement, headers: Headers) -> Caller:
     """The tenant behind the bearer key, from the headers alone; 401/403/503 otherwise."""
     if state.draining:
         raise APIError.shutting_down()
     scheme, _, presented = (headers.get("authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not presented.strip():
         settlement.auth_failure = "missing_key"
-        raise APIError(401, "missing API key: send Authorization: Bearer <key>",
-                       "authentication_error", None, "invalid_api_key")  # fmt: skip
+        raise APIError.unauthorized("missing API key: send Authorization: Bearer <key>")
     with state.tracer.start_as_current_span("auth"):
         try:
-            principal = await state.auth.authenticate(presented.strip())
-        except AuthenticationFailed as failure:
-            settlement.auth_failure = failure.failure.value
-            settlement.key_id = failure.key_id
-            raise
-    state.tenant_names[principal.tenant_id] = principal.tenant_slug
-    return principal
+            caller = await state.auth.authenticate(presented.strip())
+        except AuthenticationFailed as refused:
+            settlement.auth_failure = refused.failure.value
+            settlement.key_id = refused.key_id
+            raise from_auth_failure(refused.failure) from refused
+    state.tenant_names[caller.tenant_id] = caller.tenant_slug
+    return caller
 
 
 def client_ip(scope: Scope) -> str | None:
@@ -108,48 +112,67 @@ def client_ip(scope: Scope) -> str | None:
 
 
 class BodySizeLimit:
-    """Reads the body (at most `max_bytes`) before the app does; a larger one is a 413.
+    """Reads the body before the app does: at most `max_bytes` (else 413), within
+    `deadline_s` in all (else 408 and the connection closes).
 
-    Reading it here, after the gate has checked the key, means a declared or chunked body over
-    the limit is refused the same way, and the app sees one complete body message.
+    Reading it here, after the gate has checked the key and taken the tenant's concurrency
+    slot, means a declared or chunked body over the limit is refused the same way, a client
+    dripping a byte at a time cannot hold a request open, and the app sees one complete body.
+    A client that leaves mid-body is not served at all.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, deadline_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.deadline_s = deadline_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = APIError.too_large(self.max_bytes).response()
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await too_large(scope, receive, send)
+            await APIError.too_large(self.max_bytes).response()(scope, receive, send)
             return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left: let the app see it
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_bytes:
-                await too_large(scope, receive, send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body: Message = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        if message["type"] != "http.request":
-            body = message
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                body = await self._read(receive)
+        except TimeoutError:
+            stalled = APIError.body_stalled(self.deadline_s).response()
+            stalled.headers["connection"] = "close"  # the rest of the body is never read
+            await stalled(scope, receive, send)
+            return
+        except _TooLarge:
+            await APIError.too_large(self.max_bytes).response()(scope, receive, send)
+            return
+        if body is None:  # the client left (or the server cut a stalled body): serve nothing
+            return
         replayed = False
 
         async def replay() -> Message:
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return body
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
+        """The whole body, or None if the client disconnected first."""
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                raise _TooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+class _TooLarge(Exception):
+    """The body grew past the limit while being read."""

@@ -27,6 +27,7 @@ def _utf8(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8)]
 TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+StopText = Annotated[Text, Field(max_length=1000)]  # held back from streams: keep it short
 
 
 class ErrorDetail(BaseModel):
@@ -77,7 +78,7 @@ class SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -20,33 +20,35 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from engine.request import GenerationDelta, Usage
-from gateway.errors import APIError
-from gateway.inference import Prepared, conclude, engine_failure
+from gateway.errors import APIError, engine_failure
+from gateway.preparation import Prepared
 from gateway.responses import chat_chunk, chat_completion, text_completion
 from gateway.state import GatewayState
+from gateway.tracing import record_engine_phases
 
 _DISCONNECT_POLL_S = 0.05
 T = TypeVar("T")
 
 
 async def respond(state: GatewayState, prepared: Prepared, http_request: Request) -> Response:
+    """Charge the request's tokens, run it, and answer with JSON or a stream of events."""
     sampling = prepared.request.sampling
     cost = len(prepared.request.prompt_token_ids) + sampling.max_tokens
-    admission = prepared.settlement.admission
-    assert admission is not None  # the route entered the limiter before preparing
+    admission = prepared.context.settlement.admission
+    assert admission is not None  # the gate entered the limiter before the body was read
     try:
         admission.charge(cost)
     except APIError as error:
-        conclude(state, prepared, "rejected", error=error)
+        _conclude(state, prepared, "rejected", error=error)
         raise
     stream = state.engine.generate(prepared.request)
     try:
         first = await _first_delta(state, prepared, stream, http_request)
     except APIError as error:
-        conclude(state, prepared, "failure" if error.status >= 500 else "rejected", error=error)
+        _conclude(state, prepared, "failure" if error.status >= 500 else "rejected", error=error)
         raise
     except asyncio.CancelledError:
-        conclude(state, prepared, "cancelled")
+        _conclude(state, prepared, "cancelled")
         raise
     if prepared.stream:
         # On shutdown, let in-flight streams finish (within uvicorn's graceful timeout).
@@ -70,11 +72,11 @@ async def _first_delta(
     try:
         return await _unless_disconnected(state, anext(stream), stream, http_request)
     except StopAsyncIteration as error:  # pragma: no cover - the engine always ends with usage
-        raise APIError(500, "the engine produced no output", "server_error") from error
+        raise APIError.internal("the engine produced no output") from error
     except APIError:
         raise
     except Exception as error:
-        raise engine_failure(error, prepared) from error
+        raise _engine_failure(error, prepared) from error
 
 
 async def _unless_disconnected(
@@ -122,9 +124,9 @@ class _StreamResponse(EventSourceResponse):
 async def _abandon(
     state: GatewayState, prepared: Prepared, stream: AsyncIterator[GenerationDelta]
 ) -> None:
-    if prepared.settlement.outcome is None:
+    if prepared.context.settlement.outcome is None:
         await _close(stream)
-        conclude(state, prepared, "cancelled")
+        _conclude(state, prepared, "cancelled")
 
 
 async def _close(stream: AsyncIterator[GenerationDelta]) -> None:
@@ -152,20 +154,20 @@ async def _complete(
     try:
         text, last = await _unless_disconnected(state, rest(), stream, http_request)
     except asyncio.CancelledError:
-        conclude(state, prepared, "cancelled")
+        _conclude(state, prepared, "cancelled")
         raise
     except APIError as error:
-        conclude(state, prepared, "failure", error=error)
+        _conclude(state, prepared, "failure", error=error)
         raise
     except Exception as error:
-        api_error = engine_failure(error, prepared)
-        conclude(state, prepared, "failure", error=api_error)
+        api_error = _engine_failure(error, prepared)
+        _conclude(state, prepared, "failure", error=api_error)
         raise api_error from error
     usage = last.usage or Usage(len(prepared.request.prompt_token_ids), 0, 0)
-    conclude(state, prepared, "success", usage, last=last)
+    _conclude(state, prepared, "success", usage, last=last)
     headers = _server_timing(http_request, last)
     model = state.model_name
-    if prepared.endpoint == "chat":
+    if prepared.context.endpoint == "chat":
         body = chat_completion(
             prepared.response_id, prepared.created, model, text, last.finish_reason, usage
         )
@@ -194,7 +196,7 @@ async def _events(
     stream: AsyncIterator[GenerationDelta],
 ) -> AsyncIterator[dict[str, Any]]:
     model, response_id, created = state.model_name, prepared.response_id, prepared.created
-    chat = prepared.endpoint == "chat"
+    chat = prepared.context.endpoint == "chat"
 
     def piece(text: str, finish_reason: str | None) -> dict[str, Any]:
         if chat:
@@ -234,14 +236,37 @@ async def _events(
             yield event(usage_chunk)
         yield {"data": "[DONE]"}
         outcome = "success"
-        conclude(state, prepared, outcome, usage, last=last)
+        _conclude(state, prepared, outcome, usage, last=last)
     except APIError as error:
         outcome, failure = "failure", error
         yield event(error.body())
     except Exception as error:
-        outcome, failure = "failure", engine_failure(error, prepared)
+        outcome, failure = "failure", _engine_failure(error, prepared)
         yield event(failure.body())
     finally:
         await _close(stream)
         if outcome != "success":
-            conclude(state, prepared, outcome, error=failure)
+            _conclude(state, prepared, outcome, error=failure)
+
+
+def _conclude(
+    state: GatewayState,
+    prepared: Prepared,
+    outcome: str,
+    usage: Usage | None = None,
+    error: APIError | None = None,
+    last: GenerationDelta | None = None,
+) -> None:
+    """Note how the request ended (the first conclusion wins); it is settled by the gate."""
+    settlement = prepared.context.settlement
+    if settlement.outcome is not None:
+        return
+    timings = last.timings if last is not None else None
+    settlement.conclude(outcome, usage, error, timings)
+    if timings is not None:
+        record_engine_phases(state.tracer, prepared.context.span, timings)
+
+
+def _engine_failure(error: Exception, prepared: Prepared) -> APIError:
+    context = prepared.context
+    return engine_failure(error, context.caller.tenant_slug, context.prompt_param)

@@ -48,63 +48,110 @@ def _default_database_url(data: dict[str, Any]) -> str:
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="PREFIXGATE_", env_file=".env", env_file_encoding="utf-8", extra="ignore"
+        env_prefix="PREFIXGATE_",
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        use_attribute_docstrings=True,  # each field's docstring is its description
     )
 
     # Declared before database_url: the default database lives in the state directory.
     state_dir: Path = Field(default_factory=default_state_dir)
+    """Where the default database, generated secrets and audit files live; default:
+    $XDG_STATE_HOME/prefixgate, else ~/.local/state/prefixgate."""
     database_url: str = Field(default_factory=_default_database_url)
+    """SQLAlchemy URL of the tenancy database; default: SQLite prefixgate.db in the state
+    directory."""
     key_hash_secret: SecretStr | None = None
+    """HMAC secret for stored API keys and audit user ids, the same on every replica; generated
+    into secrets.json when unset."""
     audit_signing_key: SecretStr | None = None
+    """Signs audit checkpoints and export trailers; generated into secrets.json when unset."""
     jwt_secret: SecretStr | None = None
+    """Secret for admin session tokens; generated into secrets.json when unset."""
     audit_spool_path: Path | None = None
-    audit_checkpoint_path: Path | None = None  # default: <state_dir>/audit-checkpoints.jsonl
+    """Where audit events wait while the database is unreachable; default:
+    <state_dir>/audit.spool."""
+    audit_checkpoint_path: Path | None = None
+    """Append-only file of signed audit checkpoints, outside the database; default:
+    <state_dir>/audit-checkpoints.jsonl."""
     audit_checkpoint_every: int = Field(default=100, ge=1)
+    """Sign an audit checkpoint after this many events."""
     policy_file: Path | None = None
+    """Sharing policy YAML (minimum public length, tenant-wide sharing, namespaces); default:
+    policies/default.yaml."""
 
     # Serving
     host: str = "127.0.0.1"
+    """Interface to listen on."""
     port: int = Field(default=8000, ge=0, le=65535)
-    model_dir: Path | None = None  # default: the embedded SmolLM2
-    served_model_name: str | None = None  # default: the model directory's name
+    """Port to listen on."""
+    model_dir: Path | None = None
+    """A local Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct."""
+    served_model_name: str | None = None
+    """The model id clients send; default: the model directory's name."""
     block_size: int = Field(default=16, ge=1)
+    """Tokens per KV block: the unit of caching, sharing and quotas."""
     kv_cache_bytes: int = Field(default=1 << 30, ge=1)
+    """Memory for the KV block pool, in bytes."""
     max_num_seqs: int = Field(default=64, ge=1)
+    """Most sequences running in one engine step."""
     max_num_batched_tokens: int = Field(default=2048, ge=1)
+    """Most tokens computed in one engine step (the chunked-prefill budget)."""
     queue_timeout_s: float = Field(default=30.0, gt=0)
-    public_cache_blocks: int | None = None  # default: the whole pool
+    """How long a request may wait for KV blocks before it fails."""
+    public_cache_blocks: int | None = None
+    """Quota of the public budget, in blocks; default: the whole pool."""
     enable_prefix_caching: bool = True
+    """Reuse cached prefixes; false computes every prompt in full."""
 
     # Limits
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
-    max_prompt_tokens: int | None = None  # default: the model's context length
+    """Largest request body; a larger one is a 413."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt, in tokens; default: the model's context length."""
     max_output_tokens: int = Field(default=4096, ge=1)
+    """Largest max_tokens a request may ask for."""
     request_timeout_s: float = Field(default=600.0, gt=0)
+    """A request still running after this long is answered 504 and cancelled."""
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM, how long in-flight requests may take to finish."""
     # Bounded work before admission: checked before a chat template is rendered.
     max_messages: int = Field(default=1024, ge=1)
-    max_prompt_chars: int | None = Field(default=None, ge=1)  # default: 16 x max_prompt_tokens
-    prepare_concurrency: int = Field(default=2, ge=1)  # requests templated/tokenized at once
+    """Most messages in one chat request, checked before templating."""
+    max_prompt_chars: int | None = Field(default=None, ge=1)
+    """Most prompt characters, checked before templating; default: 16 x max_prompt_tokens."""
+    prepare_concurrency: int = Field(default=2, ge=1)
+    """Requests parsed, templated and tokenized at once."""
 
     # Connections: slow or unauthenticated clients cannot hold the server.
     header_read_timeout_s: float = Field(default=10.0, gt=0)
+    """Time a client has to send its request headers."""
     body_read_timeout_s: float = Field(default=30.0, gt=0)
-    max_pending_connections: int = Field(default=256, ge=1)  # not yet past their headers
-    # Proxies whose X-Forwarded-For is believed (IPs or CIDRs); none by default.
+    """A request body that stalls this long is answered 408."""
+    max_pending_connections: int = Field(default=256, ge=1)
+    """Most connections still sending their headers; the next one gets a 503."""
     trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Proxies (IPs or CIDRs, comma-separated) whose X-Forwarded-For is believed."""
 
-    # Per-tenant metric series need `Authorization: Bearer <metrics_token>`.
     metrics_token: SecretStr | None = None
+    """Per-tenant series on /metrics need `Authorization: Bearer <metrics_token>`."""
 
     # Auth and background work
     auth_cache_ttl_s: float = Field(default=30.0, ge=0)
+    """How long a verified API key is remembered."""
     auth_stale_ttl_s: float = Field(default=300.0, ge=0)
+    """While the database is unreachable, how long a key verified earlier keeps working."""
     registry_refresh_s: float = Field(default=10.0, gt=0)
-    tenancy_poll_s: float = Field(default=1.0, gt=0)  # how fast revocations and quotas apply
+    """How often the public-prefix registry is reloaded."""
+    tenancy_poll_s: float = Field(default=1.0, gt=0)
+    """How often tenancy changes (revoked keys, quotas, limits) are polled."""
     audit_checkpoint_interval_s: float = Field(default=10.0, gt=0)
+    """Sign a checkpoint at least this often while audit events arrive."""
 
     # Observability
-    otlp_endpoint: str | None = None  # e.g. http://collector:4318/v1/traces; off when unset
+    otlp_endpoint: str | None = None
+    """OTLP/HTTP endpoint for traces (e.g. http://collector:4318/v1/traces); off when unset."""
 
     @field_validator("state_dir")
     @classmethod

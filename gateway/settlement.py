@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.request import Timings, Usage
-from gateway.auth import Principal
+from gateway.auth import Caller
 from gateway.errors import APIError
 from gateway.limits import Admission
 from gateway.state import GatewayState
@@ -38,13 +38,14 @@ class Settlement:
     path: str
     source_ip: str | None
     started: float = field(default_factory=time.perf_counter)
-    principal: Principal | None = None
+    caller: Caller | None = None  # set by the gate once the key is checked
     auth_failure: str | None = None  # why the key was refused, for the audit event
     key_id: str | None = None  # a refused key's public id, when it had one
     status: int | None = None  # the HTTP status sent, if a response started
     outcome: str | None = None  # success, failure, rejected or cancelled, once decided
     error: APIError | None = None
     request_id: str | None = None
+    model: str | None = None  # the model the body asked for, once it parsed
     usage: Usage | None = None
     timings: Timings | None = None
     admission: Admission | None = None
@@ -105,11 +106,11 @@ def settle(state: GatewayState, settlement: Settlement) -> None:
     metrics = state.metrics
     metrics.requests.labels(settlement.endpoint, str(status)).inc()
     metrics.latency.labels(settlement.endpoint).observe(seconds)
-    principal = settlement.principal
-    if usage is not None and principal is not None:
-        metrics.prompt_tokens.labels(principal.tenant_slug).inc(usage.prompt_tokens)
-        metrics.cached_tokens.labels(principal.tenant_slug).inc(usage.cached_tokens)
-        metrics.completion_tokens.labels(principal.tenant_slug).inc(usage.completion_tokens)
+    caller = settlement.caller
+    if usage is not None and caller is not None:
+        metrics.prompt_tokens.labels(caller.tenant_slug).inc(usage.prompt_tokens)
+        metrics.cached_tokens.labels(caller.tenant_slug).inc(usage.cached_tokens)
+        metrics.completion_tokens.labels(caller.tenant_slug).inc(usage.completion_tokens)
     if settlement.timings is not None:
         timings = settlement.timings
         metrics.ttft.observe(max(0.0, timings.first_token - timings.arrived))
@@ -122,7 +123,7 @@ def settle(state: GatewayState, settlement: Settlement) -> None:
 def _audit_record(
     state: GatewayState, settlement: Settlement, status: int, seconds: float
 ) -> AuditRecord:
-    principal = settlement.principal
+    caller = settlement.caller
     if settlement.auth_failure is not None:  # its key was refused: an auth event
         return AuditRecord(
             actor_type="api_key",
@@ -136,7 +137,7 @@ def _audit_record(
         )
     details: dict[str, Any] = {
         "endpoint": settlement.endpoint,
-        "model": state.model_name,
+        "model": settlement.model,
         "status": status,
         "latency_ms": round(seconds * 1000, 2),
         **settlement.details,
@@ -150,13 +151,13 @@ def _audit_record(
     if settlement.error is not None:
         details["error"] = _error_code(settlement)
         details["param"] = settlement.error.param
-    return AuditRecord(  # without a principal: refused before its key could be checked
+    return AuditRecord(  # without a caller: refused before its key could be checked
         actor_type="api_key",
-        actor_id=principal.key_id if principal else None,
-        tenant_id=principal.tenant_id if principal else None,
+        actor_id=caller.key_id if caller else None,
+        tenant_id=caller.tenant_id if caller else None,
         action=settlement.action,
-        resource_type="model" if settlement.endpoint != "other" else "endpoint",
-        resource_id=state.model_name if settlement.endpoint != "other" else settlement.path,
+        resource_type="model" if settlement.model else "endpoint",
+        resource_id=settlement.model or settlement.path,
         outcome=settlement.final_outcome(),
         request_id=settlement.request_id,
         source_ip=settlement.source_ip,

@@ -6,6 +6,7 @@ collector. Tests attach their own in-memory exporter.
 
 from __future__ import annotations
 
+from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -15,8 +16,9 @@ from engine.request import Timings
 
 
 def make_tracer_provider(otlp_endpoint: str | None) -> TracerProvider:
+    """A provider for one app; it exports to `otlp_endpoint` when one is given."""
     provider = TracerProvider(resource=Resource.create({"service.name": "prefixgate"}))
-    if otlp_endpoint:
+    if otlp_endpoint:  # the exporter is loaded only when spans are sent somewhere
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint)))
@@ -25,8 +27,6 @@ def make_tracer_provider(otlp_endpoint: str | None) -> TracerProvider:
 
 def record_engine_phases(tracer: Tracer, parent: Span, timings: Timings) -> None:
     """Queue, prefill and decode spans from the engine's own timestamps."""
-    from opentelemetry import trace
-
     context = trace.set_span_in_context(parent)
     phases = (
         ("queue", timings.arrived, timings.admitted),

@@ -10,7 +10,6 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from gateway.auth import Principal
 from gateway.settlement import Settlement
 from gateway.state import GatewayState
 
@@ -25,14 +24,8 @@ async def get_settlement(request: Request) -> Settlement:
     return settlement
 
 
-async def get_principal(settlement: Annotated[Settlement, Depends(get_settlement)]) -> Principal:
-    assert settlement.principal is not None  # the gate refuses every /v1 request without one
-    return settlement.principal
-
-
 StateDep = Annotated[GatewayState, Depends(get_state)]
 SettlementDep = Annotated[Settlement, Depends(get_settlement)]
-PrincipalDep = Annotated[Principal, Depends(get_principal)]
 UserHeaderDep = Annotated[
     str | None, Header(alias="X-PrefixGate-User", max_length=256, pattern=r"^[^\x00-\x1f]*$")
 ]

@@ -25,13 +25,13 @@ _METRICS_401 = error_response("A metrics token was presented and is wrong")
 
 @router.get("/v1/models", responses=API_RESPONSES)
 async def list_models(state: StateDep) -> dict[str, object]:
-    return {
-        "object": "list",
-        "data": [
-            {"id": state.model_name, "object": "model", "created": _STARTED,
-             "owned_by": "prefixgate"}
-        ],
-    }  # fmt: skip
+    model = {
+        "id": state.model_name,
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "prefixgate",
+    }
+    return {"object": "list", "data": [model]}
 
 
 @router.get("/healthz")
@@ -82,7 +82,7 @@ async def metrics(
     """Prometheus text; per-tenant series need `Authorization: Bearer <metrics token>`."""
     include_tenants = authorization is not None
     if include_tenants and not _metrics_token_valid(state, authorization or ""):
-        raise APIError(401, "invalid metrics token", "authentication_error", code="invalid_api_key")
+        raise APIError.unauthorized("invalid metrics token")
     return Response(state.metrics.exposition(include_tenants), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -1,0 +1,236 @@
+"""From an OpenAI request to engine work: template, policy plan, sampling.
+
+The request path: route (api/routes/completions.py) -> preparation (here) -> serving
+(serving.py) -> settlement (settlement.py). Here: size caps -> chat template -> token ids +
+message spans -> policy plan (scopes) -> engine request carrying the tenant's budget.
+Everything here runs off the event loop, and its cost is linear in the request's size, which
+is capped before the template runs. What the audit event keeps about the plan goes to the
+request's `Settlement`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.trace import Span
+
+from engine.budget import TenantBudget
+from engine.request import GenerationRequest
+from engine.sampler import InvalidSampling, SamplingParams
+from engine.scope import Public, Tenant, User
+from gateway.auth import Caller
+from gateway.errors import APIError, from_engine_error
+from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.settlement import Settlement
+from gateway.state import GatewayState
+from policies.planner import Plan, PlanSubject, TenantPolicy
+from policies.templates import MessageSpan, TemplateRejected, render_with_spans
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+
+
+@dataclass(frozen=True, slots=True)
+class RequestContext:
+    """One inference request as the gate let it in: where it goes, who sent it, its records."""
+
+    endpoint: str  # "chat" or "completions"
+    caller: Caller
+    header_user: str | None  # the end user named by the X-PrefixGate-User header
+    settlement: Settlement  # how the request ends, for its one audit event
+    span: Span
+
+    @classmethod
+    def of(cls, settlement: Settlement, header_user: str | None, span: Span) -> RequestContext:
+        """The context of an authenticated request, from the settlement the gate opened."""
+        assert settlement.caller is not None  # the gate authenticated every /v1 request
+        return cls(settlement.endpoint, settlement.caller, header_user, settlement, span)
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field that holds the prompt."""
+        return "messages" if self.endpoint == "chat" else "prompt"
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A validated, planned request, ready for the engine."""
+
+    context: RequestContext
+    request: GenerationRequest
+    plan: Plan
+    stream: bool
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def response_id(self) -> str:
+        return self.request.request_id
+
+
+def prepare_chat(
+    state: GatewayState, body: ChatCompletionRequest, context: RequestContext
+) -> Prepared:
+    """A chat request rendered by the model's own template, with its messages' spans."""
+    _check_request(state, body, body.text_chars(), context.prompt_param)
+    tokenizer = state.loaded.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        message = f"model {state.model_name} has no chat template; use /v1/completions"
+        raise APIError.invalid(message)
+    messages = [{"role": _template_role(m.role), "content": m.text()} for m in body.messages]
+    try:
+        token_ids, spans = render_with_spans(tokenizer, messages)
+    except TemplateRejected as error:  # role order, special tokens it cannot keep as text
+        message = f"the chat template rejected these messages: {error}"
+        raise APIError.invalid(message, "messages") from error
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return _prepare(state, context, body, token_ids, spans, max_tokens)
+
+
+def prepare_completion(
+    state: GatewayState, body: CompletionRequest, context: RequestContext
+) -> Prepared:
+    """A text completion request: one prompt, as text or as token ids."""
+    _check_request(state, body, body.text_chars(), context.prompt_param)
+    prompt: Any = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise APIError.invalid("only one prompt per request is supported", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if state.loaded.tokenizer is None:
+            raise APIError.invalid("this model takes token ids only", "prompt")
+        token_ids = list(state.loaded.tokenizer.encode(prompt))
+    else:
+        token_ids = list(prompt)
+        vocab = state.loaded.vocab_size
+        if token_ids and max(token_ids) >= vocab:
+            raise APIError.invalid(f"token ids must be in [0, {vocab})", "prompt")
+    if not token_ids:
+        raise APIError.invalid("the prompt is empty", "prompt")
+    max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+    return _prepare(state, context, body, token_ids, [], max_tokens)
+
+
+def _check_request(
+    state: GatewayState, body: SamplingFields, text_chars: int, prompt_param: str
+) -> None:
+    """Refuse what cannot be served before any template or tokenizer runs over its text."""
+    if body.model != state.model_name:
+        raise APIError.model_not_found(body.model)
+    if body.n != 1:
+        raise APIError.invalid("only n=1 is supported", "n")
+    if body.stream_options is not None and not body.stream:
+        message = "stream_options is only allowed with stream=true"
+        raise APIError.invalid(message, "stream_options")
+    limit = state.settings.max_prompt_chars or 16 * state.max_prompt_tokens
+    if text_chars > limit:
+        message = f"the prompt has {text_chars} characters; the limit is {limit}"
+        raise APIError.invalid(message, prompt_param, "context_length_exceeded")
+
+
+def _prepare(
+    state: GatewayState,
+    context: RequestContext,
+    body: SamplingFields,
+    token_ids: list[int],
+    spans: list[MessageSpan],
+    max_tokens: int | None,
+) -> Prepared:
+    """Check the prompt's length, plan its scopes and build the engine request."""
+    prompt_tokens = len(token_ids)
+    context_length = state.engine.max_model_len
+    if prompt_tokens > state.max_prompt_tokens or prompt_tokens >= context_length:
+        limit = min(state.max_prompt_tokens, context_length - 1)
+        message = f"the prompt has {prompt_tokens} tokens; the limit is {limit}"
+        raise APIError.invalid(message, context.prompt_param, "context_length_exceeded")
+    caller, tenant = context.caller, context.caller.tenant
+    # Without max_tokens, ask for no more than the context and the tenant's cache quota hold
+    # (the KV of prompt + max_tokens - 1 positions), so a default never makes it unservable.
+    quota_room = tenant.cache_quota_blocks * state.settings.block_size - prompt_tokens + 1
+    room = context_length - prompt_tokens
+    sampling = _sampling(state, body, max_tokens, min(room, quota_room) if quota_room > 0 else room)
+    user = user_scope_id(body.user, context.header_user, caller)
+    with state.tracer.start_as_current_span("policy"):
+        plan = state.sharing.current.plan(
+            PlanSubject(caller.tenant_id, user),
+            TenantPolicy(tenant.sharing_mode, tenant.may_use_public_prefixes),
+            state.model_name,
+            token_ids,
+            spans,
+        )
+    request_id = f"{'chatcmpl' if context.endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    request = GenerationRequest(
+        request_id=request_id,
+        tenant_id=caller.tenant_id,
+        prompt_token_ids=token_ids,
+        sampling=sampling,
+        segments=plan.segments,
+        tail_scope=plan.tail_scope,
+        budget=TenantBudget(tenant.cache_quota_blocks, tenant.cache_reservation_blocks),
+    )
+    settlement = context.settlement
+    settlement.request_id = request_id
+    settlement.details.update(
+        user_hash=user_hash(state, caller.tenant_id, user), **scope_summary(plan)
+    )
+    return Prepared(context, request, plan, body.stream, body.include_usage)
+
+
+def _sampling(
+    state: GatewayState, body: SamplingFields, max_tokens: int | None, room: int
+) -> SamplingParams:
+    """The engine's sampling parameters; without `max_tokens`, as many as there is `room` for,
+    up to the server's limit."""
+    limit = state.settings.max_output_tokens
+    if max_tokens is None:
+        max_tokens = min(limit, room)
+    if max_tokens > limit:
+        given = getattr(body, "max_completion_tokens", None)  # chat's newer name wins
+        param = "max_completion_tokens" if given else "max_tokens"
+        raise APIError.invalid(f"{param} may be at most {limit}", param)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+            stop=tuple(body.stop_list()),
+        )
+    except InvalidSampling as error:
+        raise from_engine_error(error) from error
+
+
+def user_scope_id(body_user: str | None, header_user: str | None, caller: Caller) -> str:
+    """The end user inside the tenant, for private cache scopes.
+
+    A header set by a proxy wins over the body's `user`; either is the client's own name, kept
+    in a namespace of its own (`user:`), so no client can claim an API key's default scope
+    (`key:<key id>`), which is what a request without a user gets.
+    """
+    named = header_user or body_user
+    return f"user:{named}" if named else f"key:{caller.key_id}"
+
+
+def user_hash(state: GatewayState, tenant_id: str, user: str) -> str:
+    """The end user in audit events: a keyed hash, so a dictionary cannot reverse it."""
+    message = f"audit-user\0{tenant_id}\0{user}".encode()
+    return hmac.new(state.store.key_secret.encode(), message, hashlib.sha256).hexdigest()[:32]
+
+
+def scope_summary(plan: Plan) -> dict[str, Any]:
+    """What the audit log keeps about scopes: kinds and sizes, never user ids."""
+    kinds = {Public: "public", Tenant: "tenant", User: "user"}
+    return {
+        "public_tokens": plan.public_tokens,
+        "public_namespace": plan.public.namespace if plan.public else None,
+        "private_scope": kinds.get(type(plan.tail_scope), "none"),
+    }
+
+
+def _template_role(role: str) -> str:
+    return "system" if role == "developer" else role
