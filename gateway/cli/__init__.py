@@ -1,4 +1,4 @@
-"""The `prefixgate` command line: engine, tenancy, audit and policy commands."""
+"""The `prefixgate` command line: engine, serving, settings, tenancy, audit and policy commands."""
 
 from __future__ import annotations
 
@@ -10,24 +10,28 @@ import typer
 # Typer vendors click and does not re-export its usage errors.
 from typer._click.exceptions import NoArgsIsHelpError, UsageError
 
-# Importing the command modules registers their commands on `app`.
-from gateway.cli import (
-    audit_commands,
-    engine_commands,
-    policy_commands,
-    serve_command,
-    tenancy_commands,
-)
+# Root commands (plan, demo, generate, serve, settings) register themselves on `app` when
+# their modules are imported; command groups are mounted below, in the order --help lists them.
+from gateway.cli import engine_commands, serve_command, settings_command
+from gateway.cli.admin_commands import admins_app, db_app
+from gateway.cli.audit_commands import audit_app
 from gateway.cli.common import app, one_line
+from gateway.cli.key_commands import keys_app
+from gateway.cli.prefix_commands import prefixes_app
+from gateway.cli.tenant_commands import tenants_app
 
 __all__ = ["app", "main"]
-COMMAND_MODULES = (
-    audit_commands,
-    engine_commands,
-    policy_commands,
-    serve_command,
-    tenancy_commands,
-)
+ROOT_COMMAND_MODULES = (engine_commands, serve_command, settings_command)
+COMMAND_GROUPS = {
+    "audit": audit_app,
+    "tenants": tenants_app,
+    "keys": keys_app,
+    "admins": admins_app,
+    "db": db_app,
+    "prefixes": prefixes_app,
+}
+for name, group in COMMAND_GROUPS.items():
+    app.add_typer(group, name=name)
 
 
 def main() -> None:

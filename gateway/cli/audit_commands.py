@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from gateway.cli.common import app, fail, open_store, operator
+from gateway.cli.common import fail, open_store, operator
 from tenancy import tenants
 from tenancy.audit_chain import AuditRecord
 from tenancy.audit_export import ExportFilter, export_events, verify_database, verify_file
@@ -18,7 +18,6 @@ from tenancy.errors import TenancyError
 audit_app = typer.Typer(
     help="Export and verify the tamper-evident audit log.", no_args_is_help=True
 )
-app.add_typer(audit_app, name="audit")
 
 
 def parse_time(text: str | None, option: str) -> datetime | None:

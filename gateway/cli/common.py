@@ -1,20 +1,29 @@
-"""The root Typer app and what every command shares: one-line errors, JSON, the store."""
+"""The root Typer app and what every command shares: one-line errors, JSON, the store, and
+the audited change every admin command makes."""
 
 from __future__ import annotations
 
 import getpass
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any, NoReturn
+from importlib.metadata import version
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
+from tenancy.audit_chain import AuditRecord
+from tenancy.errors import TenancyError
+
 if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
     from gateway.settings import Settings
     from tenancy.store import Store
+
+T = TypeVar("T")
 
 app = typer.Typer(
     help="PrefixGate: a multi-tenant LLM gateway with a safely shared prefix cache.",
@@ -23,12 +32,28 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON.")]
+
 _DURATION = re.compile(r"^(\d+)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
 
+def print_version(requested: bool) -> None:
+    """`--version`: the installed package's version, then exit before any command runs."""
+    if requested:
+        typer.echo(f"prefixgate {version('prefixgate')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def root() -> None:
+def root(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
     """PrefixGate: a multi-tenant LLM gateway with a safely shared prefix cache."""
 
 
@@ -82,6 +107,17 @@ def report(value: Any, as_json: bool, text: str) -> None:
         typer.echo(text)
 
 
+def report_rows(
+    rows: list[dict[str, Any]], as_json: bool, line: Callable[[dict[str, Any]], str]
+) -> None:
+    """A listing: the JSON array with --json, else one `line(row)` per row for people."""
+    if as_json:
+        print_json(rows)
+        return
+    for row in rows:
+        typer.echo(line(row))
+
+
 def _json_default(value: Any) -> str:
     if isinstance(value, datetime):
         return value.isoformat()
@@ -119,3 +155,39 @@ def opened_store(settings: Settings, check_schema: bool = True) -> Store:
         fail(str(error))
     except OperationalError as error:
         fail(f"cannot reach the database: {error.orig}")
+
+
+def audited_change(
+    action: str,
+    resource_type: str,
+    resource_id: str,
+    change: Callable[[Session, Store], T],
+    tenant_of: Callable[[T], str | None] = lambda _: None,
+    details: dict[str, Any] | None = None,
+) -> T:
+    """Run `change` in one transaction and audit its outcome; errors become one line."""
+    with open_store() as store:
+
+        def audit(outcome: str, tenant_id: str | None, extra: dict[str, Any]) -> None:
+            store.record(
+                AuditRecord(
+                    actor_type="cli",
+                    actor_id=operator(),
+                    action=action,
+                    outcome=outcome,
+                    tenant_id=tenant_id,
+                    resource_type=resource_type,
+                    resource_id=resource_id,
+                    details={**(details or {}), **extra},
+                )
+            )
+
+        try:
+            with store.transaction() as session:
+                result = change(session, store)
+                tenant_id = tenant_of(result)
+        except TenancyError as error:
+            audit("failure", None, {"error": str(error)})
+            fail(str(error))
+        audit("success", tenant_id, {})
+        return result

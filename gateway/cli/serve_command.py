@@ -26,7 +26,12 @@ def serve(
         bool, typer.Option("--demo", help="Create a demo tenant and print its key once.")
     ] = False,
 ) -> None:
-    """Serve the OpenAI-compatible API (settings from PREFIXGATE_* and .env)."""
+    """Serve the OpenAI-compatible API (settings from PREFIXGATE_* and .env).
+
+    Every setting is a PREFIXGATE_* environment variable (or a line in .env); the options
+    below override the most used ones. `prefixgate settings` lists them all with their
+    defaults.
+    """
     import uvicorn
 
     from gateway.app import create_app, prepare_database

@@ -8,8 +8,16 @@ from typing import Annotated, Any
 import typer
 from sqlalchemy.orm import Session
 
-from gateway.cli.common import app, fail, load_settings, open_store, operator, print_json, report
-from gateway.cli.tenancy_commands import audited_change
+from gateway.cli.common import (
+    JsonOption,
+    audited_change,
+    fail,
+    load_settings,
+    open_store,
+    operator,
+    report,
+    report_rows,
+)
 from tenancy import prefixes
 from tenancy.models import PublicPrefix
 from tenancy.store import Store
@@ -17,7 +25,6 @@ from tenancy.store import Store
 prefixes_app = typer.Typer(
     help="Admin-registered public system prompts, shared across tenants.", no_args_is_help=True
 )
-app.add_typer(prefixes_app, name="prefixes")
 
 ModelOption = Annotated[str, typer.Option(help="Served model name, e.g. smollm2-135m-instruct.")]
 NamespaceOption = Annotated[str, typer.Option(help="Namespace (a cache scope of its own).")]
@@ -51,7 +58,7 @@ def prefixes_add(
     namespace: NamespaceOption,
     name: NameOption,
     text_file: Annotated[Path, typer.Option(help="The system prompt as clients send it.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Register a system prompt as public: its KV blocks are shared across tenants."""
     if namespace not in allowed_namespaces():
@@ -75,17 +82,17 @@ def prefixes_add(
 @prefixes_app.command("list")
 def prefixes_list(
     model: Annotated[str | None, typer.Option(help="Only this model's prefixes.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """List registered public prefixes."""
     with open_store() as store, store.transaction() as session:
         rows = [prefix_json(p) for p in prefixes.list_prefixes(session, model)]
-    if as_json:
-        print_json(rows)
-        return
-    for row in rows:
-        state = "enabled" if row["enabled"] else "disabled"
-        typer.echo(f"{row['model']}  {row['namespace']}/{row['name']}  {state}")
+    report_rows(rows, as_json, _prefix_line)
+
+
+def _prefix_line(row: dict[str, Any]) -> str:
+    state = "enabled" if row["enabled"] else "disabled"
+    return f"{row['model']}  {row['namespace']}/{row['name']}  {state}"
 
 
 def _set_enabled(model: str, namespace: str, name: str, enabled: bool) -> None:
