@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.support.gateway import Gateway
+
+# Helpers there assert for many test modules: show their failures as pytest shows a test's.
+pytest.register_assert_rewrite("tests.support")
 
 
 @pytest.fixture(autouse=True)
@@ -92,3 +98,25 @@ def store(database: str, tmp_path: Path) -> Iterator[Any]:
     opened = Store.open(database, tmp_path / "audit.spool", "key-secret", "signing-key", 5)
     yield opened
     opened.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A small random Llama with SmolLM2's real tokenizer and chat template, for the gateways."""
+    from gateway.local_server import tiny_chat_model
+    from tests.support.gateway import MODEL
+
+    return tiny_chat_model(tmp_path_factory.mktemp("models") / MODEL, smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def gateway(
+    migrated_template: str, tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    """One real gateway for the whole run, shared by tests/api and tests/e2e (each start costs
+    seconds), with the tenants of `SESSION_TENANTS`."""
+    from tests.support.gateway import SESSION_TENANTS, start_gateway
+
+    state_dir = tmp_path_factory.mktemp("gateway-state")
+    with start_gateway(migrated_template, tiny_chat_dir, state_dir, SESSION_TENANTS) as started:
+        yield started

@@ -21,7 +21,7 @@ from schemathesis.checks import (
 )
 
 from tenancy.tenants import TenantLimits
-from tests.e2e.conftest import start_gateway
+from tests.support.gateway import start_gateway
 
 EXAMPLES_PER_OPERATION = 60
 CHECKS = [

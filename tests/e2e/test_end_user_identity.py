@@ -8,7 +8,7 @@ import uuid
 import httpx
 
 from tenancy import api_keys, tenants
-from tests.e2e.conftest import KEY_SECRET, MODEL, Gateway
+from tests.support.gateway import KEY_SECRET, MODEL, Gateway
 
 
 def cached_tokens(gateway: Gateway, key: str, prompt: str, user: str | None = None,

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import MODEL, Gateway
+from tests.support.gateway import MODEL, Gateway
 from tests.support.raw_http import exchange
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -125,7 +125,7 @@ def test_forwarded_for_is_ignored_without_trusted_proxies(gateway: Gateway) -> N
 
 
 def test_the_connection_stays_usable_after_a_500(gateway: Gateway) -> None:
-    policy = gateway.server.gateway.policy.policy
+    policy = gateway.server.gateway.sharing.current
 
     def broken_plan(*_: Any, **__: Any) -> Any:
         raise RuntimeError("an injected fault in the policy")
@@ -161,3 +161,38 @@ def test_a_request_refused_while_shutting_down_is_audited_once(gateway: Gateway)
     (event,) = gateway.audit_events(before)
     assert (event.action, event.outcome, event.details["status"]) == ("inference.chat",
                                                                       "failure", 503)  # fmt: skip
+
+
+def test_absurdly_deep_json_is_a_400(gateway: Gateway) -> None:
+    depth = 30_000  # far past Python's recursion limit, well inside the body limit
+    body = b'{"model": "tiny-chat", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+    response = send(gateway, CHAT, body, "acme")
+    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "prompt", [[-1], [2**32], [True], [1.0]], ids=["negative", "32-bit", "bool", "float"]
+)
+def test_a_bad_token_id_is_named_by_its_position_in_plain_words(
+    gateway: Gateway, prompt: Any
+) -> None:
+    error = send(gateway, COMPLETIONS, completion(prompt), "acme").json()["error"]
+    assert error["param"] == "prompt" and error["message"].startswith("prompt.0: ")
+    assert "[" not in error["message"] and "function" not in error["message"]
+
+
+def test_a_small_quota_gets_a_default_max_tokens_that_fits(gateway: Gateway) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}  # no max_tokens
+    response = send(gateway, CHAT, body, "cramped")
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] <= 4 * 16 + 1
+
+
+def test_the_audit_event_names_the_model_asked_for(gateway: Gateway) -> None:
+    before = gateway.last_audit_seq()
+    assert send(gateway, CHAT, chat(model="gpt-9"), "acme").status_code == 404
+    assert send(gateway, "/v1/nope", chat(), "acme").status_code == 404
+    missing_model, unknown_route = gateway.audit_events(before)
+    assert (missing_model.resource_type, missing_model.resource_id) == ("model", "gpt-9")
+    assert (unknown_route.resource_type, unknown_route.resource_id) == ("endpoint", "/v1/nope")

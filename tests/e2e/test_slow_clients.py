@@ -23,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 
 from gateway.connections import (
+    MAX_HEADER_BYTES,
     ConnectionGuard,
     GuardedHttpToolsProtocol,
     InvalidTrustedProxy,
@@ -199,6 +200,52 @@ def test_oversized_headers_are_refused_with_431(served: Served) -> None:
         sock.sendall(b"GET /ping HTTP/1.1\r\nHost: test\r\nX-Big: " + b"a" * (128 * 1024))
         error = _error_of(_read_until_closed(sock), 431)
     assert error["code"] == "headers_too_large"
+
+
+def _head_of(
+    size: int, method: bytes = b"GET", path: bytes = b"/ping", extra: bytes = b""
+) -> bytes:
+    """A request head (request line through the blank line) of exactly `size` bytes."""
+    start = method + b" " + path + b" HTTP/1.1\r\nHost: test\r\n" + extra + b"X-Big: "
+    return start + b"a" * (size - len(start) - 4) + b"\r\n\r\n"
+
+
+def _send_in_pieces(sock: socket.socket, data: bytes, piece_size: int) -> None:
+    """Sends `data` in `piece_size` pieces; the server may close before the last one."""
+    try:
+        for start in range(0, len(data), piece_size):
+            sock.sendall(data[start : start + piece_size])
+            if piece_size < len(data):
+                time.sleep(0.01)  # separate reads on the server, not one coalesced buffer
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+
+
+@pytest.mark.parametrize("size", [70_000, 131_072])
+@pytest.mark.parametrize("piece_size", [131_072, 40_000, 4096], ids=["one", "halves", "4k"])
+def test_oversized_headers_are_refused_however_they_are_split(
+    served: Served, size: int, piece_size: int
+) -> None:
+    with closing(served.connect()) as sock:
+        _send_in_pieces(sock, _head_of(size), piece_size)
+        error = _error_of(_read_until_closed(sock), 431)
+    assert error["code"] == "headers_too_large"
+    assert served.guard.pending == 0
+
+
+def test_headers_at_the_cap_are_served_with_a_body_in_the_same_read(served: Served) -> None:
+    # The cap counts header bytes only: the body that shares the read is not counted.
+    body = b"x" * 100_000
+    head = _head_of(MAX_HEADER_BYTES, b"POST", b"/echo", b"Content-Length: 100000\r\n")
+    with closing(served.connect()) as sock:
+        response = exchange(sock, head + body)
+    assert response.startswith(b"HTTP/1.1 200 ") and response.endswith(b'{"bytes":100000}')
+
+
+def test_one_byte_past_the_header_cap_is_refused(served: Served) -> None:
+    with closing(served.connect()) as sock:
+        _send_in_pieces(sock, _head_of(MAX_HEADER_BYTES + 1), MAX_HEADER_BYTES + 1)
+        assert _error_of(_read_until_closed(sock), 431)["code"] == "headers_too_large"
 
 
 def test_a_stalled_body_is_answered_408_in_openai_shape(served: Served) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.conftest import KEY_SECRET, MODEL, SIGNING_KEY, Gateway
 from tests.support.cli import Cli
+from tests.support.gateway import KEY_SECRET, MODEL, SIGNING_KEY, Gateway
 
 PROPAGATION_S = 2.0  # the promise
 SLACK_S = 3.0  # a loaded CI machine's scheduling, on top of it
@@ -65,10 +65,13 @@ def test_deleting_a_tenant_purges_its_cached_blocks(gateway: Gateway, tmp_path: 
     key = runner.json("keys", "create", "--tenant", "doomed")["key"]
     assert chat(gateway, key, "remember this rather long sentence " * 8).status_code == 200
     engine = gateway.server.gateway.engine
-    assert engine.cache_stats().owners[tenant["id"]].cached_blocks > 0
+
+    def cached_blocks() -> int:  # as of the engine's last step
+        return getattr(engine.cache_stats().owners.get(tenant["id"]), "cached_blocks", 0)
+
+    seconds_until(lambda: cached_blocks() > 0)
     zeroed = engine.cache_stats().blocks_zeroed
     runner.ok("tenants", "delete", "doomed")
-    owners = engine.cache_stats
-    seconds_until(lambda: getattr(owners().owners.get(tenant["id"]), "cached_blocks", 0) == 0)
+    seconds_until(lambda: cached_blocks() == 0)
     assert engine.cache_stats().blocks_zeroed > zeroed
     assert chat(gateway, key).status_code in (401, 403)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tenancy.tenants import TenantLimits
-from tests.e2e.conftest import MODEL, Gateway, start_gateway
+from tests.support.gateway import MODEL, Gateway, start_gateway
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import MetaData, select
 
 from tenancy import api_keys, tenants
-from tenancy.api_keys import AuthFailure, KeyPrincipal
+from tenancy.api_keys import AuthFailure, VerifiedKey
 from tenancy.keys import MalformedKey, ParsedKey, format_key, new_key, parse_key
 from tenancy.models import utcnow
 
@@ -22,12 +22,12 @@ def make_tenant(store: Any, slug: str = "acme") -> Any:
         return tenants.create_tenant(session, slug)
 
 
-def authenticate(store: Any, presented: str, **kwargs: Any) -> KeyPrincipal | AuthFailure:
+def authenticate(store: Any, presented: str, **kwargs: Any) -> VerifiedKey | AuthFailure:
     with store.transaction() as session:
         return api_keys.authenticate(session, presented, store.key_secret, **kwargs)
 
 
-def test_key_format_and_checksum() -> None:
+def test_a_new_key_parses_back_to_its_parts_and_a_typo_fails_its_checksum() -> None:
     full, parts = new_key()
     assert full.startswith(f"pgk_{parts.key_id}_{parts.secret}")
     assert parse_key(full) == parts
@@ -38,14 +38,17 @@ def test_key_format_and_checksum() -> None:
         parse_key("sk-not-ours")
 
 
-def test_create_then_verify(store: Any) -> None:
+def test_a_created_key_authenticates_its_tenant_and_role_and_near_misses_fail_typed(
+    store: Any,
+) -> None:
     tenant = make_tenant(store)
     with store.transaction() as session:
         created = api_keys.create_key(session, tenant, "ci", SECRET, role="tenant-admin")
     principal = authenticate(store, created.secret)
-    assert isinstance(principal, KeyPrincipal)
+    assert isinstance(principal, VerifiedKey)
     assert (principal.tenant_slug, principal.role) == ("acme", "tenant-admin")
-    assert authenticate(store, created.secret[:-1] + "x") is AuthFailure.MALFORMED
+    typo = "y" if created.secret.endswith("x") else "x"  # a different last character, always
+    assert authenticate(store, created.secret[:-1] + typo) is AuthFailure.MALFORMED
     other, other_parts = new_key()
     # The right key id with another secret and a valid checksum: only the HMAC can tell.
     forged = format_key(ParsedKey(parse_key(created.secret).key_id, other_parts.secret))
@@ -63,7 +66,7 @@ def test_revoked_and_expired_keys_stop_working(store: Any) -> None:
     with store.transaction() as session:
         api_keys.revoke_key(session, tenant.id, revoked.key.key_id)
     assert authenticate(store, revoked.secret) is AuthFailure.REVOKED
-    assert isinstance(authenticate(store, expiring.secret), KeyPrincipal)
+    assert isinstance(authenticate(store, expiring.secret), VerifiedKey)
     later = utcnow() + timedelta(hours=2)
     assert authenticate(store, expiring.secret, now=later) is AuthFailure.EXPIRED
 
@@ -74,11 +77,11 @@ def test_rotation_keeps_the_old_key_for_the_grace_period_only(store: Any) -> Non
         old = api_keys.create_key(session, tenant, "svc", SECRET)
     with store.transaction() as session:
         new = api_keys.rotate_key(session, tenant, old.key.key_id, SECRET, timedelta(hours=24))
-    assert isinstance(authenticate(store, old.secret), KeyPrincipal)
-    assert isinstance(authenticate(store, new.secret), KeyPrincipal)
+    assert isinstance(authenticate(store, old.secret), VerifiedKey)
+    assert isinstance(authenticate(store, new.secret), VerifiedKey)
     tomorrow = utcnow() + timedelta(hours=25)
     assert authenticate(store, old.secret, now=tomorrow) is AuthFailure.EXPIRED
-    assert isinstance(authenticate(store, new.secret, now=tomorrow), KeyPrincipal)
+    assert isinstance(authenticate(store, new.secret, now=tomorrow), VerifiedKey)
     assert new.key.rotated_from_id == old.key.id
 
 

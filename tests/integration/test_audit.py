@@ -37,7 +37,9 @@ def events_in_db(store: Any) -> list[Any]:
         return list(session.scalars(select(AuditEvent).order_by(AuditEvent.seq)))
 
 
-def test_chain_and_checkpoints_verify(store: Any, tmp_path: Path) -> None:
+def test_an_untouched_chain_and_its_checkpoints_verify_in_the_database_and_exports(
+    store: Any, tmp_path: Path
+) -> None:
     record_many(store, 12)
     with store.transaction() as session:
         assert verify_database(session, store.signing_key).ok

@@ -9,7 +9,9 @@ from tests.support.cli import Cli
 MODEL = "smollm2-135m-instruct"
 
 
-def test_prefix_registry_lifecycle(postgres_url: str, tmp_path: Path) -> None:
+def test_prefix_commands_change_the_registry_and_refuse_duplicates_and_unknowns(
+    postgres_url: str, tmp_path: Path
+) -> None:
     cli = Cli(postgres_url, tmp_path / "state")
     text = tmp_path / "system.txt"
     text.write_text("You are a helpful assistant for Acme.\n")
@@ -25,7 +27,9 @@ def test_prefix_registry_lifecycle(postgres_url: str, tmp_path: Path) -> None:
     assert "no prefix default/acme" in cli.error("prefixes", "delete", *where)
 
 
-def test_prefix_input_errors(postgres_url: str, tmp_path: Path) -> None:
+def test_a_bad_namespace_text_file_or_policy_is_one_line_naming_it(
+    postgres_url: str, tmp_path: Path
+) -> None:
     cli = Cli(postgres_url, tmp_path / "state")
     where = ["--model", MODEL, "--name", "x", "--text-file"]
     assert "is not in the policy's namespaces" in cli.error(

@@ -9,14 +9,16 @@ import pytest
 from sqlalchemy import select
 
 from tenancy import api_keys
-from tenancy.api_keys import KeyPrincipal
+from tenancy.api_keys import VerifiedKey
 from tenancy.migrate import head_revision
 from tenancy.models import AuditEvent
 from tenancy.store import Store
 from tests.support.cli import Cli
 
 
-def test_tenant_lifecycle_with_json_output(postgres_url: str, tmp_path: Path) -> None:
+def test_tenant_commands_change_the_tenant_and_print_it_as_json(
+    postgres_url: str, tmp_path: Path
+) -> None:
     cli = Cli(postgres_url, tmp_path / "state")
     created = cli.json("tenants", "create", "acme", "--name", "Acme Corp", "--quota", "64")
     assert (created["slug"], created["display_name"], created["cache_quota_blocks"]) == (
@@ -36,7 +38,9 @@ def test_tenant_lifecycle_with_json_output(postgres_url: str, tmp_path: Path) ->
     assert "globex" in cli.ok("tenants", "list", "--all")
 
 
-def test_keys_create_list_rotate_revoke(postgres_url: str, tmp_path: Path) -> None:
+def test_key_commands_authenticate_until_revoked_never_list_secrets_and_are_audited(
+    postgres_url: str, tmp_path: Path
+) -> None:
     cli = Cli(postgres_url, tmp_path / "state")
     cli.ok("tenants", "create", "acme")
     created = cli.json("keys", "create", "--tenant", "acme", "--name", "ci")
@@ -49,11 +53,11 @@ def test_keys_create_list_rotate_revoke(postgres_url: str, tmp_path: Path) -> No
     store = Store.open(postgres_url, tmp_path / "spool", "cli-key-secret", "s", 100)
     with store.transaction() as session:
         principal = api_keys.authenticate(session, rotated["key"], store.key_secret)
-        assert isinstance(principal, KeyPrincipal) and principal.tenant_slug == "acme"
+        assert isinstance(principal, VerifiedKey) and principal.tenant_slug == "acme"
     cli.ok("keys", "revoke", "--tenant", "acme", rotated["key_id"])
     with store.transaction() as session:
         assert not isinstance(
-            api_keys.authenticate(session, rotated["key"], store.key_secret), KeyPrincipal
+            api_keys.authenticate(session, rotated["key"], store.key_secret), VerifiedKey
         )
         actions = [e.action for e in session.scalars(select(AuditEvent).order_by(AuditEvent.seq))]
     store.close()
@@ -94,7 +98,7 @@ def test_admins_create_reads_the_password_from_stdin(postgres_url: str, tmp_path
     assert "already exists" in cli.error("admins", "create", "ops", stdin="another long pass\n")
 
 
-def test_embedded_sqlite_default_and_stale_schema_refusal(tmp_path: Path) -> None:
+def test_a_new_sqlite_database_is_refused_until_db_upgrade_then_used(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'prefixgate.db'}"
     cli = Cli(url, tmp_path / "state")
     line = cli.error("tenants", "list")

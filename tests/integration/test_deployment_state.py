@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from gateway.settings import Settings
 from tenancy import api_keys
-from tenancy.api_keys import KeyPrincipal
+from tenancy.api_keys import VerifiedKey
 from tenancy.deployment import SecretMismatch, fingerprint
 from tenancy.models import SecretFingerprint
 from tenancy.store import Store
@@ -61,7 +61,7 @@ def test_the_cli_uses_the_same_state_from_any_working_directory(tmp_path: Path) 
     )  # fmt: skip
     with store.transaction() as session:  # the key works with the deployment's secret
         principal = api_keys.authenticate(session, created["key"], store.key_secret)
-        assert isinstance(principal, KeyPrincipal) and principal.tenant_slug == "acme"
+        assert isinstance(principal, VerifiedKey) and principal.tenant_slug == "acme"
     store.close()
 
 

@@ -35,7 +35,9 @@ def schema_drift(url: str) -> list[object]:
         engine.dispose()
 
 
-def test_upgrade_from_empty_and_downgrade_to_base_on_postgres(empty_postgres_url: str) -> None:
+def test_upgrade_creates_every_table_and_downgrade_to_base_leaves_none_on_postgres(
+    empty_postgres_url: str,
+) -> None:
     upgrade(empty_postgres_url)
     assert tables(empty_postgres_url) == TABLES
     ensure_current(empty_postgres_url)

@@ -11,7 +11,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from tenancy import api_keys, changes, tenants
-from tenancy.api_keys import KeyPrincipal
+from tenancy.api_keys import VerifiedKey
 from tenancy.errors import InvalidInput
 from tenancy.models import ApiKey, PublicPrefix, Tenant
 from tenancy.prefixes import add_prefix
@@ -79,7 +79,7 @@ def test_authentication_reads_and_other_tables_do_not_move_the_counter(store: St
         created = api_keys.create_key(session, tenants.create_tenant(session, "acme"), "k", SECRET)
     before = seq(store)
     with store.transaction() as session:  # writes last_used_at, on every request
-        assert isinstance(api_keys.authenticate(session, created.secret, SECRET), KeyPrincipal)
+        assert isinstance(api_keys.authenticate(session, created.secret, SECRET), VerifiedKey)
     with store.transaction() as session:
         assert session.get(ApiKey, created.key.id).last_used_at is not None  # type: ignore[union-attr]
         tenants.list_tenants(session)
@@ -102,7 +102,7 @@ def test_refused_and_rolled_back_changes_do_not_move_the_counter(store: Store) -
         assert tenants.get_tenant(session, "acme").cache_quota_blocks == 1024
 
 
-def test_tenant_budgets_show_quotas_and_deletions(store: Store) -> None:
+def test_tenant_budgets_show_the_latest_quota_and_deleted_tenants(store: Store) -> None:
     with store.transaction() as session:
         acme = tenants.create_tenant(session, "acme", limits=TenantLimits(32, 4))
         globex = tenants.create_tenant(session, "globex")

@@ -10,13 +10,14 @@ from hypothesis import strategies as st
 
 from engine.scope import NO_CACHE, Public, Segment, Tenant, User, block_scopes
 from policies.config import PolicyConfig, PolicyFileError, load_policy
-from policies.planner import MessageSpan, Principal, SharingPolicy, TenantPolicy
+from policies.planner import PlanSubject, SharingPolicy, TenantPolicy
 from policies.registry import PublicPrefixRegistry, RegisteredPrefix
+from policies.templates import MessageSpan
 
 BLOCK = 4
 MODEL = "m"
 SYSTEM = tuple(range(100, 118))  # 18 tokens: four whole blocks and two more
-ALICE = Principal("t1", "alice")
+ALICE = PlanSubject("t1", "alice")
 
 
 def policy(
@@ -44,12 +45,12 @@ def test_a_prompt_differing_by_one_token_is_entirely_private() -> None:
     assert plan.segments == [Segment(0, len(altered), User("t1", "alice"))]
 
 
-def test_public_prefix_only_at_the_start() -> None:
+def test_a_registered_prefix_is_public_only_at_the_start_of_the_prompt() -> None:
     plan = policy().plan(ALICE, TenantPolicy(), MODEL, [7, *SYSTEM, 1])
     assert plan.public is None
 
 
-def test_tenant_without_public_prefixes_or_other_model_gets_none() -> None:
+def test_a_tenant_without_public_prefixes_or_another_model_gets_no_public_prefix() -> None:
     prompt = [*SYSTEM, 1]
     assert (
         policy().plan(ALICE, TenantPolicy(may_use_public_prefixes=False), MODEL, prompt).public
@@ -63,14 +64,14 @@ def test_prefix_shorter_than_the_minimum_is_not_shared() -> None:
     assert plan.public is None and len(policy(5).registry.too_short) == 1
 
 
-def test_tenant_sharing_mode_and_its_policy_switch() -> None:
+def test_tenant_sharing_widens_the_tail_to_the_tenant_only_when_the_policy_allows() -> None:
     tenant_wide = TenantPolicy(sharing_mode="tenant")
     assert policy().plan(ALICE, tenant_wide, MODEL, [1, 2]).tail_scope == Tenant("t1")
     locked = policy(2, False)
     assert locked.plan(ALICE, tenant_wide, MODEL, [1, 2]).tail_scope == User("t1", "alice")
 
 
-def test_no_cache_requests() -> None:
+def test_a_no_cache_request_plans_every_token_as_no_cache() -> None:
     plan = policy().plan(ALICE, TenantPolicy(), MODEL, [*SYSTEM, 1], no_cache=True)
     assert plan.segments == [Segment(0, 19, NO_CACHE)] and plan.tail_scope == NO_CACHE
 

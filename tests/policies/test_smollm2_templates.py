@@ -10,7 +10,7 @@ from engine.block_hash import BlockHasher, encode_token_ids
 from engine.cache_request import CacheRequest, request_block_scopes
 from engine.scope import Public, User
 from policies.config import PolicyConfig
-from policies.planner import Plan, Principal, SharingPolicy, TenantPolicy
+from policies.planner import Plan, PlanSubject, SharingPolicy, TenantPolicy
 from policies.registry import build_registry
 from policies.templates import render_with_spans, system_prompt_tokens
 
@@ -37,9 +37,9 @@ def conversation(system: str, user: str) -> list[dict[str, str]]:
 
 
 def planned(sharing: SharingPolicy, tokenizer: Any, messages: list[dict[str, str]],
-            principal: Principal, tenant: TenantPolicy) -> tuple[list[int], Plan]:  # fmt: skip
+            subject: PlanSubject, tenant: TenantPolicy) -> tuple[list[int], Plan]:  # fmt: skip
     token_ids, spans = render_with_spans(tokenizer, messages)
-    return token_ids, sharing.plan(principal, tenant, MODEL, token_ids, spans)
+    return token_ids, sharing.plan(subject, tenant, MODEL, token_ids, spans)
 
 
 def block_keys(token_ids: list[int], plan: Plan, tenant_id: str) -> list[bytes]:
@@ -54,7 +54,7 @@ def test_registered_system_prompt_is_public_and_the_user_turn_private(
 ) -> None:
     question = "My booking code is XK-4471, can I still change the date?"
     token_ids, plan = planned(sharing, smollm2_tokenizer, conversation(SYSTEM, question),
-                              Principal("t1", "alice"), TenantPolicy())  # fmt: skip
+                              PlanSubject("t1", "alice"), TenantPolicy())  # fmt: skip
     public, private = plan.segments
     assert isinstance(public.scope, Public) and public.start == 0
     assert private.scope == User("t1", "alice") and private.end == len(token_ids)
@@ -71,7 +71,7 @@ def test_system_prompt_differing_by_one_token_is_fully_private(
 ) -> None:
     altered = SYSTEM.replace("briefly", "shortly")
     _, plan = planned(sharing, smollm2_tokenizer, conversation(altered, "Hello"),
-                      Principal("t1", "alice"), TenantPolicy())  # fmt: skip
+                      PlanSubject("t1", "alice"), TenantPolicy())  # fmt: skip
     assert plan.public is None
     assert [s.scope for s in plan.segments] == [User("t1", "alice")]
 
@@ -82,7 +82,7 @@ def test_two_users_of_a_user_scoped_tenant_share_no_private_block(
     messages = conversation(SYSTEM, "Where is my refund? Order 55812. " * 4)
     keys = {}
     for user in ("alice", "bob"):
-        token_ids, plan = planned(sharing, smollm2_tokenizer, messages, Principal("t1", user),
+        token_ids, plan = planned(sharing, smollm2_tokenizer, messages, PlanSubject("t1", user),
                                   TenantPolicy("user"))  # fmt: skip
         keys[user] = block_keys(token_ids, plan, "t1")
     public_blocks = plan.public_tokens // BLOCK
@@ -98,7 +98,7 @@ def test_a_tenant_scoped_tenant_shares_its_private_blocks(
     messages = conversation(SYSTEM, "Where is my refund? Order 55812. " * 4)
     keys = []
     for user in ("alice", "bob"):
-        token_ids, plan = planned(sharing, smollm2_tokenizer, messages, Principal("t1", user),
+        token_ids, plan = planned(sharing, smollm2_tokenizer, messages, PlanSubject("t1", user),
                                   TenantPolicy("tenant"))  # fmt: skip
         keys.append(block_keys(token_ids, plan, "t1"))
     assert keys[0] == keys[1] and len(keys[0]) > plan.public_tokens // BLOCK

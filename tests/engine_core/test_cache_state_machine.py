@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from engine.budget import PUBLIC_OWNER, Owner, PoolExhausted, QuotaExceeded, TenantBudget
-from engine.cache_request import CacheRequest
+from engine.cache_request import CacheRequest, request_block_scopes
 from engine.scope import NO_CACHE, Public, Segment, Tenant, User
 from tests.support.cache import make_manager
 
@@ -71,7 +71,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.counter += 1
         request = CacheRequest(f"r{self.counter}", tenant, tokens, segments, tail_scope)
         hit = self.manager.match(request)
-        for block, scope in zip(hit.blocks, hit.sequence.scopes, strict=False):
+        planned = request_block_scopes(request, BLOCK_SIZE)
+        for block, scope in zip(hit.blocks, planned, strict=False):
             assert block.scope == scope, "I2: a hit under another scope"
         new_tokens = min(chunk, len(tokens) - hit.cached_tokens)
         self._check_allocation(

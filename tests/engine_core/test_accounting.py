@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 from engine.budget import PUBLIC_OWNER
+from engine.cache_stats import snapshot
 from engine.scope import Public, Segment, User
 from tests.support.cache import make_manager, request
 
@@ -39,7 +40,7 @@ def test_shared_system_prompt_leaves_exactly_208896_fresh_tokens() -> None:
         fresh_tokens += serve(f"tenant-{index}", prefix + suffix)
 
     assert fresh_tokens == 208_896
-    stats = manager.stats()
+    stats = snapshot(manager)
     cached = sum(owner.counters.cached_tokens for owner in stats.owners.values())
     prompt = sum(owner.counters.prompt_tokens for owner in stats.owners.values())
     assert cached == REQUESTS * PREFIX_TOKENS == 409_600

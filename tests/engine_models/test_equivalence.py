@@ -6,20 +6,8 @@ import pytest
 import torch
 
 from engine.engine import Engine
-from engine.scope import Public, Segment, User
-from tests.support.models import (
-    ARCHITECTURES,
-    VOCAB,
-    engine_for,
-    make_request,
-    run_all,
-    run_one,
-)
-
-
-def tokens(seed: int, count: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (count,), generator=generator).tolist()
+from tests.engine_models.prompts import shared_prefix_requests, tokens
+from tests.support.models import ARCHITECTURES, engine_for, make_request, run_all, run_one
 
 
 def pair(architecture: str, **config: object) -> tuple[Engine, Engine]:
@@ -30,7 +18,9 @@ def pair(architecture: str, **config: object) -> tuple[Engine, Engine]:
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_prefix_ending_mid_block(architecture: str) -> None:
+def test_prefix_ending_mid_block_reuses_its_whole_blocks_with_identical_output(
+    architecture: str,
+) -> None:
     cached, uncached = pair(architecture)
     prefix = tokens(0, 37)  # two full blocks of 16 and five tokens into the third
     first = make_request("warm", prefix + tokens(1, 9), max_tokens=4)
@@ -42,7 +32,9 @@ def test_prefix_ending_mid_block(architecture: str) -> None:
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_multi_turn_conversation_reuses_the_first_turn(architecture: str) -> None:
+def test_second_turn_reuses_the_first_turn_and_its_answer_with_identical_output(
+    architecture: str,
+) -> None:
     cached, uncached = pair(architecture)
     turn_one = tokens(3, 40)
     answer = run_one(cached, make_request("turn-1", turn_one, max_tokens=20)).token_ids
@@ -56,18 +48,13 @@ def test_multi_turn_conversation_reuses_the_first_turn(architecture: str) -> Non
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_concurrent_shared_prefix_under_eviction_pressure(architecture: str) -> None:
+def test_shared_prefix_under_eviction_and_preemption_gives_identical_output(
+    architecture: str,
+) -> None:
     config = {"num_blocks": 36, "max_num_batched_tokens": 96}
     cached, uncached = pair(architecture, **config)
-    system = tokens(5, 50)
-    requests = []
-    for index in range(12):
-        tenant = f"tenant-{index % 3}"
-        segments = [Segment(0, 50, Public("default")), Segment(50, 70, User(tenant, "u"))]
-        requests.append(
-            make_request(f"shared-{index}", system + tokens(10 + index, 20), tenant=tenant,
-                         user="u", max_tokens=10, segments=segments)
-        )  # fmt: skip
+    tenants = ["tenant-0", "tenant-1", "tenant-2"]
+    requests = shared_prefix_requests(tokens(5, 50), "default", tenants, 12, 10, "shared-")
     # Long unrelated prompts that do not fit next to everything else: evictions, preemption.
     requests += [make_request(f"long-{i}", tokens(40 + i, 130), tenant="big", max_tokens=6)
                  for i in range(4)]  # fmt: skip
@@ -81,7 +68,7 @@ def test_concurrent_shared_prefix_under_eviction_pressure(architecture: str) -> 
         assert got.token_ids == expected.token_ids
 
 
-def test_engine_matches_transformers_generate() -> None:
+def test_greedy_output_matches_transformers_generate() -> None:
     from tests.support.models import reference_copy, tiny_model
 
     engine = engine_for("llama")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine.budget import TenantBudget
+from engine.cache_stats import snapshot
 from engine.scope import NO_CACHE, Tenant, User
 from tests.support.cache import blocks_are_zero, fill_blocks, make_manager, request, run_prompt
 
@@ -37,7 +38,7 @@ def test_evicted_blocks_are_zero_before_another_tenant_gets_them() -> None:
     other = admitted(manager, request("t2", list(range(50, 66)), User("t2", "bob")))
     assert sorted(manager.block_ids(other.request_id)) == sorted(block_ids)
     assert blocks_are_zero(manager, block_ids)
-    assert manager.stats().owners["t1"].counters.evicted_blocks == 4
+    assert snapshot(manager).owners["t1"].counters.evicted_blocks == 4
 
 
 def test_purge_zeroes_all_of_a_tenants_cached_blocks_at_once() -> None:
@@ -85,4 +86,4 @@ def test_shrinking_a_quota_evicts_and_zeroes_at_once() -> None:
     # Four full blocks were cached; the fifth (one token) was zeroed when the request ended.
     assert manager.set_budget("t1", TenantBudget(quota_blocks=2)) == 2
     assert sum(blocks_are_zero(manager, [block_id]) for block_id in block_ids) == 3
-    assert manager.stats().owners["t1"].cached_blocks == 2
+    assert snapshot(manager).owners["t1"].cached_blocks == 2

@@ -24,7 +24,7 @@ def prefixgate(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([executable, *args], capture_output=True, text=True, timeout=60)
 
 
-def test_worked_example_numbers() -> None:
+def test_worked_example_needs_208896_fresh_tokens_and_one_512_mib_prefix() -> None:
     spec = KVSpec(32, 8, 128, torch.bfloat16, 16)
     result = plan_capacity(spec, 4096, 2048, 100)
     assert result.kv_bytes_per_token == 128 * 1024
@@ -55,7 +55,7 @@ def test_plan_json_has_the_documented_keys() -> None:
     assert result["fresh_prefill_tokens_cached"] == 208_896
 
 
-def test_plan_prints_a_readable_summary() -> None:
+def test_plan_summary_shows_the_prefix_size_and_both_prefill_totals() -> None:
     completed = prefixgate("plan", *EXAMPLE)
     assert completed.returncode == 0, completed.stderr
     assert "512.0 MiB" in completed.stdout

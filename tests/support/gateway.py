@@ -1,4 +1,8 @@
-"""One real gateway (uvicorn on a localhost port) over PostgreSQL for the e2e tests."""
+"""One real gateway (uvicorn on a localhost port) over PostgreSQL, for tests/api and tests/e2e.
+
+The session fixture `gateway` (in tests/conftest.py, so that both folders share one) starts it
+with `start_gateway`; tests that need other settings start their own.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
+import openai
 from sqlalchemy import func, select
 
-from gateway.local_server import RunningServer, serve, tiny_chat_model
+from gateway.local_server import RunningServer, serve
 from tenancy import api_keys, prefixes, tenants
 from tenancy.models import AuditEvent
 from tenancy.store import Store
@@ -31,6 +35,8 @@ SIGNING_KEY = "e2e-signing-key"
 
 @dataclass
 class Gateway:
+    """A running gateway, one API key per tenant (by slug), and its database."""
+
     server: RunningServer
     keys: dict[str, str]
     database_url: str
@@ -53,12 +59,13 @@ class Gateway:
             return session.scalar(select(func.max(AuditEvent.seq))) or 0
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    return tiny_chat_model(tmp_path_factory.mktemp("models") / MODEL, smollm2_dir)
+def openai_client(gateway: Gateway, tenant: str = "acme") -> openai.OpenAI:
+    """The unmodified official `openai` client, with `tenant`'s key and no retries."""
+    return openai.OpenAI(base_url=gateway.base_url, api_key=gateway.keys[tenant], max_retries=0)
 
 
-E2E_TENANTS = [
+# The session gateway's tenants: each limit below is what some test needs to reach.
+SESSION_TENANTS = [
     ("acme", "user", TenantLimits()),
     ("globex", "user", TenantLimits()),
     ("initech", "tenant", TenantLimits()),
@@ -117,12 +124,3 @@ def start_gateway(
             yield Gateway(server, keys, url)
     finally:
         drop_database(name)
-
-
-@pytest.fixture(scope="session")
-def gateway(
-    migrated_template: str, tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Gateway]:
-    state_dir = tmp_path_factory.mktemp("gateway-state")
-    with start_gateway(migrated_template, tiny_chat_dir, state_dir, E2E_TENANTS) as started:
-        yield started

@@ -9,7 +9,8 @@ from engine.attention import TorchAttention
 from engine.block_pool import BlockPool
 from engine.kv_spec import KVSpec
 from engine.model_runner import Chunk, ModelRunner
-from tests.support.models import ARCHITECTURES, VOCAB, reference_copy, tiny_model
+from tests.engine_models.prompts import tokens as random_tokens
+from tests.support.models import ARCHITECTURES, reference_copy, tiny_model
 
 BLOCK_SIZE = 16
 ATOL = 1e-4
@@ -39,7 +40,7 @@ def chunk(name: str, tokens: list[int], start: int, end: int, blocks: list[int])
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_chunked_prefill_then_decode_matches_sdpa(architecture: str) -> None:
     model = tiny_model(architecture)
-    reference = reference_logits(reference_copy(model), tokens := _tokens(0, 90))
+    reference = reference_logits(reference_copy(model), tokens := random_tokens(0, 90))
     runner = runner_for(model)
     blocks = [5, 2, 9, 11, 3, 7]  # deliberately scattered
     # Three prefill chunks ending mid-block, then decode steps one token at a time.
@@ -55,7 +56,7 @@ def test_packed_varlen_batch_matches_sdpa_per_sequence(architecture: str) -> Non
     model = tiny_model(architecture)
     reference_model = reference_copy(model)
     runner = runner_for(model)
-    first, second, third = _tokens(1, 70), _tokens(2, 33), _tokens(3, 52)
+    first, second, third = random_tokens(1, 70), random_tokens(2, 33), random_tokens(3, 52)
     tables = {"a": [0, 1, 2, 3, 4], "b": [10, 11, 12], "c": [20, 21, 22, 23]}
     # Prefill a and b partly, then one step mixing: a decode, b's prefill chunk, c's prefill.
     runner.run([chunk("a", first, 0, 69, tables["a"]), chunk("b", second, 0, 17, tables["b"])])
@@ -73,19 +74,19 @@ def test_packed_varlen_batch_matches_sdpa_per_sequence(architecture: str) -> Non
 
 def test_runner_counts_the_positions_it_computes() -> None:
     runner = runner_for(tiny_model("llama"))
-    tokens = _tokens(4, 40)
+    tokens = random_tokens(4, 40)
     runner.run([Chunk("a", tokens[16:40], 16, [0, 1, 2], 24, needs_logits=True)])
     assert runner.computed_tokens == 24
     runner.run([Chunk("a", tokens[16:20], 16, [0, 1, 2], 4, needs_logits=True)])  # recomputed
     assert runner.computed_tokens == 28
-    assert runner.forget("a") == 24
+    assert runner.pop_computed_prompt_positions("a") == 24
 
 
 def test_decode_reads_only_the_sequences_own_blocks() -> None:
     model = tiny_model("llama")
     reference_model = reference_copy(model)
     runner = runner_for(model)
-    short, long = _tokens(5, 10), _tokens(6, 40)
+    short, long = random_tokens(5, 10), random_tokens(6, 40)
     tables = {"short": [7], "long": [4, 5, 6]}
     runner.run([chunk("short", short, 0, 9, tables["short"])])
     runner.run([chunk("long", long, 0, 39, tables["long"])])
@@ -103,7 +104,7 @@ def test_decode_reads_only_the_sequences_own_blocks() -> None:
 def test_a_forward_that_raises_records_nothing() -> None:
     model = tiny_model("llama")
     runner = runner_for(model)
-    tokens = _tokens(7, 20)
+    tokens = random_tokens(7, 20)
 
     def fail(*_: object) -> None:
         raise RuntimeError("injected fault")
@@ -113,9 +114,4 @@ def test_a_forward_that_raises_records_nothing() -> None:
         runner.run([chunk("a", tokens, 0, 20, [0, 1])])
     hook.remove()
     assert runner.computed_tokens == 0
-    assert runner.computed_prompt_positions("a") == 0
-
-
-def _tokens(seed: int, count: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (count,), generator=generator).tolist()
+    assert runner.pop_computed_prompt_positions("a") == 0

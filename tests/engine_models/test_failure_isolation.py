@@ -16,6 +16,7 @@ import torch
 from engine.engine import Engine
 from engine.errors import RequestFailed
 from engine.request import GenerationDelta, GenerationRequest
+from tests.engine_models.prompts import tokens as random_tokens
 from tests.support.models import VOCAB, Collector, engine_for, make_request, run_all, run_one
 
 SENTINEL = VOCAB - 1
@@ -23,8 +24,7 @@ SENTINEL = VOCAB - 1
 
 def tokens(seed: int, count: int) -> list[int]:
     """Random prompt tokens that never include the sentinel."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, SENTINEL, (count,), generator=generator).tolist()
+    return random_tokens(seed, count, vocab=SENTINEL)
 
 
 def healthy_requests() -> list[GenerationRequest]:

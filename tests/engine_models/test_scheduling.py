@@ -12,12 +12,8 @@ from engine.model_runner import Chunk
 from engine.request import GenerationRequest
 from engine.sampler import SamplingParams
 from engine.scope import Public, Segment, User
+from tests.engine_models.prompts import shared_prefix_requests, tokens
 from tests.support.models import VOCAB, Collector, engine_for, make_request, run_all, run_one
-
-
-def tokens(seed: int, count: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (count,), generator=generator).tolist()
 
 
 class PositionCounter:
@@ -41,15 +37,7 @@ class PositionCounter:
 
 def test_reported_cached_tokens_equal_positions_the_runner_skipped() -> None:
     engine = engine_for("llama", num_blocks=40, max_num_batched_tokens=64)
-    system = tokens(1, 70)
-    requests = []
-    for index in range(8):
-        tenant = f"t{index % 2}"
-        segments = [Segment(0, 70, Public("ns")), Segment(70, 90, User(tenant, "u"))]
-        requests.append(
-            make_request(f"r{index}", system + tokens(10 + index, 20), tenant=tenant, user="u",
-                         max_tokens=12, segments=segments)
-        )  # fmt: skip
+    requests = shared_prefix_requests(tokens(1, 70), "ns", ["t0", "t1"], 8, 12, "r")
     requests.append(make_request("big", tokens(99, 300), tenant="t9", max_tokens=20))
     counter = PositionCounter(engine, requests)
     results = run_all(engine, requests)

@@ -6,6 +6,7 @@ import pytest
 
 from engine.budget import PUBLIC_OWNER, PoolExhausted, QuotaExceeded, TenantBudget
 from engine.cache_request import CacheRequest
+from engine.cache_stats import snapshot
 from engine.kv_cache_manager import KVCacheManager
 from engine.scope import Public, Segment, Tenant
 from tests.support.cache import make_manager, request, run_prompt
@@ -18,13 +19,13 @@ def cache_blocks(manager: KVCacheManager, tenant: str, first_token: int, blocks:
 
 
 def cached_blocks(manager: KVCacheManager, owner: str) -> int:
-    return manager.stats().owners[owner].cached_blocks
+    return snapshot(manager).owners[owner].cached_blocks
 
 
-def snapshot(manager: KVCacheManager) -> tuple[object, ...]:
+def everything(manager: KVCacheManager) -> tuple[object, ...]:
     pool = manager.pool
     return (
-        manager.stats(),
+        snapshot(manager),
         len(manager.prefix_cache),
         [(b.ref_count, b.owner, b.key, b.last_released) for b in pool.blocks],
     )
@@ -68,25 +69,25 @@ def test_quota_refusal_is_typed_and_changes_nothing() -> None:
     manager = make_manager(num_blocks=16)
     manager.set_budget("t1", TenantBudget(quota_blocks=4))
     cache_blocks(manager, "t1", 0, 2)
-    before = snapshot(manager)
+    before = everything(manager)
     hit = manager.match(request("t1", list(range(0, 30)), Tenant("t1")))
     assert hit.cached_tokens == 8
     refusal = manager.admit(hit, 22)
     assert isinstance(refusal, QuotaExceeded)
     assert refusal.owner == "t1" and refusal.quota_blocks == 4
     assert "quota exceeded for tenant 't1'" in str(refusal)
-    assert snapshot(manager) == before
+    assert everything(manager) == before
 
 
 def test_pool_refusal_is_typed_and_never_touches_reserved_blocks() -> None:
     manager = make_manager(num_blocks=8)
     manager.set_budget("t1", TenantBudget(quota_blocks=8, reserved_blocks=6))
     cache_blocks(manager, "t1", 0, 6)
-    before = snapshot(manager)
+    before = everything(manager)
     refusal = manager.admit(manager.match(request("t2", list(range(100, 113)), Tenant("t2"))), 13)
     assert isinstance(refusal, PoolExhausted)
     assert refusal.needed_blocks == 4 and refusal.available_blocks == 2
-    assert snapshot(manager) == before
+    assert everything(manager) == before
 
 
 def test_reservations_cannot_exceed_the_pool() -> None:
@@ -116,7 +117,7 @@ def test_public_blocks_are_charged_to_the_public_budget() -> None:
     segments = [Segment(0, 8, Public("ns")), Segment(8, 13, Tenant("t1"))]
     req = CacheRequest("r1", "t1", list(range(13)), segments, Tenant("t1"))
     run_prompt(manager, req)
-    stats = manager.stats()
+    stats = snapshot(manager)
     assert stats.owners[PUBLIC_OWNER].cached_blocks == 2
     assert stats.owners["t1"].cached_blocks == 1
     # A third public block does not fit the public budget: refused, typed.

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from engine.block_hash import BlockHasher, encode_token_ids
-from engine.scope import NO_CACHE, Public, Segment, Tenant, User, block_scopes, encode_scope
+from engine.block_hash import BlockHasher, encode_scope, encode_token_ids
+from engine.scope import NO_CACHE, Public, Segment, Tenant, User, block_scopes
 
 ALICE = User("t1", "alice")
 
@@ -94,7 +94,7 @@ def test_keys_are_stable_across_processes_and_hash_seeds() -> None:
     assert outputs == {keys(list(range(8)))[-1].hex()}
 
 
-def test_chain_stops_at_no_cache() -> None:
+def test_blocks_from_the_first_no_cache_block_on_get_no_keys() -> None:
     hasher = BlockHasher(4)
     root = hasher.root("m", "", "float32")
     scopes = [Public("ns"), ALICE, NO_CACHE, ALICE]

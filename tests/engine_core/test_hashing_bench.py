@@ -1,4 +1,4 @@
-"""The hashing benchmark's JSON (the model-backed demo and benches live in tests/engine)."""
+"""The hashing benchmark prints one JSON object (model-backed benches: tests/engine_models)."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ def test_generate_streams_an_answer_from_the_embedded_model(smollm2_dir: Path) -
     assert "Paris" in completed.stdout
 
 
-def test_generate_rejects_a_bad_model_directory(tmp_path: Path) -> None:
+def test_generate_rejects_a_bad_model_directory_in_one_line(tmp_path: Path) -> None:
     completed = prefixgate("generate", "--prompt", "hi", "--model", str(tmp_path))
     assert completed.returncode == 2
     assert completed.stderr.strip().splitlines() == [
@@ -74,7 +74,9 @@ def test_sysprompt_bench_accounts_fresh_prefill_exactly() -> None:
 
 
 @pytest.mark.parametrize("workload", ["gsp", "unique"])
-def test_other_workloads_and_the_hf_baseline_run(workload: str) -> None:
+def test_gsp_and_unique_workloads_count_cached_tokens_beside_the_hf_baseline(
+    workload: str,
+) -> None:
     result = bench(
         "--workload", workload, "--groups", "2", "--prompts-per-group", "2",
         "--system-tokens", "64", "--question-tokens", "16", "--requests", "3",

@@ -1,0 +1,26 @@
+"""POST /v1/completions through the official `openai` client."""
+
+from __future__ import annotations
+
+from tests.support.gateway import MODEL, Gateway, openai_client
+
+
+def test_a_completion_takes_a_text_or_token_id_prompt_and_counts_its_tokens(
+    gateway: Gateway,
+) -> None:
+    api = openai_client(gateway)
+    by_text = api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,
+                                     temperature=0)  # fmt: skip
+    assert by_text.object == "text_completion" and by_text.usage is not None
+    assert by_text.usage.completion_tokens == 5
+    by_ids = api.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=3, temperature=0)
+    assert by_ids.usage is not None and by_ids.usage.prompt_tokens == 4
+
+
+def test_a_streamed_completion_is_text_completion_chunks_ending_with_its_finish_reason(
+    gateway: Gateway,
+) -> None:
+    chunks = list(openai_client(gateway).completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, stream=True))  # fmt: skip
+    assert chunks and all(c.object == "text_completion" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "length"

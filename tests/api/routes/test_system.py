@@ -1,0 +1,56 @@
+"""The system routes: /healthz, /readyz and /metrics of the running gateway."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests.support.gateway import METRICS_TOKEN, MODEL, Gateway, openai_client
+
+
+def test_healthz_is_ok_and_readyz_reports_every_check_passing(gateway: Gateway) -> None:
+    assert httpx.get(gateway.server.url + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(gateway.server.url + "/readyz")
+    assert ready.status_code == 200
+    assert ready.json() == {
+        "status": "ready",
+        "checks": {"engine": True, "database": True},
+        "audit": {"spooled": 0, "dead_letters": 0, "dead_letter_path": None},
+    }
+
+
+def test_metrics_for_the_scraper_count_requests_tokens_and_cache_per_tenant(
+    gateway: Gateway,
+) -> None:
+    api = openai_client(gateway)
+    api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "metrics"}],
+                                max_tokens=3)  # fmt: skip
+    scraper = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    text = httpx.get(gateway.server.url + "/metrics", headers=scraper).text
+    for name in (
+        'prefixgate_requests_total{endpoint="chat",status="200"}',
+        "prefixgate_time_to_first_token_seconds_bucket",
+        'prefixgate_request_duration_seconds_count{endpoint="chat"}',
+        'prefixgate_prompt_tokens_total{tenant="acme"}',
+        'prefixgate_prefix_cache_hit_tokens_total{tenant="acme"}',
+        'prefixgate_completion_tokens_total{tenant="acme"}',
+        'prefixgate_kv_cache_blocks{owner="acme",state="quota"} 1024.0',
+        "prefixgate_kv_cache_evictions_total",
+        "prefixgate_kv_cache_zeroed_blocks_total",
+        'prefixgate_queue_depth{state="waiting"}',
+    ):
+        assert name in text, name
+
+
+def test_metrics_without_the_token_name_no_tenant(gateway: Gateway) -> None:
+    api = openai_client(gateway)
+    api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "metrics"}],
+                                max_tokens=2)  # fmt: skip
+    anonymous = httpx.get(gateway.server.url + "/metrics")
+    assert anonymous.status_code == 200
+    assert 'prefixgate_requests_total{endpoint="chat",status="200"}' in anonymous.text
+    assert 'owner="public"' in anonymous.text  # the public budget is nobody's identity
+    for slug in gateway.keys:
+        assert f'"{slug}"' not in anonymous.text
+    assert "tenant=" not in anonymous.text
+    wrong = httpx.get(gateway.server.url + "/metrics", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
