@@ -11,12 +11,12 @@ import hashlib
 import time
 from dataclasses import dataclass
 
-from sqlalchemy.exc import DBAPIError, OperationalError
 from starlette.concurrency import run_in_threadpool
 
 from gateway.errors import APIError
 from tenancy import api_keys
 from tenancy.api_keys import AuthFailure, VerifiedKey
+from tenancy.db import is_outage
 from tenancy.store import Store
 from tenancy.tenants import get_tenant_by_id
 
@@ -61,6 +61,7 @@ class KeyAuthenticator:
         self._ttl = ttl
         self._stale_ttl = stale_ttl
         self._cache: dict[str, tuple[Caller, float]] = {}
+        self._generation = 0
 
     async def authenticate(self, presented: str) -> Caller:
         """The caller behind a presented key.
@@ -73,14 +74,18 @@ class KeyAuthenticator:
         now = time.monotonic()
         if cached is not None and now - cached[1] < self._ttl:
             return cached[0]
+        generation = self._generation
         try:
             result = await run_in_threadpool(self._lookup, presented)
-        except (OperationalError, DBAPIError) as error:
+        except Exception as error:
+            if not is_outage(error):
+                raise
             if cached is not None and now - cached[1] < self._stale_ttl:
                 return cached[0]
             raise APIError.auth_unavailable() from error
         if isinstance(result, Caller):
-            self._cache[digest] = (result, now)
+            if generation == self._generation:  # no tenancy change arrived while we looked
+                self._cache[digest] = (result, now)
             return result
         self._cache.pop(digest, None)
         failure, key_id = result
@@ -88,6 +93,7 @@ class KeyAuthenticator:
 
     def forget_all(self) -> None:
         """Drop every remembered key check (tenancy changed somewhere)."""
+        self._generation += 1  # a lookup already under way must not cache its stale answer
         self._cache.clear()
 
     def _lookup(self, presented: str) -> Caller | tuple[AuthFailure, str | None]:

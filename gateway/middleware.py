@@ -132,18 +132,16 @@ class BodySizeLimit:
             return
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await APIError.too_large(self.max_bytes).response()(scope, receive, send)
+            await _refuse(APIError.too_large(self.max_bytes), scope, receive, send)
             return
         try:
             async with asyncio.timeout(self.deadline_s):
                 body = await self._read(receive)
         except TimeoutError:
-            stalled = APIError.body_stalled(self.deadline_s).response()
-            stalled.headers["connection"] = "close"  # the rest of the body is never read
-            await stalled(scope, receive, send)
+            await _refuse(APIError.body_stalled(self.deadline_s), scope, receive, send)
             return
         except _TooLarge:
-            await APIError.too_large(self.max_bytes).response()(scope, receive, send)
+            await _refuse(APIError.too_large(self.max_bytes), scope, receive, send)
             return
         if body is None:  # the client left (or the server cut a stalled body): serve nothing
             return
@@ -172,6 +170,14 @@ class BodySizeLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
+
+
+async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
+    """Answer before the body was read, and close: the rest of it is never read."""
+    scope.setdefault("state", {}).setdefault("api_error", error)  # for the audit event
+    response = error.response()
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)
 
 
 class _TooLarge(Exception):

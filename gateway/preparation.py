@@ -149,11 +149,16 @@ def _prepare(
         message = f"the prompt has {prompt_tokens} tokens; the limit is {limit}"
         raise APIError.invalid(message, context.prompt_param, "context_length_exceeded")
     caller, tenant = context.caller, context.caller.tenant
-    # Without max_tokens, ask for no more than the context and the tenant's cache quota hold
-    # (the KV of prompt + max_tokens - 1 positions), so a default never makes it unservable.
-    quota_room = tenant.cache_quota_blocks * state.settings.block_size - prompt_tokens + 1
-    room = context_length - prompt_tokens
-    sampling = _sampling(state, body, max_tokens, min(room, quota_room) if quota_room > 0 else room)
+    # Without max_tokens, ask for no more than the context, the tenant's cache quota (the KV of
+    # prompt + max_tokens - 1 positions) and its tokens per minute hold, so a default never
+    # makes a request unservable; when even those leave no room, the limit itself says why.
+    limits = (
+        context_length - prompt_tokens,
+        tenant.cache_quota_blocks * state.settings.block_size - prompt_tokens + 1,
+        tenant.tokens_per_minute - prompt_tokens,
+    )
+    room = min(limits) if min(limits) > 0 else limits[0]
+    sampling = _sampling(state, body, max_tokens, room)
     user = user_scope_id(body.user, context.header_user, caller)
     with state.tracer.start_as_current_span("policy"):
         plan = state.sharing.current.plan(

@@ -96,13 +96,19 @@ class Settlement:
 
 
 def settle(state: GatewayState, settlement: Settlement) -> None:
-    """Metrics, rate-limit release and the one audit event of a request that ended."""
+    """Rate-limit release, the one audit event and the metrics of a request that ended."""
     if settlement.settled:
         return
     settlement.settled = True
     seconds = time.perf_counter() - settlement.started
     status = settlement.status or CLIENT_CLOSED
     usage = settlement.usage
+    try:  # the slot and the audit event first: nothing after them may cost either
+        if settlement.admission is not None:
+            used = None if usage is None else usage.prompt_tokens + usage.completion_tokens
+            settlement.admission.release(used)
+    finally:
+        state.audit.put(_audit_record(state, settlement, status, seconds))
     metrics = state.metrics
     metrics.requests.labels(settlement.endpoint, str(status)).inc()
     metrics.latency.labels(settlement.endpoint).observe(seconds)
@@ -114,10 +120,6 @@ def settle(state: GatewayState, settlement: Settlement) -> None:
     if settlement.timings is not None:
         timings = settlement.timings
         metrics.ttft.observe(max(0.0, timings.first_token - timings.arrived))
-    if settlement.admission is not None:
-        used = None if usage is None else usage.prompt_tokens + usage.completion_tokens
-        settlement.admission.release(used)
-    state.audit.put(_audit_record(state, settlement, status, seconds))
 
 
 def _audit_record(

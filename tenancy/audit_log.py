@@ -2,7 +2,7 @@
 
 Appends lock the chain's head row, so concurrent writers (threads, processes, replicas) agree
 on one order. Every record is first fitted to its columns (`bounded`). Then a failure is one
-of two kinds, told apart in one place (`_is_outage`):
+of two kinds, told apart in one place (`tenancy.db.is_outage`):
 
 - the database cannot be reached: events go to a local append-only spool file (fsynced) and
   are written, in order, when it returns. Every event carries a unique `event_id` and events
@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import insert, select, update
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
-from sqlalchemy.exc import TimeoutError as PoolTimeout
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tenancy import audit_files
@@ -40,6 +39,7 @@ from tenancy.audit_chain import (
     sign,
 )
 from tenancy.audit_files import SignedCheckpoint
+from tenancy.db import is_outage
 from tenancy.models import AuditCheckpoint, AuditEvent, AuditHead, utcnow
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class AuditLog:
             self._insert(records)
             return []
         except Exception as error:
-            if _is_outage(error):
+            if is_outage(error):
                 logger.warning("audit database unavailable, spooling: %s", _describe(error))
                 return records
         # Something in the chunk was refused: only events refused alone are dead letters.
@@ -135,7 +135,7 @@ class AuditLog:
             try:
                 self._insert([record])
             except Exception as error:
-                if _is_outage(error):
+                if is_outage(error):
                     logger.warning("audit database unavailable, spooling: %s", _describe(error))
                     return records[position:]
                 self._dead_letter(record.to_json(), error)
@@ -253,19 +253,6 @@ class AuditLog:
             _describe(error),
             self.dead_letter_path,
         )
-
-
-def _is_outage(error: BaseException) -> bool:
-    """Whether the database is unreachable (retry later) rather than refusing this data."""
-    if isinstance(error, DBAPIError) and error.connection_invalidated:
-        return True
-    if isinstance(error, InterfaceError | PoolTimeout):
-        return True
-    if isinstance(error, OperationalError):
-        # SQLSTATE class 54 ("program limit exceeded") is about the statement, not the server.
-        sqlstate = getattr(error.orig, "sqlstate", None)
-        return not (isinstance(sqlstate, str) and sqlstate.startswith("54"))
-    return False
 
 
 def _describe(error: BaseException) -> str:

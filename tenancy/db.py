@@ -14,7 +14,14 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy.exc import (
+    ArgumentError,
+    DBAPIError,
+    InterfaceError,
+    NoSuchModuleError,
+    OperationalError,
+)
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
 from tenancy import changes
@@ -97,3 +104,16 @@ def _check_bounds(session: Session, _context: Any, _instances: Any) -> None:
     for instance in (*session.new, *session.dirty):
         if isinstance(instance, Base):
             check_column_bounds(instance, changed_only=instance not in session.new)
+
+
+def is_outage(error: BaseException) -> bool:
+    """Whether the database is unreachable (retry later) rather than refusing this data."""
+    if isinstance(error, DBAPIError) and error.connection_invalidated:
+        return True
+    if isinstance(error, InterfaceError | PoolTimeout):
+        return True
+    if isinstance(error, OperationalError):
+        # SQLSTATE class 54 ("program limit exceeded") is about the statement, not the server.
+        sqlstate = getattr(error.orig, "sqlstate", None)
+        return not (isinstance(sqlstate, str) and sqlstate.startswith("54"))
+    return False

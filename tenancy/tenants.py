@@ -16,6 +16,8 @@ from tenancy.models import SHARING_MODES, ApiKey, Tenant, utcnow
 
 DEFAULT_QUOTA_BLOCKS = 1024
 _SLUG = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+# Metrics label the public budget's blocks owner="public"; no tenant may share that name.
+RESERVED_SLUGS = frozenset({"public"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,8 @@ def create_tenant(
         raise InvalidInput(
             f"invalid tenant slug {slug!r}: use 1-63 lowercase letters, digits and dashes", "slug"
         )
+    if slug in RESERVED_SLUGS:
+        raise InvalidInput(f"tenant slug {slug!r} is reserved (it names the public budget)", "slug")
     if sharing_mode not in SHARING_MODES:
         raise InvalidInput(f"sharing mode must be one of {', '.join(SHARING_MODES)}", "sharing")
     quota = limits.cache_quota_blocks

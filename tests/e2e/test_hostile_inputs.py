@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import socket
+import uuid
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.support.gateway import MODEL, Gateway
+from tenancy import api_keys, tenants
+from tenancy.tenants import TenantLimits
+from tests.support.gateway import KEY_SECRET, MODEL, Gateway
 from tests.support.raw_http import exchange
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
@@ -196,3 +199,27 @@ def test_the_audit_event_names_the_model_asked_for(gateway: Gateway) -> None:
     missing_model, unknown_route = gateway.audit_events(before)
     assert (missing_model.resource_type, missing_model.resource_id) == ("model", "gpt-9")
     assert (unknown_route.resource_type, unknown_route.resource_id) == ("endpoint", "/v1/nope")
+
+
+def test_a_small_token_rate_gets_a_default_max_tokens_that_fits(gateway: Gateway) -> None:
+    with gateway.server.gateway.store.transaction() as session:  # a bucket no test has used
+        limits = TenantLimits(tokens_per_minute=300)
+        tenant = tenants.create_tenant(session, f"frugal-{uuid.uuid4().hex[:8]}", limits=limits)
+        key = api_keys.create_key(session, tenant, "k", KEY_SECRET).secret
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}  # no max_tokens
+    headers = {"Authorization": f"Bearer {key}"}
+    response = httpx.post(gateway.server.url + CHAT, json=body, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+
+
+def test_a_body_refused_before_it_is_read_closes_the_connection(gateway: Gateway) -> None:
+    before = gateway.last_audit_seq()
+    request = (
+        f"POST {CHAT} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {gateway.keys['acme']}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {10**7}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", gateway.server.port), timeout=30) as sock:
+        head = exchange(sock, request)
+    assert head.startswith(b"HTTP/1.1 413") and b"connection: close" in head.lower()
+    (event,) = gateway.audit_events(before)
+    assert (event.details["status"], event.details["error"]) == (413, "request_too_large")

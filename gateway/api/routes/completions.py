@@ -82,8 +82,9 @@ async def _serve(
     with state.tracer.start_as_current_span(f"inference.{settlement.endpoint}") as span:
         context = RequestContext.of(settlement, header_user, span)
         span.set_attribute("prefixgate.tenant", context.caller.tenant_slug)
-        # The gate took the tenant's concurrency slot before the body was read, so one
-        # tenant's requests never hold more of this work than its own share.
+        # The slots are shared by all tenants; each piece of work behind them is capped by the
+        # body, message and character limits, and a tenant has at most its concurrency limit of
+        # requests queued here (the gate took the slot before the body was read).
         async with state.prepare_slots:
             prepared = await run_in_threadpool(parse_and_prepare, context)
         span.set_attribute("prefixgate.prompt_tokens", len(prepared.request.prompt_token_ids))

@@ -83,7 +83,9 @@ async def metrics(
     include_tenants = authorization is not None
     if include_tenants and not _metrics_token_valid(state, authorization or ""):
         raise APIError.unauthorized("invalid metrics token")
-    return Response(state.metrics.exposition(include_tenants), media_type=CONTENT_TYPE_LATEST)
+    # Off the event loop: the audit gauges read files under locks an audit write may hold.
+    body = await run_in_threadpool(state.metrics.exposition, include_tenants)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
 def _metrics_token_valid(state: GatewayState, authorization: str) -> bool:

@@ -1,0 +1,67 @@
+"""The gateway's key cache never outlives a tenancy change, even one that lands mid-lookup."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+
+from gateway.auth import AuthenticationFailed, Caller, KeyAuthenticator
+from tenancy import api_keys, tenants
+from tenancy.api_keys import AuthFailure
+from tenancy.errors import InvalidInput
+from tenancy.store import Store
+from tenancy.tenants import RESERVED_SLUGS
+
+
+class _SlowLookups(KeyAuthenticator):
+    """The real authenticator, whose database lookups wait for the test's signal."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store, ttl=30.0, stale_ttl=300.0)
+        self.looking = threading.Event()
+        self.proceed = threading.Event()
+
+    def _lookup(self, presented: str) -> Caller | tuple[AuthFailure, str | None]:
+        result = super()._lookup(presented)
+        self.looking.set()
+        assert self.proceed.wait(10)
+        return result
+
+
+def test_a_revocation_during_a_lookup_is_not_undone_by_the_lookups_answer(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    store = Store.open(sqlite_url, tmp_path / "audit.spool", "key-secret", "signing-key")
+    with store.transaction() as session:
+        tenant = tenants.create_tenant(session, "acme")
+        created = api_keys.create_key(session, tenant, "k", "key-secret")
+    auth = _SlowLookups(store)
+
+    async def scenario() -> None:
+        lookup = asyncio.create_task(auth.authenticate(created.secret))
+        await asyncio.to_thread(auth.looking.wait, 10)  # the key checked out as valid...
+        with store.transaction() as session:  # ...then it is revoked, and the poll arrives
+            api_keys.revoke_key(session, tenant.id, created.key.key_id)
+        auth.forget_all()
+        auth.proceed.set()
+        assert isinstance(await lookup, Caller)  # the request that raced the change
+        with pytest.raises(AuthenticationFailed):  # the next one sees the revocation
+            await auth.authenticate(created.secret)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.close()
+
+
+def test_the_public_budgets_name_is_not_a_tenant_slug(sqlite_url: str, tmp_path: Path) -> None:
+    store = Store.open(sqlite_url, tmp_path / "audit.spool", "key-secret", "signing-key")
+    try:
+        for slug in RESERVED_SLUGS:
+            with pytest.raises(InvalidInput, match="reserved"), store.transaction() as session:
+                tenants.create_tenant(session, slug)
+    finally:
+        store.close()
