@@ -34,6 +34,7 @@ class CacheStats:
 
     @property
     def evicted_blocks(self) -> int:
+        """Evictions of every owner, own and pressure."""
         return sum(owner.counters.evicted_blocks for owner in self.owners.values())
 
 

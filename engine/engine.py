@@ -12,7 +12,8 @@ import contextlib
 import logging
 import queue
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections import abc
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import torch
 
@@ -169,7 +170,7 @@ class Engine:
 
     def set_budget(self, owner: Owner, budget: TenantBudget) -> int:
         """Change a tenant's (or the public) cache budget now; returns blocks evicted."""
-        return self._inbox.call(lambda: self.cache.set_budget(owner, budget))
+        return self._administer(lambda: self.cache.set_budget(owner, budget))
 
     def purge_tenant(self, tenant_id: str) -> int:
         """Cancel the tenant's requests, then drop and zero all its cached blocks."""
@@ -180,10 +181,29 @@ class Engine:
                     self._settle(sequence, EngineError("the tenant's cache was purged"))
             return self.cache.purge(tenant_id)
 
-        return self._inbox.call(purge)
+        return self._administer(purge)
+
+    def drop_public_prefix(self, namespace: str, token_ids: abc.Sequence[int]) -> int:
+        """Drop and zero the cached blocks of a deleted or disabled public prefix.
+
+        Returns how many blocks were dropped; blocks in use stop matching at once and are
+        zeroed when their requests end.
+        """
+        tokens = list(token_ids)
+        return self._administer(lambda: self.cache.drop_public(namespace, tokens))
+
+    def _administer(self, action: Callable[[], int]) -> int:
+        """Run an admin action on the engine thread; `cache_stats` shows it once this returns."""
+
+        def run() -> int:
+            result = action()
+            self._record_queue_and_cache()
+            return result
+
+        return self._inbox.call(run)
 
     def cache_stats(self) -> CacheStats:
-        """The cache as of the last step (safe from any thread)."""
+        """The cache as of the last step or admin action (safe from any thread)."""
         return self._cache_stats
 
     def queue_depth(self) -> tuple[int, int]:
@@ -230,7 +250,7 @@ class Engine:
 
     def _record_queue_and_cache(self) -> None:
         """Record the queue depth and cache stats as they are now, for a step that ran no
-        work: otherwise `queue_depth` and `cache_stats` tell of requests already ended."""
+        work or an admin action: otherwise `queue_depth` and `cache_stats` tell of the past."""
         self._cache_stats = snapshot(self.cache)
         self.metrics.waiting = len(self.scheduler.waiting)
         self.metrics.running = len(self.scheduler.running)

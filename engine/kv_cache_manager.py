@@ -7,13 +7,18 @@ module decides. It enforces per-owner quotas and reservations:
   requesting owners themselves), never a block another owner has reserved;
 - what cannot be satisfied is refused with `QuotaExceeded` or `PoolExhausted` and changes
   nothing.
+Every eviction is counted on its victim as *own* (the owner made room for itself: over its
+quota, or the pool short for its own allocation) or *pressure* (the pool was short for another
+owner's allocation), so an admin can tell a tight quota from a crowded neighbour. Blocks an admin
+removes (a tenant purge, a dropped public prefix) count as purged, not evicted.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
+from collections import Counter, abc
 from dataclasses import dataclass
+from typing import Literal
 
 from engine.block_hash import BlockHash, BlockHasher, block_token_bytes, encode_token_ids
 from engine.block_pool import Block, BlockPool
@@ -29,7 +34,10 @@ from engine.budget import (
 from engine.cache_request import CacheRequest, CacheSequence, PrefixMatch, request_block_scopes
 from engine.math_utils import cdiv
 from engine.prefix_cache import PrefixCache
-from engine.scope import no_less_private
+from engine.scope import Public, Segment, no_less_private
+
+# Why an idle block was evicted, i.e. which of its owner's counters it lands on.
+EvictionCause = Literal["own", "pressure"]
 
 
 @dataclass(slots=True)
@@ -38,8 +46,14 @@ class OwnerCounters:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    evicted_blocks: int = 0
+    evicted_own_blocks: int = 0
+    evicted_pressure_blocks: int = 0
     purged_blocks: int = 0
+
+    @property
+    def evicted_blocks(self) -> int:
+        """Every eviction of the owner's blocks, own and pressure."""
+        return self.evicted_own_blocks + self.evicted_pressure_blocks
 
     @property
     def reuse(self) -> float:
@@ -251,17 +265,25 @@ class KVCacheManager:
         them any more) and are zeroed when those requests end; cancel them first for an
         immediate wipe.
         """
-        purged = 0
-        for block in self.pool.idle_blocks(tenant_id):
-            self._evict(block, count_eviction=False)
-            purged += 1
-        for block in self.pool.blocks:
-            if block.owner == tenant_id and block.key is not None:
-                self._unhook(block)
-                purged += 1
-        self.pool.flush_zeroing()
-        self._counter(tenant_id).purged_blocks += purged
-        return purged
+        owned = [b for b in self.pool.blocks if b.owner == tenant_id and b.key is not None]
+        return self._drop(tenant_id, owned)
+
+    def drop_public(self, namespace: str, token_ids: abc.Sequence[int]) -> int:
+        """Drop the cached full blocks of a public prefix in `namespace`, as `purge` does.
+
+        The keys are the ones a request starting with these tokens, public in `namespace`,
+        looks up. Returns how many blocks were dropped, counted as purged on the public budget.
+        """
+        full_blocks = len(token_ids) // self.block_size
+        if not full_blocks:
+            return 0
+        scope = Public(namespace)
+        prefix = CacheRequest("drop-public", "", token_ids, [Segment(0, len(token_ids), scope)])
+        sequence = self._new_sequence(prefix)
+        self._extend_keys(sequence, full_blocks)
+        keys = set(sequence.keys)
+        # A block carries its key exactly while the prefix cache maps that key to it.
+        return self._drop(PUBLIC_OWNER, [b for b in self.pool.blocks if b.key in keys])
 
     def end_step(self) -> int:
         """Zero, in one batched operation, every block that left a scope during this step."""
@@ -342,11 +364,12 @@ class KVCacheManager:
         sequence.blocks += hits
         for owner, count in own_evictions.items():
             for _ in range(count):
-                self._evict_oldest(owner)
+                self._evict_oldest(owner, "own")
         for _ in range(max(0, shortfall)):
             owner = min((o for o, left in allowance.items() if left), key=self._oldest_release)
             allowance[owner] -= 1
-            self._evict_oldest(owner)
+            # Making room for one's own blocks is not a neighbour's pressure.
+            self._evict_oldest(owner, "own" if owner in needs else "pressure")
         for owner in owners:
             sequence.blocks += self.pool.take(owner, 1)
         self.peak_active_blocks = max(self.peak_active_blocks, self.pool.num_active)
@@ -357,29 +380,44 @@ class KVCacheManager:
         assert block is not None
         return block.last_released
 
-    def _evict_oldest(self, owner: Owner) -> None:
+    def _evict_oldest(self, owner: Owner, cause: EvictionCause) -> None:
         block = self.pool.oldest_idle(owner)
         assert block is not None
-        self._evict(block)
+        self._evict(block, cause)
 
     def _evict_over_quota(self, owner: Owner) -> int:
         evicted = 0
         while self.pool.owned(owner) > self.budget(owner).quota_blocks:
             if self.pool.oldest_idle(owner) is None:
                 break
-            self._evict_oldest(owner)
+            self._evict_oldest(owner, "own")
             evicted += 1
         return evicted
+
+    def _drop(self, owner: Owner, blocks: list[Block]) -> int:
+        """Take cached blocks out of the cache for an admin: idle ones are zeroed now, those in
+        use lose their keys and are zeroed once released. Counted as purged on `owner`."""
+        for block in blocks:
+            if block.ref_count:
+                self._unhook(block)
+            else:
+                self._evict(block, None)
+        self.pool.flush_zeroing()
+        self._counter(owner).purged_blocks += len(blocks)
+        return len(blocks)
 
     def _unhook(self, block: Block) -> None:
         """Uncache a block still in use: nobody can hit it any more; it is zeroed once released."""
         self.prefix_cache.remove(block)
         self.pool.clear_identity(block)
 
-    def _evict(self, block: Block, count_eviction: bool = True) -> None:
+    def _evict(self, block: Block, cause: EvictionCause | None) -> None:
+        """Evict an idle cached block, counted under `cause` (None: `_drop` counts it)."""
         assert block.owner is not None
-        if count_eviction:
-            self._counter(block.owner).evicted_blocks += 1
+        if cause == "own":
+            self._counter(block.owner).evicted_own_blocks += 1
+        elif cause == "pressure":
+            self._counter(block.owner).evicted_pressure_blocks += 1
         self.prefix_cache.remove(block)
         self.pool.evict(block)
 
