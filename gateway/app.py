@@ -18,8 +18,11 @@ from engine.budget import TenantBudget
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import EMBEDDED_MODEL_NAME, LoadedModel, load_model
+from gateway.admin.login_throttle import LoginThrottle
+from gateway.admin.tokens import AdminTokens
 from gateway.api.openapi import install_openapi
 from gateway.api.routes import completions, system
+from gateway.api.routes.admin import ROUTERS as ADMIN_ROUTERS
 from gateway.audit_queue import AuditQueue
 from gateway.auth import KeyAuthenticator
 from gateway.errors import install_error_handlers
@@ -31,6 +34,7 @@ from gateway.sharing import SharingPolicyHolder
 from gateway.state import GatewayState
 from gateway.tenancy_sync import TenancySync
 from gateway.tracing import make_tracer_provider
+from gateway.usage_history import UsageHistory
 from policies.config import load_policy
 from tenancy import deployment
 from tenancy.db import make_engine
@@ -63,6 +67,9 @@ def create_app(
             asyncio.create_task(
                 _every(settings.tenancy_poll_s, state.tenancy_sync.poll, "tenancy changes")
             ),
+            asyncio.create_task(
+                _every(settings.usage_sample_s, functools.partial(_sample_usage, state), "usage")
+            ),
         ]
         try:
             yield
@@ -79,6 +86,8 @@ def create_app(
     install_openapi(app)
     app.include_router(completions.router)
     app.include_router(system.router)
+    for admin_router in ADMIN_ROUTERS:
+        app.include_router(admin_router)
     # The last added is outermost: the gate checks the key before the body is read.
     app.add_middleware(
         BodySizeLimit, max_bytes=settings.max_body_bytes, deadline_s=settings.body_read_timeout_s
@@ -139,7 +148,8 @@ def build_state(
     sharing = SharingPolicyHolder(policy_config, loaded, model_name, settings.block_size)
     sharing.refresh(store)
     auth = KeyAuthenticator(store, settings.auth_cache_ttl_s, settings.auth_stale_ttl_s)
-    tenancy_sync = TenancySync(store, engine, auth)
+    usage = UsageHistory(settings.usage_sample_s, settings.usage_window_s)
+    tenancy_sync = TenancySync(store, engine, auth, usage)
     tenancy_sync.poll()
     tenant_names: dict[str, str] = {}
     state = GatewayState(
@@ -159,6 +169,14 @@ def build_state(
         audit=AuditQueue(store.audit, settings.audit_checkpoint_interval_s),
         max_prompt_tokens=settings.max_prompt_tokens or engine.max_model_len - 1,
         prepare_slots=asyncio.Semaphore(settings.prepare_concurrency),
+        admin_tokens=AdminTokens(
+            secret=settings.secret("jwt_secret"),
+            issuer=settings.admin_token_issuer,
+            ttl_s=settings.admin_token_ttl_s,
+            leeway_s=settings.admin_token_leeway_s,
+        ),
+        login_throttle=LoginThrottle(settings.admin_login_attempts_per_minute),
+        usage=usage,
         tenant_names=tenant_names,
     )
     return state
@@ -173,6 +191,10 @@ def shutdown_state(state: GatewayState) -> None:
         state.store.audit.checkpoint_now()
     state.store.close()
     state.tracer_provider.shutdown()
+
+
+def _sample_usage(state: GatewayState) -> None:
+    state.usage.sample(state.engine.cache_stats())
 
 
 async def _every(seconds: float, work: Callable[[], object], what: str) -> None:

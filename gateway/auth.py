@@ -42,6 +42,7 @@ class Caller:
     tenant_slug: str
     key_id: str
     tenant: TenantSnapshot
+    role: str = "inference"  # or "tenant-admin": such a key administers, it does not infer
 
 
 class AuthenticationFailed(Exception):
@@ -111,7 +112,9 @@ class KeyAuthenticator:
                 tokens_per_minute=tenant.tokens_per_minute,
                 max_concurrent=tenant.max_concurrent,
             )
-            return Caller(str(result.tenant_id), result.tenant_slug, result.key_id, snapshot)
+            return Caller(
+                str(result.tenant_id), result.tenant_slug, result.key_id, snapshot, result.role
+            )
 
 
 def _key_id_of(presented: str) -> str | None:

@@ -27,6 +27,7 @@ from engine.errors import (
 )
 from engine.sampler import InvalidSampling
 from tenancy.api_keys import AuthFailure
+from tenancy.errors import Conflict, InvalidInput, NotFound, TenancyError
 
 
 class APIError(Exception):
@@ -80,6 +81,32 @@ class APIError(Exception):
         """403: a valid key of a suspended (or deleted) tenant."""
         message = "this tenant is suspended"
         return cls(403, message, error_type="permission_error", code="tenant_suspended")
+
+    @classmethod
+    def admin_unauthorized(cls, message: str) -> APIError:
+        """401: an admin call without a valid session token or tenant-admin key."""
+        return cls(401, message, error_type="authentication_error", code="invalid_admin_token")
+
+    @classmethod
+    def forbidden(cls, message: str) -> APIError:
+        """403: the caller is known but may not do this."""
+        return cls(403, message, error_type="permission_error", code="forbidden")
+
+    @classmethod
+    def account_locked(cls, until: str) -> APIError:
+        """403: too many wrong passwords; the account refuses logins until `until`."""
+        message = f"this account is locked after too many failed logins, until {until}"
+        return cls(403, message, error_type="permission_error", code="account_locked")
+
+    @classmethod
+    def not_found(cls, message: str) -> APIError:
+        """404: no such resource (or none this caller may see)."""
+        return cls(404, message, error_type="not_found_error", code="not_found")
+
+    @classmethod
+    def conflict(cls, message: str) -> APIError:
+        """409: the change contradicts what exists (a duplicate, the last admin)."""
+        return cls(409, message, code="conflict")
 
     @classmethod
     def model_not_found(cls, model: str) -> APIError:
@@ -196,6 +223,16 @@ def from_auth_failure(failure: AuthFailure) -> APIError:
     if failure in (AuthFailure.TENANT_SUSPENDED, AuthFailure.TENANT_DELETED):
         return APIError.tenant_suspended()
     return APIError.unauthorized("invalid API key")
+
+
+def from_tenancy_error(error: TenancyError) -> APIError:
+    """The HTTP form of a refused tenancy change."""
+    if isinstance(error, NotFound):
+        return APIError.not_found(str(error))
+    if isinstance(error, Conflict):
+        return APIError.conflict(str(error))
+    param = error.field if isinstance(error, InvalidInput) else None
+    return APIError.invalid(str(error), param)
 
 
 def respond_with(request: Request, error: APIError) -> JSONResponse:

@@ -101,6 +101,13 @@ async def _authenticate(state: GatewayState, settlement: Settlement, headers: He
             settlement.auth_failure = refused.failure.value
             settlement.key_id = refused.key_id
             raise from_auth_failure(refused.failure) from refused
+    if caller.role != "inference":  # least privilege: an admin credential does not infer
+        settlement.auth_failure = "not_an_inference_key"
+        settlement.key_id = caller.key_id
+        raise APIError.forbidden(
+            "this is a tenant-admin key: it manages its tenant under /admin/api; "
+            "use an inference key here"
+        )
     state.tenant_names[caller.tenant_id] = caller.tenant_slug
     return caller
 

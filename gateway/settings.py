@@ -142,12 +142,30 @@ class Settings(BaseSettings):
     """How long a verified API key is remembered."""
     auth_stale_ttl_s: float = Field(default=300.0, ge=0)
     """While the database is unreachable, how long a key verified earlier keeps working."""
-    registry_refresh_s: float = Field(default=10.0, gt=0)
+    registry_refresh_s: float = Field(default=2.0, gt=0)
     """How often the public-prefix registry is reloaded."""
     tenancy_poll_s: float = Field(default=1.0, gt=0)
     """How often tenancy changes (revoked keys, quotas, limits) are polled."""
     audit_checkpoint_interval_s: float = Field(default=10.0, gt=0)
     """Sign a checkpoint at least this often while audit events arrive."""
+
+    # Admin API and console
+    admin_token_ttl_s: int = Field(default=900, ge=60, le=86_400)
+    """Lifetime of an admin session token (JWT) issued at login."""
+    admin_token_leeway_s: int = Field(default=10, ge=0, le=300)
+    """Clock skew allowed when checking an admin token's times."""
+    admin_token_issuer: str = "prefixgate"
+    """The `iss` claim admin tokens carry and must carry."""
+    admin_login_attempts_per_minute: int = Field(default=10, ge=1)
+    """Login attempts allowed per username and, separately, per client address each minute."""
+    admin_lockout_failures: int = Field(default=5, ge=1)
+    """Wrong passwords in a row that lock an operator account."""
+    admin_lockout_s: int = Field(default=900, ge=1)
+    """How long a locked operator account refuses every password."""
+    usage_sample_s: float = Field(default=2.0, gt=0)
+    """How often live cache usage is sampled for the console."""
+    usage_window_s: float = Field(default=900.0, gt=0)
+    """How much live cache usage history is kept in memory."""
 
     # Observability
     otlp_endpoint: str | None = None

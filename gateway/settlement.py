@@ -117,6 +117,8 @@ def settle(state: GatewayState, settlement: Settlement) -> None:
         metrics.prompt_tokens.labels(caller.tenant_slug).inc(usage.prompt_tokens)
         metrics.cached_tokens.labels(caller.tenant_slug).inc(usage.cached_tokens)
         metrics.completion_tokens.labels(caller.tenant_slug).inc(usage.completion_tokens)
+    if caller is not None:
+        state.usage.count_request(caller.tenant_id, failed=settlement.final_outcome() != "success")
     if settlement.timings is not None:
         timings = settlement.timings
         metrics.ttft.observe(max(0.0, timings.first_token - timings.arrived))

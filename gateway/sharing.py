@@ -32,6 +32,11 @@ class SharingPolicyHolder:
         self._entries: _Entries | None = None
         self.current = self._build(())
 
+    @property
+    def min_public_blocks(self) -> int:
+        """Whole blocks a registered prefix needs before it is shared."""
+        return self._config.min_public_blocks
+
     def refresh(self, store: Store) -> bool:
         """Reload enabled prefixes for the served model; returns whether anything changed."""
         with store.transaction() as session:

@@ -11,6 +11,8 @@ from opentelemetry.trace import Tracer
 
 from engine.engine import Engine
 from engine.model_loader import LoadedModel
+from gateway.admin.login_throttle import LoginThrottle
+from gateway.admin.tokens import AdminTokens
 from gateway.audit_queue import AuditQueue
 from gateway.auth import KeyAuthenticator
 from gateway.limits import RateLimiter
@@ -18,6 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.settings import Settings
 from gateway.sharing import SharingPolicyHolder
 from gateway.tenancy_sync import TenancySync
+from gateway.usage_history import UsageHistory
 from tenancy.store import Store
 
 
@@ -39,6 +42,9 @@ class GatewayState:
     audit: AuditQueue
     max_prompt_tokens: int
     prepare_slots: asyncio.Semaphore  # requests being templated and tokenized at once
+    admin_tokens: AdminTokens
+    login_throttle: LoginThrottle
+    usage: UsageHistory  # live cache usage per tenant, for the console's charts
     tenant_names: dict[str, str] = field(default_factory=dict)  # id -> slug, for metrics
     draining: bool = False
 

@@ -9,11 +9,13 @@ once, and a deleted tenant's cached KV blocks are purged (dropped and zeroed).
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 from engine.budget import TenantBudget
 from engine.engine import Engine
 from gateway.auth import KeyAuthenticator
+from gateway.usage_history import UsageHistory
 from tenancy import changes
 from tenancy.changes import TenantRow
 from tenancy.store import Store
@@ -26,14 +28,21 @@ class TenancySync:
     store: Store
     engine: Engine
     auth: KeyAuthenticator
+    usage: UsageHistory | None = None  # a deleted tenant's live usage is forgotten too
     seq: int | None = None
     tenants: dict[str, TenantRow] = field(default_factory=dict)
+    # The background poll and an admin call's own poll (after its change) may overlap.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def poll(self) -> bool:
         """Apply whatever changed since the last poll; returns whether anything did.
 
         Blocking (database reads, engine calls): run it off the event loop.
         """
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> bool:
         with self.store.transaction() as session:
             seq = changes.current_seq(session)
             if seq == self.seq:
@@ -50,6 +59,8 @@ class TenancySync:
                 if before is None or before.status != "deleted":
                     purged = self.engine.purge_tenant(tenant_id)
                     logger.info("tenant %s deleted: purged %d cached blocks", row.slug, purged)
+                    if self.usage is not None:
+                        self.usage.forget(tenant_id)
             elif before is None or _budget(before) != _budget(row):
                 self._set_budget(row)
         return True

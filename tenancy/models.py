@@ -1,5 +1,6 @@
-"""SQLAlchemy models: tenants, API keys, admins, public prefixes, the audit log, and what the
-database knows about its deployment (secret fingerprints, the KV pool, a change counter).
+"""SQLAlchemy models: tenants, API keys, operators and their sessions, public prefixes, the
+audit log, and what the database knows about its deployment (secret fingerprints, the KV pool,
+a change counter).
 
 Constraint names follow one convention (`NAMING_CONVENTION`) so migrations are static and
 reversible on every database. Times are timezone-aware UTC. Every value written through the
@@ -44,6 +45,7 @@ NAMING_CONVENTION = {
 TENANT_STATUSES = ("active", "suspended", "deleted")
 SHARING_MODES = ("user", "tenant")
 KEY_ROLES = ("inference", "tenant-admin")
+OPERATOR_ROLES = ("admin", "tenant-admin")
 
 
 def utcnow() -> datetime:
@@ -117,15 +119,46 @@ class ApiKey(Base):
 
 
 class Admin(Base):
+    """An operator account: an `admin` runs every tenant, a `tenant-admin` only its own."""
+
     __tablename__ = "admins"
-    __table_args__ = (CheckConstraint("role = 'admin'", name="role"),)
+    __table_args__ = (
+        CheckConstraint(_one_of("role", OPERATOR_ROLES), name="role"),
+        CheckConstraint(
+            "(role = 'admin' AND tenant_id IS NULL) OR "
+            "(role = 'tenant-admin' AND tenant_id IS NOT NULL)",
+            name="tenant_matches_role",
+        ),
+        CheckConstraint("failed_logins >= 0", name="failed_logins_not_negative"),
+    )
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
     username: Mapped[str] = mapped_column(String(100), unique=True)
     password_hash: Mapped[str] = mapped_column(String(255))
     role: Mapped[str] = mapped_column(String(16), default="admin")
+    tenant_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Consecutive wrong passwords; at the lockout threshold the account locks until `locked_until`.
+    failed_logins: Mapped[int] = mapped_column(Integer, default=0)
+    locked_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    password_changed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class AdminSession(Base):
+    """One issued admin token (by its JWT id): a logout or a disabled account revokes it."""
+
+    __tablename__ = "admin_sessions"
+
+    jti: Mapped[str] = mapped_column(String(64), primary_key=True)
+    admin_id: Mapped[uuid.UUID] = mapped_column(
+        ForeignKey("admins.id", ondelete="CASCADE"), index=True
+    )
+    issued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class PublicPrefix(Base):

@@ -151,6 +151,62 @@ def list_tenants(session: Session, include_deleted: bool = False) -> list[Tenant
     return list(session.scalars(query))
 
 
+def search_tenants(
+    session: Session, text: str = "", limit: int = 50, offset: int = 0
+) -> tuple[list[Tenant], int]:
+    """One page of live tenants whose slug or display name contains `text` (any case), by
+    slug, and how many match in all."""
+    query = select(Tenant).where(Tenant.status != "deleted")
+    if text:
+        escaped = text.lower().replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        pattern = f"%{escaped}%"
+        query = query.where(
+            func.lower(Tenant.slug).like(pattern, escape="\\")
+            | func.lower(Tenant.display_name).like(pattern, escape="\\")
+        )
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    page = session.scalars(query.order_by(Tenant.slug).limit(limit).offset(offset))
+    return list(page), total
+
+
+@dataclass(frozen=True, slots=True)
+class TenantChanges:
+    """A partial update of a tenant's settings: None leaves a field as it is."""
+
+    display_name: str | None = None
+    sharing_mode: str | None = None
+    may_use_public_prefixes: bool | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+
+
+def update_tenant(session: Session, slug: str, changes: TenantChanges) -> Tenant:
+    """Change a tenant's display name, sharing mode, public-prefix use or request limits."""
+    tenant = get_tenant(session, slug)
+    if changes.display_name is not None:
+        if not changes.display_name.strip():
+            raise InvalidInput("display name must not be empty", "display_name")
+        tenant.display_name = changes.display_name
+    if changes.sharing_mode is not None:
+        if changes.sharing_mode not in SHARING_MODES:
+            raise InvalidInput(
+                f"sharing mode must be one of {', '.join(SHARING_MODES)}", "sharing_mode"
+            )
+        tenant.sharing_mode = changes.sharing_mode
+    if changes.may_use_public_prefixes is not None:
+        tenant.may_use_public_prefixes = changes.may_use_public_prefixes
+    for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
+        value = getattr(changes, name)
+        if value is None:
+            continue
+        if value < 0:
+            raise InvalidInput(f"{name.replace('_', ' ')} must not be negative", name)
+        setattr(tenant, name, value)
+    session.flush()
+    return tenant
+
+
 def set_quota(
     session: Session,
     slug: str,

@@ -41,6 +41,17 @@ INFERENCE_RESPONSES: dict[int | str, dict[str, Any]] = {
     504: error_response("The request timed out"),
 }
 
+# Every /admin/api route: a bearer session token (or tenant-admin key), JSON in and out.
+ADMIN_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: error_response("Invalid request (the `param` names the field)"),
+    401: error_response("Missing, expired, wrongly signed or revoked admin token"),
+    403: error_response("The caller may not do this (a tenant-admin, an inference key)"),
+    404: error_response("No such resource, or none this caller may see"),
+    409: error_response("Conflicts with what exists"),
+    413: error_response("The request body is too large"),
+    500: error_response("Internal error"),
+}
+
 
 _REF = "#/components/schemas/{model}"
 # Models of request bodies that routes parse themselves (off the event loop), by name.

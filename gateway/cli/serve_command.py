@@ -10,6 +10,7 @@ import typer
 from gateway.cli.common import app, fail, load_settings, opened_store
 
 DEMO_TENANT = "demo"
+DEMO_ADMIN = "admin"
 
 
 @app.command()
@@ -23,7 +24,12 @@ def serve(
         str | None, typer.Option(help="Model id clients use (default: the directory name).")
     ] = None,
     demo: Annotated[
-        bool, typer.Option("--demo", help="Create a demo tenant and print its key once.")
+        bool,
+        typer.Option(
+            "--demo",
+            help="Create a demo tenant and, if there is no operator yet, a console admin; "
+            "print their secrets once.",
+        ),
     ] = False,
 ) -> None:
     """Serve the OpenAI-compatible API (settings from PREFIXGATE_* and .env).
@@ -61,7 +67,7 @@ def serve(
     # Secrets that are not the deployment's stop us here too, in one line, before the model
     # loads (the server's own start-up would refuse them as well, less readably).
     opened_store(settings).close()
-    application = create_app(settings, on_ready=_create_demo_tenant if demo else None)
+    application = create_app(settings, on_ready=_prepare_demo if demo else None)
     try:
         config = uvicorn_config(application, settings, log_level="info")
     except InvalidTrustedProxy as error:
@@ -70,6 +76,35 @@ def serve(
     server.run()
     if not server.started:
         raise typer.Exit(1)
+
+
+def _prepare_demo(state: Any) -> None:
+    _create_demo_tenant(state)
+    _create_demo_admin(state)
+
+
+def _create_demo_admin(state: Any) -> None:
+    """A first console operator with a generated password, unless operators exist already."""
+    import secrets
+
+    from tenancy import admins
+    from tenancy.audit_chain import AuditRecord
+
+    store = state.store
+    password = secrets.token_urlsafe(15)
+    with store.transaction() as session:
+        if admins.list_admins(session):
+            return
+        admins.create_admin(session, DEMO_ADMIN, password)
+    store.record(
+        AuditRecord("cli", "admin.create", "success", actor_id="serve --demo",
+                    resource_type="admin", resource_id=DEMO_ADMIN)
+    )  # fmt: skip
+    console = f"http://{state.settings.host}:{state.settings.port}/admin"
+    typer.echo(
+        f"console: {console}  user {DEMO_ADMIN}, password (shown only now): {password}\n"
+        f"  change it there (Operators) or with `prefixgate admins set-password {DEMO_ADMIN}`"
+    )
 
 
 def _create_demo_tenant(state: Any) -> None:

@@ -14,7 +14,8 @@ from tenancy.migrate import SchemaOutOfDate, downgrade, ensure_current, head_rev
 from tenancy.models import Base
 
 TABLES = {"tenants", "api_keys", "admins", "public_prefixes", "audit_events", "audit_head",
-          "audit_checkpoints", "secret_fingerprints", "deployment", "tenancy_changes"}  # fmt: skip
+          "audit_checkpoints", "secret_fingerprints", "deployment", "tenancy_changes",
+          "admin_sessions"}  # fmt: skip
 
 
 def tables(url: str) -> set[str]:
@@ -86,9 +87,44 @@ def test_0002_adds_deployment_state_to_a_0001_database_and_removes_only_it(
             assert pool == [(1, None)]
         downgrade(empty_postgres_url, "0001")
         assert tables(empty_postgres_url) == TABLES - {
-            "secret_fingerprints", "deployment", "tenancy_changes"
+            "secret_fingerprints", "deployment", "tenancy_changes", "admin_sessions"
         }  # fmt: skip
         with engine.connect() as connection:
             assert connection.execute(text("SELECT slug FROM tenants")).all() == [("old",)]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+def test_0003_keeps_existing_admins_and_its_downgrade_removes_only_what_it_added(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    from sqlalchemy import text
+
+    url = (
+        request.getfixturevalue("empty_postgres_url")
+        if backend == "postgresql"
+        else f"sqlite:///{tmp_path / 'old.db'}"
+    )
+    upgrade(url, "0002")
+    engine = make_engine(url)
+    try:
+        with engine.begin() as connection:  # an operator made before the upgrade
+            connection.execute(text(
+                "INSERT INTO admins (id, username, password_hash, role, created_at, disabled) "
+                "VALUES ('00000000000000000000000000000001', 'old', 'x', 'admin', "
+                "CURRENT_TIMESTAMP, false)"
+            ))  # fmt: skip
+        upgrade(url)
+        assert schema_drift(url) == []
+        with engine.connect() as connection:
+            row = connection.execute(
+                text("SELECT username, role, failed_logins, tenant_id FROM admins")
+            ).all()
+            assert row == [("old", "admin", 0, None)]
+        downgrade(url, "0002")
+        assert "admin_sessions" not in tables(url)
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT username FROM admins")).all() == [("old",)]
     finally:
         engine.dispose()

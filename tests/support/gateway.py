@@ -16,7 +16,7 @@ import openai
 from sqlalchemy import func, select
 
 from gateway.local_server import RunningServer, serve
-from tenancy import api_keys, prefixes, tenants
+from tenancy import admins, api_keys, prefixes, tenants
 from tenancy.models import AuditEvent
 from tenancy.store import Store
 from tenancy.tenants import TenantLimits
@@ -31,6 +31,9 @@ SYSTEM_PROMPT = (
 KEY_SECRET = "e2e-key-secret"
 METRICS_TOKEN = "e2e-metrics-token"
 SIGNING_KEY = "e2e-signing-key"
+JWT_SECRET = "e2e-jwt-secret-with-at-least-32-bytes!"
+ADMIN_USER = "root"
+ADMIN_PASSWORD = "correct horse battery staple"
 
 
 @dataclass
@@ -40,6 +43,12 @@ class Gateway:
     server: RunningServer
     keys: dict[str, str]
     database_url: str
+    # One tenant-admin key per tenant (by slug): it administers that tenant and no other.
+    tenant_admin_keys: dict[str, str]
+
+    @property
+    def admin_url(self) -> str:
+        return f"{self.server.url}/admin/api"
 
     @property
     def base_url(self) -> str:
@@ -94,11 +103,15 @@ def start_gateway(
         "min_public_blocks: 2\nallow_tenant_sharing: true\nnamespaces: [default]\n"
     )
     store = Store.open(url, state_dir / "seed.spool", KEY_SECRET, SIGNING_KEY)
-    keys = {}
+    keys, admin_keys = {}, {}
     with store.transaction() as session:
+        admins.create_admin(session, ADMIN_USER, ADMIN_PASSWORD)
         for slug, sharing, limits in tenant_rows:
             tenant = tenants.create_tenant(session, slug, sharing_mode=sharing, limits=limits)
             keys[slug] = api_keys.create_key(session, tenant, "e2e", KEY_SECRET).secret
+            admin_keys[slug] = api_keys.create_key(
+                session, tenant, "e2e-admin", KEY_SECRET, role="tenant-admin"
+            ).secret
             if slug == "frozen":
                 tenants.set_status(session, "frozen", "suspended")
         prefixes.add_prefix(session, MODEL, "default", "airline", SYSTEM_PROMPT, "e2e")
@@ -108,6 +121,7 @@ def start_gateway(
         "state_dir": state_dir,
         "key_hash_secret": KEY_SECRET,
         "audit_signing_key": SIGNING_KEY,
+        "jwt_secret": JWT_SECRET,
         "model_dir": model_dir,
         "policy_file": policy_file,
         "kv_cache_bytes": 64 << 20,
@@ -121,6 +135,6 @@ def start_gateway(
     }
     try:
         with serve(overrides) as server:
-            yield Gateway(server, keys, url)
+            yield Gateway(server, keys, url, admin_keys)
     finally:
         drop_database(name)

@@ -1,0 +1,220 @@
+"""The admin API's JSON: request bodies (strict, no unknown fields) and what it answers.
+
+Cache sizes are shown three ways, because operators think in different units: KV blocks (what
+the engine counts), tokens (blocks x block size) and bytes (what the quota costs in memory for
+the served model).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+from engine.cache_stats import OwnerStats
+
+Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
+Limit = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Blocks = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+class LoginBody(Body):
+    username: Annotated[str, StringConstraints(min_length=1, max_length=100)]
+    password: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+
+
+class TenantCreate(Body):
+    slug: Annotated[str, StringConstraints(min_length=1, max_length=63)]
+    display_name: Name | None = None
+    sharing_mode: Literal["user", "tenant"] = "user"
+    may_use_public_prefixes: bool = True
+    cache_quota_blocks: Blocks | None = None
+    cache_reservation_blocks: Blocks = 0
+    requests_per_minute: Limit = 600
+    tokens_per_minute: Limit = 1_000_000
+    max_concurrent: Limit = 16
+
+
+class TenantUpdate(Body):
+    display_name: Name | None = None
+    sharing_mode: Literal["user", "tenant"] | None = None
+    may_use_public_prefixes: bool | None = None
+    requests_per_minute: Limit | None = None
+    tokens_per_minute: Limit | None = None
+    max_concurrent: Limit | None = None
+
+
+class QuotaUpdate(Body):
+    """A new quota, reservation or both, each in blocks or in tokens (rounded up to blocks)."""
+
+    quota_blocks: Blocks | None = None
+    quota_tokens: Blocks | None = None
+    reservation_blocks: Blocks | None = None
+    reservation_tokens: Blocks | None = None
+
+
+class KeyCreate(Body):
+    name: Name
+    role: Literal["inference", "tenant-admin"] = "inference"
+    expires_at: datetime | None = Field(default=None, description="ISO 8601 with a time zone")
+
+
+class KeyRotate(Body):
+    grace_seconds: Annotated[int, Field(ge=0, le=30 * 86_400)] = 86_400
+
+
+class PrefixCreate(Body):
+    namespace: Annotated[str, StringConstraints(min_length=1, max_length=100)]
+    name: Annotated[str, StringConstraints(min_length=1, max_length=100)]
+    text: Annotated[str, StringConstraints(min_length=1, max_length=200_000)]
+    model: Annotated[str, StringConstraints(min_length=1, max_length=200)] | None = Field(
+        default=None, description="Default: the served model"
+    )
+
+
+class PrefixUpdate(Body):
+    enabled: bool
+
+
+class OperatorCreate(Body):
+    username: Annotated[str, StringConstraints(min_length=1, max_length=100)]
+    password: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+    role: Literal["admin", "tenant-admin"] = "admin"
+    tenant_id: uuid.UUID | None = None
+
+
+class OperatorUpdate(Body):
+    disabled: bool
+
+
+class PasswordChange(Body):
+    password: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+
+
+# -- answers ----------------------------------------------------------------------------------
+
+
+class Amount(BaseModel):
+    blocks: int
+    tokens: int
+    bytes: int
+
+
+class CacheUsage(BaseModel):
+    """One tenant's blocks in the engine now, and its running totals since the server started."""
+
+    active_blocks: int
+    cached_blocks: int
+    reserved_blocks: int
+    quota_blocks: int
+    prompt_tokens: int
+    cached_tokens: int
+    hit_ratio: float
+    evicted_own_blocks: int
+    evicted_pressure_blocks: int
+    purged_blocks: int
+
+    @classmethod
+    def of(cls, stats: OwnerStats | None, quota_blocks: int, reserved_blocks: int) -> CacheUsage:
+        """From the engine's stats (None: the engine has not seen the tenant yet)."""
+        if stats is None:
+            stats = OwnerStats(0, 0, reserved_blocks=reserved_blocks, quota_blocks=quota_blocks)
+        counters = stats.counters
+        return cls(
+            active_blocks=stats.active_blocks,
+            cached_blocks=stats.cached_blocks,
+            reserved_blocks=stats.reserved_blocks,
+            quota_blocks=stats.quota_blocks,
+            prompt_tokens=counters.prompt_tokens,
+            cached_tokens=counters.cached_tokens,
+            hit_ratio=counters.reuse,
+            evicted_own_blocks=counters.evicted_own_blocks,
+            evicted_pressure_blocks=counters.evicted_pressure_blocks,
+            purged_blocks=counters.purged_blocks,
+        )
+
+
+class TenantOut(BaseModel):
+    id: uuid.UUID
+    slug: str
+    display_name: str
+    status: str
+    sharing_mode: str
+    may_use_public_prefixes: bool
+    requests_per_minute: int
+    tokens_per_minute: int
+    max_concurrent: int
+    created_at: datetime
+    quota: Amount
+    reservation: Amount
+    cache: CacheUsage
+
+
+class TenantPage(BaseModel):
+    data: list[TenantOut]
+    total: int
+    limit: int
+    offset: int
+
+
+class KeyOut(BaseModel):
+    key_id: str
+    name: str
+    role: str
+    state: str  # active, rotating, expired or revoked
+    created_at: datetime
+    last_used_at: datetime | None
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    grace_until: datetime | None
+
+
+class CreatedKeyOut(KeyOut):
+    key: str = Field(description="The full API key: shown this once, never stored")
+
+
+class PrefixOut(BaseModel):
+    id: uuid.UUID
+    namespace: str
+    name: str
+    model: str
+    enabled: bool
+    created_by: str
+    created_at: datetime
+    text: str
+    tokens: int | None = Field(description="Tokens it shares for the served model (else null)")
+    blocks: int | None = Field(description="Whole KV blocks it shares (else null)")
+    warning: str | None = None
+
+
+class OperatorOut(BaseModel):
+    id: uuid.UUID
+    username: str
+    role: str
+    tenant_id: uuid.UUID | None
+    disabled: bool
+    locked_until: datetime | None
+    created_at: datetime
+
+
+class LoginOut(BaseModel):
+    token: str
+    token_type: Literal["bearer"] = "bearer"
+    expires_at: datetime
+    operator: OperatorOut
+
+
+class CallerOut(BaseModel):
+    role: str
+    tenant_id: uuid.UUID | None
+    actor_type: str
+    actor_id: str

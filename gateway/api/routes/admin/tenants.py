@@ -1,0 +1,216 @@
+"""Tenants under /admin/api/tenants: list (paged, searchable), create, show, update, cache
+quota, suspend/resume, delete.
+
+A tenant-admin sees its own tenant only (any other id is a 404) and changes none of these:
+they are the operator's. Every change is audited with the tenant before and after, and applies
+to this process before the answer (a quota shrink has already evicted the tenant's least
+recently used cached blocks, and the answer's `cache` shows the engine after it).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Query
+from sqlalchemy.orm import Session
+
+from engine.math_utils import cdiv
+from gateway.admin.callers import AdminCaller, visible_tenant
+from gateway.admin.changes import Action, Changed, apply_change
+from gateway.admin.schemas import QuotaUpdate, TenantCreate, TenantOut, TenantPage, TenantUpdate
+from gateway.admin.views import tenant_out
+from gateway.api.deps import AdminDep, StateDep
+from gateway.api.openapi import ADMIN_RESPONSES
+from gateway.errors import APIError
+from gateway.state import GatewayState
+from tenancy import tenants
+from tenancy.models import Tenant
+
+router = APIRouter(prefix="/admin/api/tenants", tags=["admin: tenants"], responses=ADMIN_RESPONSES)
+
+
+@router.get("")
+def list_tenants(
+    caller: AdminDep,
+    state: StateDep,
+    q: Annotated[str, Query(max_length=100, description="Part of a slug or name")] = "",
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
+) -> TenantPage:
+    """Live tenants by slug; a tenant-admin gets its own tenant only."""
+    with state.store.transaction() as session:
+        if caller.is_admin:
+            rows, total = tenants.search_tenants(session, q, limit, offset)
+        else:
+            own = visible_tenant(session, caller, _own(caller))
+            matches = q.lower() in own.slug or q.lower() in own.display_name.lower()
+            rows, total = ([own] if matches and offset == 0 else []), int(matches)
+        data = [tenant_out(state, tenant) for tenant in rows]
+    return TenantPage(data=data, total=total, limit=limit, offset=offset)
+
+
+@router.post("", status_code=201)
+def create_tenant(
+    body: Annotated[TenantCreate, Body()], caller: AdminDep, state: StateDep
+) -> TenantOut:
+    """Create an active tenant (quota default: 1024 blocks, at most the pool)."""
+    caller.require_admin()
+    limits = tenants.TenantLimits(
+        cache_quota_blocks=body.cache_quota_blocks,
+        cache_reservation_blocks=body.cache_reservation_blocks,
+        requests_per_minute=body.requests_per_minute,
+        tokens_per_minute=body.tokens_per_minute,
+        max_concurrent=body.max_concurrent,
+    )
+
+    def change(session: Session) -> Changed[uuid.UUID]:
+        tenant = tenants.create_tenant(
+            session,
+            body.slug,
+            body.display_name,
+            body.sharing_mode,
+            limits,
+            body.may_use_public_prefixes,
+        )
+        return Changed(tenant.id, str(tenant.id), None, _audit_view(tenant))
+
+    tenant_id = apply_change(state, caller, Action("tenant.create", "tenant", body.slug), change)
+    return _show(state, caller, tenant_id)
+
+
+@router.get("/{tenant_id}")
+def show_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> TenantOut:
+    """One tenant, with its cache usage in the running engine."""
+    return _show(state, caller, tenant_id)
+
+
+@router.patch("/{tenant_id}")
+def update_tenant(
+    tenant_id: uuid.UUID, body: Annotated[TenantUpdate, Body()], caller: AdminDep, state: StateDep
+) -> TenantOut:
+    """Change the display name, sharing mode, public-prefix use or request limits."""
+    caller.require_admin()
+    changes = tenants.TenantChanges(**body.model_dump(exclude_unset=True))
+    _change_tenant(
+        state,
+        caller,
+        tenant_id,
+        "tenant.update",
+        lambda session, tenant: tenants.update_tenant(session, tenant.slug, changes),
+    )
+    return _show(state, caller, tenant_id)
+
+
+@router.put("/{tenant_id}/quota")
+def set_quota(
+    tenant_id: uuid.UUID, body: Annotated[QuotaUpdate, Body()], caller: AdminDep, state: StateDep
+) -> TenantOut:
+    """Set the cache quota and/or reservation, in blocks or tokens; applied to the engine now."""
+    caller.require_admin()
+    quota = _blocks(state, body.quota_blocks, body.quota_tokens, "quota")
+    reservation = _blocks(state, body.reservation_blocks, body.reservation_tokens, "reservation")
+    _change_tenant(
+        state,
+        caller,
+        tenant_id,
+        "tenant.set_quota",
+        lambda session, tenant: tenants.set_quota(session, tenant.slug, quota, reservation),
+    )
+    return _show(state, caller, tenant_id)
+
+
+@router.post("/{tenant_id}/suspend")
+def suspend_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> TenantOut:
+    """Suspend a tenant: its keys stop working (within a poll in every gateway)."""
+    caller.require_admin()
+    _change_tenant(
+        state,
+        caller,
+        tenant_id,
+        "tenant.suspend",
+        lambda session, tenant: tenants.set_status(session, tenant.slug, "suspended"),
+    )
+    return _show(state, caller, tenant_id)
+
+
+@router.post("/{tenant_id}/resume")
+def resume_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> TenantOut:
+    """Reactivate a suspended tenant."""
+    caller.require_admin()
+    _change_tenant(
+        state,
+        caller,
+        tenant_id,
+        "tenant.resume",
+        lambda session, tenant: tenants.set_status(session, tenant.slug, "active"),
+    )
+    return _show(state, caller, tenant_id)
+
+
+@router.delete("/{tenant_id}", status_code=204)
+def delete_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> None:
+    """Delete a tenant: keys revoked, cached KV blocks purged and zeroed; the audit trail stays."""
+    caller.require_admin()
+    _change_tenant(
+        state,
+        caller,
+        tenant_id,
+        "tenant.delete",
+        lambda session, tenant: tenants.delete_tenant(session, tenant.slug),
+    )
+
+
+def _change_tenant(
+    state: GatewayState,
+    caller: AdminCaller,
+    tenant_id: uuid.UUID,
+    action: str,
+    change: Callable[[Session, Tenant], Tenant],
+) -> None:
+    def audited(session: Session) -> Changed[None]:
+        tenant = visible_tenant(session, caller, tenant_id)
+        before = _audit_view(tenant)
+        after = _audit_view(change(session, tenant))
+        return Changed(None, str(tenant_id), before, after)
+
+    resource = Action(action, "tenant", str(tenant_id), tenant_id=str(tenant_id))
+    apply_change(state, caller, resource, audited)
+
+
+def _show(state: GatewayState, caller: AdminCaller, tenant_id: uuid.UUID) -> TenantOut:
+    with state.store.transaction() as session:
+        return tenant_out(state, visible_tenant(session, caller, tenant_id))
+
+
+def _own(caller: AdminCaller) -> uuid.UUID:
+    assert caller.tenant_id is not None  # a tenant-admin always has its tenant
+    return caller.tenant_id
+
+
+def _blocks(state: GatewayState, blocks: int | None, tokens: int | None, what: str) -> int | None:
+    """A size given in blocks or in tokens (rounded up to whole blocks), not both."""
+    if blocks is not None and tokens is not None:
+        raise APIError.invalid(
+            f"give the {what} in blocks or in tokens, not both", f"{what}_tokens"
+        )
+    if tokens is not None:
+        return cdiv(tokens, state.settings.block_size)
+    return blocks
+
+
+def _audit_view(tenant: Tenant) -> dict[str, object]:
+    """The tenant's settings as the audit event records them (before and after a change)."""
+    return {
+        "slug": tenant.slug,
+        "display_name": tenant.display_name,
+        "status": tenant.status,
+        "sharing_mode": tenant.sharing_mode,
+        "may_use_public_prefixes": tenant.may_use_public_prefixes,
+        "cache_quota_blocks": tenant.cache_quota_blocks,
+        "cache_reservation_blocks": tenant.cache_reservation_blocks,
+        "requests_per_minute": tenant.requests_per_minute,
+        "tokens_per_minute": tenant.tokens_per_minute,
+        "max_concurrent": tenant.max_concurrent,
+    }

@@ -1,0 +1,107 @@
+"""/admin/api/tenants: what an admin can do to tenants, and what a tenant-admin cannot."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+
+from tests.support.admin import admin_client
+from tests.support.gateway import Gateway
+
+
+def _new_tenant(client: httpx.Client, **fields: object) -> dict[str, object]:
+    slug = f"t-{uuid.uuid4().hex[:10]}"
+    answer = client.post("/tenants", json={"slug": slug, **fields})
+    assert answer.status_code == 201, answer.text
+    tenant: dict[str, object] = answer.json()
+    return tenant
+
+
+def test_admin_creates_updates_and_finds_a_tenant(gateway: Gateway) -> None:
+    with admin_client(gateway) as client:
+        tenant = _new_tenant(client, display_name="Wayne Enterprises", cache_quota_blocks=32)
+        assert tenant["quota"] == {
+            "blocks": 32,
+            "tokens": 32 * 16,
+            "bytes": 32 * gateway.server.gateway.engine.pool.spec.bytes_per_block,
+        }
+        changed = client.patch(
+            f"/tenants/{tenant['id']}", json={"sharing_mode": "tenant", "max_concurrent": 3}
+        )
+        assert changed.status_code == 200, changed.text
+        assert changed.json()["sharing_mode"] == "tenant"
+        assert changed.json()["max_concurrent"] == 3
+        found = client.get("/tenants", params={"q": "wayne"}).json()
+        assert [row["id"] for row in found["data"]] == [tenant["id"]]
+        assert found["total"] == 1
+
+
+def test_quota_change_reaches_the_engine_in_the_same_response(gateway: Gateway) -> None:
+    with admin_client(gateway) as client:
+        tenant = _new_tenant(client, cache_quota_blocks=40)
+        answer = client.put(
+            f"/tenants/{tenant['id']}/quota", json={"quota_tokens": 100, "reservation_blocks": 2}
+        )
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["quota"]["blocks"] == 7  # 100 tokens in 16-token blocks, rounded up
+        assert body["cache"]["quota_blocks"] == 7
+        assert body["cache"]["reserved_blocks"] == 2
+        budget = gateway.server.gateway.engine.cache.budget(str(tenant["id"]))
+        assert (budget.quota_blocks, budget.reserved_blocks) == (7, 2)
+
+
+def test_quota_refusals_name_the_field_and_change_nothing(gateway: Gateway) -> None:
+    with admin_client(gateway) as client:
+        tenant = _new_tenant(client, cache_quota_blocks=10)
+        too_much = client.put(f"/tenants/{tenant['id']}/quota", json={"reservation_blocks": 11})
+        assert too_much.status_code == 400
+        assert too_much.json()["error"]["param"] == "cache_reservation_blocks"
+        both = client.put(
+            f"/tenants/{tenant['id']}/quota", json={"quota_blocks": 1, "quota_tokens": 16}
+        )
+        assert both.status_code == 400
+        assert client.get(f"/tenants/{tenant['id']}").json()["quota"]["blocks"] == 10
+
+
+def test_tenant_admin_sees_only_its_own_tenant(gateway: Gateway) -> None:
+    with admin_client(gateway) as admin:
+        rows = admin.get("/tenants", params={"q": "acme", "limit": 500}).json()["data"]
+        acme_id = next(row["id"] for row in rows if row["slug"] == "acme")
+        globex_id = next(
+            row["id"]
+            for row in admin.get("/tenants", params={"q": "globex"}).json()["data"]
+            if row["slug"] == "globex"
+        )
+    with admin_client(gateway, gateway.tenant_admin_keys["acme"]) as acme:
+        assert acme.get(f"/tenants/{acme_id}").status_code == 200
+        listed = acme.get("/tenants").json()
+        assert [row["slug"] for row in listed["data"]] == ["acme"]
+        other = acme.get(f"/tenants/{globex_id}")
+        assert other.status_code == 404
+        assert "globex" not in other.text
+        assert acme.put(f"/tenants/{acme_id}/quota", json={"quota_blocks": 1}).status_code == 403
+        assert acme.delete(f"/tenants/{globex_id}").status_code == 403
+
+
+def test_inference_key_cannot_administer(gateway: Gateway) -> None:
+    with admin_client(gateway, gateway.keys["acme"]) as client:
+        answer = client.get("/tenants")
+        assert answer.status_code == 403
+        assert answer.json()["error"]["type"] == "permission_error"
+
+
+def test_delete_purges_and_hides_the_tenant(gateway: Gateway) -> None:
+    with admin_client(gateway) as client:
+        tenant = _new_tenant(client)
+        assert client.delete(f"/tenants/{tenant['id']}").status_code == 204
+        assert client.get(f"/tenants/{tenant['id']}").status_code == 404
+        events = [
+            event
+            for event in gateway.audit_events()
+            if event.action == "tenant.delete" and event.resource_id == tenant["id"]
+        ]
+        assert [event.outcome for event in events] == ["success"]
+        assert events[0].details["before"]["status"] == "active"
+        assert events[0].details["after"]["status"] == "deleted"

@@ -1,0 +1,49 @@
+"""`prefixgate admins ...`: operators from the command line, every change audited."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sqlalchemy import select
+
+from tenancy.db import make_engine
+from tenancy.models import AuditEvent
+from tests.support.cli import Cli
+
+PASSWORD = "a long enough password\n"
+
+
+def test_operators_are_created_listed_disabled_and_reset_from_the_cli(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    cli = Cli(postgres_url, tmp_path / "state")
+    cli.ok("tenants", "create", "acme")
+    cli.ok("admins", "create", "root", stdin=PASSWORD)
+    bound = json.loads(
+        cli.ok("admins", "create", "acme-ops", "--role", "tenant-admin", "--tenant", "acme",
+               "--json", stdin=PASSWORD)
+    )  # fmt: skip
+    assert (bound["role"], bound["tenant"]) == ("tenant-admin", "acme")
+    assert "needs a tenant" in cli.error(
+        "admins", "create", "lost", "--role", "tenant-admin", stdin=PASSWORD
+    )
+    assert "at least one enabled admin" in cli.error("admins", "disable", "root")
+    cli.ok("admins", "disable", "acme-ops")
+    listed = {row["username"]: row for row in cli.json("admins", "list")}
+    assert listed["acme-ops"]["disabled"] is True
+    assert listed["root"]["disabled"] is False
+    cli.ok("admins", "set-password", "root", stdin="a brand new password\n")
+    assert "no operator named" in cli.error("admins", "enable", "nobody")
+    cli.ok("audit", "verify", "--database")
+    engine = make_engine(postgres_url)
+    with engine.connect() as connection:
+        events = connection.execute(
+            select(AuditEvent.action, AuditEvent.outcome).where(AuditEvent.action.like("admin.%"))
+        ).all()
+    engine.dispose()
+    assert sorted(events) == sorted([
+        ("admin.create", "success"), ("admin.create", "success"), ("admin.create", "failure"),
+        ("admin.disable", "failure"), ("admin.disable", "success"),
+        ("admin.set_password", "success"), ("admin.enable", "failure"),
+    ])  # fmt: skip
