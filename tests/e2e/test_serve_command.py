@@ -18,6 +18,13 @@ import openai
 from gateway.local_server import free_port
 
 
+def _ready(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200
+    except httpx.ConnectError:
+        return False
+
+
 def test_serve_demo_answers_and_drains_streams_on_shutdown(
     tmp_path: Path, smollm2_dir: Path
 ) -> None:
@@ -48,8 +55,12 @@ def test_serve_demo_answers_and_drains_streams_on_shutdown(
                 key = line.strip()
         assert key is not None, "".join(output)
         assert any("first start: create a tenant" in line for line in output)
-        while httpx.get(f"http://127.0.0.1:{port}/readyz").status_code != 200:
+        while not _ready(port):  # the demo's lines come before the server listens
             time.sleep(0.1)
+        while not lines.empty():
+            output.append(lines.get())
+        console_lines = [line for line in output if line.startswith("console: ")]
+        assert console_lines and "password (shown only now)" in console_lines[0], output
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         answer = api.chat.completions.create(
             model="smollm2-135m-instruct",

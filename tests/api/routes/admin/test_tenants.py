@@ -5,7 +5,10 @@ from __future__ import annotations
 import uuid
 
 import httpx
+import openai
+import pytest
 
+from tenancy import api_keys, tenants
 from tests.support.admin import admin_client
 from tests.support.gateway import Gateway
 
@@ -93,9 +96,28 @@ def test_inference_key_cannot_administer(gateway: Gateway) -> None:
 
 
 def test_delete_purges_and_hides_the_tenant(gateway: Gateway) -> None:
+    state = gateway.server.gateway
     with admin_client(gateway) as client:
         tenant = _new_tenant(client)
+        with state.store.transaction() as session:
+            row = tenants.get_tenant(session, str(tenant["slug"]))
+            key = api_keys.create_key(session, row, "t", state.store.key_secret).secret
+        chat = openai.OpenAI(base_url=gateway.base_url, api_key=key, max_retries=0)
+        chat.chat.completions.create(
+            model="tiny-chat",
+            messages=[{"role": "user", "content": "hello there " * 40}],
+            max_tokens=2,
+        )
+        cached = state.engine.cache_stats().owners[str(tenant["id"])].cached_blocks
+        assert cached > 0
         assert client.delete(f"/tenants/{tenant['id']}").status_code == 204
+        stats = state.engine.cache_stats().owners[str(tenant["id"])]
+        assert (stats.active_blocks, stats.cached_blocks) == (0, 0)
+        assert stats.counters.purged_blocks >= cached
+        with pytest.raises(openai.AuthenticationError):
+            chat.chat.completions.create(
+                model="tiny-chat", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+            )
         assert client.get(f"/tenants/{tenant['id']}").status_code == 404
         events = [
             event
