@@ -1,8 +1,13 @@
-"""Storage of admin-registered public prefixes (the policy module decides what they mean)."""
+"""Storage of admin-registered public prefixes (the policy module decides what they mean).
+
+A prefix is named by (model, namespace, name), as the CLI does, or by its id, as the admin API
+does.
+"""
 
 from __future__ import annotations
 
 import re
+import uuid
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -66,15 +71,40 @@ def get_prefix(session: Session, model: str, namespace: str, name: str) -> Publi
     return prefix
 
 
+def get_prefix_by_id(session: Session, prefix_id: uuid.UUID) -> PublicPrefix:
+    """A prefix by its id, or NotFound."""
+    prefix = session.get(PublicPrefix, prefix_id)
+    if prefix is None:
+        raise NotFound(f"no prefix with id {prefix_id}")
+    return prefix
+
+
 def set_enabled(
     session: Session, model: str, namespace: str, name: str, enabled: bool
 ) -> PublicPrefix:
-    prefix = get_prefix(session, model, namespace, name)
+    return _set_enabled(session, get_prefix(session, model, namespace, name), enabled)
+
+
+def set_enabled_by_id(session: Session, prefix_id: uuid.UUID, enabled: bool) -> PublicPrefix:
+    """Enable or disable the prefix with this id."""
+    return _set_enabled(session, get_prefix_by_id(session, prefix_id), enabled)
+
+
+def delete_prefix(session: Session, model: str, namespace: str, name: str) -> None:
+    _delete(session, get_prefix(session, model, namespace, name))
+
+
+def delete_prefix_by_id(session: Session, prefix_id: uuid.UUID) -> None:
+    """Delete the prefix with this id."""
+    _delete(session, get_prefix_by_id(session, prefix_id))
+
+
+def _set_enabled(session: Session, prefix: PublicPrefix, enabled: bool) -> PublicPrefix:
     prefix.enabled = enabled
     session.flush()
     return prefix
 
 
-def delete_prefix(session: Session, model: str, namespace: str, name: str) -> None:
-    session.delete(get_prefix(session, model, namespace, name))
+def _delete(session: Session, prefix: PublicPrefix) -> None:
+    session.delete(prefix)
     session.flush()

@@ -65,7 +65,10 @@ class QuotaUpdate(Body):
 class KeyCreate(Body):
     name: Name
     role: Literal["inference", "tenant-admin"] = "inference"
-    expires_at: datetime | None = Field(default=None, description="ISO 8601 with a time zone")
+    # JSON has no datetime or uuid type: these two parse from strings.
+    expires_at: datetime | None = Field(
+        default=None, strict=False, description="ISO 8601 with a time zone"
+    )
 
 
 class KeyRotate(Body):
@@ -89,7 +92,7 @@ class OperatorCreate(Body):
     username: Annotated[str, StringConstraints(min_length=1, max_length=100)]
     password: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
     role: Literal["admin", "tenant-admin"] = "admin"
-    tenant_id: uuid.UUID | None = None
+    tenant_id: uuid.UUID | None = Field(default=None, strict=False)
 
 
 class OperatorUpdate(Body):

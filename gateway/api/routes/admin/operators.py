@@ -1,11 +1,113 @@
-"""(being written)"""
+"""Operator accounts under /admin/api/operators: list, create, disable/enable, set a password.
+
+Only an admin manages operators (a tenant-admin gets 403), with one exception: any operator
+may change its own password. Disabling an account ends its sessions at once; the last enabled
+admin cannot be disabled (409), so somebody can always log in. A password change ends every
+other session of the account (the caller's own session goes on when it changed its own).
+Passwords go into argon2 hashes and nowhere else: not into answers, audit events or logs.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import uuid
+from typing import Annotated
 
+from fastapi import APIRouter, Body
+from sqlalchemy.orm import Session
+
+from gateway.admin.changes import Action, Changed, apply_change
+from gateway.admin.schemas import OperatorCreate, OperatorOut, OperatorUpdate, PasswordChange
+from gateway.admin.views import operator_out
+from gateway.api.deps import AdminDep, StateDep
 from gateway.api.openapi import ADMIN_RESPONSES
+from tenancy import admins
+from tenancy.models import Admin
 
 router = APIRouter(
     prefix="/admin/api/operators", tags=["admin: operators"], responses=ADMIN_RESPONSES
 )
+
+
+@router.get("")
+def list_operators(caller: AdminDep, state: StateDep) -> list[OperatorOut]:
+    """Every operator account, by username."""
+    caller.require_admin()
+    with state.store.transaction() as session:
+        return [operator_out(admin) for admin in admins.list_admins(session)]
+
+
+@router.post("", status_code=201)
+def create_operator(
+    body: Annotated[OperatorCreate, Body()], caller: AdminDep, state: StateDep
+) -> OperatorOut:
+    """Create an operator: an `admin`, or a `tenant-admin` bound to `tenant_id`."""
+    caller.require_admin()
+
+    def change(session: Session) -> Changed[OperatorOut]:
+        admin = admins.create_admin(
+            session, body.username, body.password, body.role, body.tenant_id
+        )
+        return Changed(operator_out(admin), _tenant(admin), None, _audit_view(admin))
+
+    tenant_id = None if body.tenant_id is None else str(body.tenant_id)
+    action = Action("operator.create", "operator", body.username, tenant_id)
+    return apply_change(state, caller, action, change)
+
+
+@router.patch("/{operator_id}")
+def update_operator(
+    operator_id: uuid.UUID,
+    body: Annotated[OperatorUpdate, Body()],
+    caller: AdminDep,
+    state: StateDep,
+) -> OperatorOut:
+    """Disable (its sessions end at once) or re-enable an operator."""
+    caller.require_admin()
+
+    def change(session: Session) -> Changed[OperatorOut]:
+        before = _audit_view(admins.get_admin(session, operator_id))
+        admin = admins.set_disabled(session, operator_id, body.disabled)
+        return Changed(operator_out(admin), _tenant(admin), before, _audit_view(admin))
+
+    name = "operator.disable" if body.disabled else "operator.enable"
+    return apply_change(state, caller, Action(name, "operator", str(operator_id)), change)
+
+
+@router.post("/{operator_id}/password", status_code=204)
+def set_password(
+    operator_id: uuid.UUID,
+    body: Annotated[PasswordChange, Body()],
+    caller: AdminDep,
+    state: StateDep,
+) -> None:
+    """Set an operator's password (an admin: anyone's; any operator: its own)."""
+    own = caller.operator_id == operator_id
+    if not own:
+        caller.require_admin()
+
+    def change(session: Session) -> Changed[None]:
+        admin = admins.change_password(
+            session, operator_id, body.password, keep_session=caller.session_id if own else None
+        )
+        # The audit event says that it changed and when, never what it is.
+        changed_at = admin.password_changed_at
+        view = {**_audit_view(admin), "password_changed_at": changed_at and changed_at.isoformat()}
+        return Changed(None, _tenant(admin), None, view)
+
+    apply_change(
+        state, caller, Action("operator.set_password", "operator", str(operator_id)), change
+    )
+
+
+def _tenant(admin: Admin) -> str | None:
+    return None if admin.tenant_id is None else str(admin.tenant_id)
+
+
+def _audit_view(admin: Admin) -> dict[str, object]:
+    """The account as its audit events record it (no password, no hash)."""
+    return {
+        "username": admin.username,
+        "role": admin.role,
+        "tenant_id": _tenant(admin),
+        "disabled": admin.disabled,
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import httpx
@@ -108,7 +109,7 @@ def test_delete_purges_and_hides_the_tenant(gateway: Gateway) -> None:
             messages=[{"role": "user", "content": "hello there " * 40}],
             max_tokens=2,
         )
-        cached = state.engine.cache_stats().owners[str(tenant["id"])].cached_blocks
+        cached = _cached_blocks_soon(gateway, str(tenant["id"]))
         assert cached > 0
         assert client.delete(f"/tenants/{tenant['id']}").status_code == 204
         stats = state.engine.cache_stats().owners[str(tenant["id"])]
@@ -127,3 +128,15 @@ def test_delete_purges_and_hides_the_tenant(gateway: Gateway) -> None:
         assert [event.outcome for event in events] == ["success"]
         assert events[0].details["before"]["status"] == "active"
         assert events[0].details["after"]["status"] == "deleted"
+
+
+def _cached_blocks_soon(gateway: Gateway, tenant_id: str) -> int:
+    """The tenant's idle cached blocks once the engine's step that ended its request is in
+    the stats (the answer can leave before that step's snapshot)."""
+    deadline = time.monotonic() + 5
+    while True:
+        owner = gateway.server.gateway.engine.cache_stats().owners.get(tenant_id)
+        cached = 0 if owner is None else owner.cached_blocks
+        if cached or time.monotonic() > deadline:
+            return cached
+        time.sleep(0.02)
