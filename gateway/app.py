@@ -24,6 +24,7 @@ from gateway.api.openapi import install_openapi
 from gateway.api.routes import completions, system
 from gateway.api.routes.admin import ROUTERS as ADMIN_ROUTERS
 from gateway.audit_queue import AuditQueue
+from gateway.console import install_console
 from gateway.auth import KeyAuthenticator
 from gateway.errors import install_error_handlers
 from gateway.limits import RateLimiter
@@ -93,6 +94,7 @@ def create_app(
         BodySizeLimit, max_bytes=settings.max_body_bytes, deadline_s=settings.body_read_timeout_s
     )
     app.add_middleware(RequestGate)
+    install_console(app)  # /admin pages and assets, with their security headers outermost
     return app
 
 

@@ -249,6 +249,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         return respond_with(request, error)
 
+    @app.exception_handler(TenancyError)
+    async def tenancy_error(request: Request, error: TenancyError) -> JSONResponse:
+        return respond_with(request, from_tenancy_error(error))
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
         return respond_with(request, validation_to_api_error(error.errors()))
@@ -269,10 +273,10 @@ def validation_to_api_error(errors: Any) -> APIError:
     string". Pydantic's names for the shapes (`list[int]`, `function-after[...]`) are left out.
     """
     errors = list(errors) or [{"loc": (), "msg": "invalid request"}]
-    field = errors[0].get("loc", ())[:1]
-    candidates = [error for error in errors if error.get("loc", ())[:1] == field]
+    field = _location(errors[0])[:1]
+    candidates = [error for error in errors if _location(error)[:1] == field]
     first = min(candidates, key=_specificity)
-    parts = (_plain(part) for part in first.get("loc", ()) if part != "body")
+    parts = (_plain(part) for part in _location(first))
     location = [part for part in parts if part is not None]
     # `param` names the top-level field, as OpenAI does; the message keeps the full path.
     param = location[0] if location else None
@@ -286,6 +290,15 @@ def validation_to_api_error(errors: Any) -> APIError:
     elif location:
         message = f"{'.'.join(location)}: {message}"
     return APIError.invalid(message, param)
+
+
+_SOURCES = frozenset({"body", "query", "path", "header", "cookie"})
+
+
+def _location(error: Any) -> tuple[Any, ...]:
+    """Where in the request the error is, without FastAPI's leading body/query/path part."""
+    location = tuple(error.get("loc", ()))
+    return location[1:] if location[:1] and location[0] in _SOURCES else location
 
 
 def _specificity(error: Any) -> tuple[bool, int]:

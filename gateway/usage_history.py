@@ -48,6 +48,9 @@ class UsageSample:
     errors: int
 
 
+_ZERO = UsageSample(0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
 @dataclass(frozen=True, slots=True)
 class UsageSummary:
     """What an owner did during a window: differences of the running totals."""
@@ -80,6 +83,8 @@ class _Requests:
 class _Track:
     samples: deque[UsageSample]
     last_seen: float
+    # Still holds the owner's first sample: before it, every counter was zero.
+    complete: bool = True
 
 
 class UsageHistory:
@@ -120,6 +125,8 @@ class UsageHistory:
                 if track is None:
                     track = self._tracks[name] = _Track(deque(maxlen=self.max_samples), now)
                 tally = self._requests.get(name, _Requests())
+                if len(track.samples) == track.samples.maxlen:
+                    track.complete = False
                 track.samples.append(_sample(now, owners.get(name), tally))
                 track.last_seen = now
             for name, track in list(self._tracks.items()):
@@ -130,18 +137,21 @@ class UsageHistory:
         """The owner's samples of the last `seconds` and a summary of that span.
 
         The summary runs from the newest sample before the window (so a 60 s window counts
-        60 s of traffic, not one interval less) or, without one, the window's first sample,
-        to its last. An owner without samples gets an empty window.
+        60 s of traffic, not one interval less) or, without one, from zero (the ring still
+        holds the owner's first sample) or the window's first sample, to its last. An owner without samples gets an empty window.
         """
         start = (time.time() if now is None else now) - seconds
         with self._lock:
             track = self._tracks.get(owner)
             history = list(track.samples) if track is not None else []
+            complete = track is None or track.complete
         inside = [sample for sample in history if sample.t > start]
         before = [sample for sample in history if sample.t <= start]
         if not inside:
             return UsageWindow(seconds, [], UsageSummary())
-        first = before[-1] if before else inside[0]
+        # Without a sample before the window, a ring that never dropped one starts from zero:
+        # a new tenant's first requests happened before its first sample.
+        first = before[-1] if before else (_ZERO if complete else inside[0])
         return UsageWindow(seconds, inside, _summary(first, inside[-1]))
 
     def forget(self, tenant_id: str) -> None:

@@ -7,6 +7,10 @@ inserted or reordered (the signed list disagrees), and a cut-off tail (no valid 
 Input that is not an export at all raises `UnreadableAuditFile`, never a verdict of tampering.
 The database's chain is checked against its own checkpoints and those of the external
 checkpoint file, which outlive any cut of the chain's tail inside the database.
+
+`write_export` is the format's one home: the CLI writes it to a file (`export_events`), the
+admin API to a download. Both stream events from the database in batches, so memory does not
+grow with the export; the API caps how many events one export may hold (`ExportTooLarge`).
 """
 
 from __future__ import annotations
@@ -15,11 +19,11 @@ import csv
 import hashlib
 import io
 import json
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -37,24 +41,30 @@ from tenancy.audit_chain import (
 )
 from tenancy.audit_files import SignedCheckpoint, UnreadableAuditFile
 from tenancy.audit_log import record_from_row
+from tenancy.audit_search import AuditFilter
+from tenancy.errors import InvalidInput
 from tenancy.models import AuditCheckpoint, AuditEvent, AuditHead
 
 FORMAT = "prefixgate-audit-v1"
+FORMATS = ("jsonl", "csv")
 CSV_COLUMNS = ("record", *EVENT_FIELDS, "prev_hash", "hash")
+_BATCH = 1000  # events read from the database at a time (export, verification)
+# Extra passes over events appended while the database's chain was being verified.
+_CATCH_UP_PASSES = 5
+
+# The filter an export was made with: the search's filter, so both select the same events.
+ExportFilter = AuditFilter
 
 
-@dataclass(frozen=True, slots=True)
-class ExportFilter:
-    tenant_id: str | None = None
-    since: datetime | None = None
-    until: datetime | None = None
+class ExportTooLarge(InvalidInput):
+    """The filter selects more events than one export may hold."""
 
-    def as_dict(self) -> dict[str, str | None]:
-        return {
-            "tenant_id": self.tenant_id,
-            "since": format_time(self.since) if self.since else None,
-            "until": format_time(self.until) if self.until else None,
-        }
+    def __init__(self, max_events: int) -> None:
+        super().__init__(
+            f"the filter selects more than {max_events} events, the most one export holds; "
+            "ask for a narrower time range (since/until) or filter by tenant, action or outcome"
+        )
+        self.max_events = max_events
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,45 +75,88 @@ class VerifyResult:
 
 
 def export_events(
-    session: Session, selection: ExportFilter, out: Path, file_format: str, signing_key: str
+    session: Session, selection: AuditFilter, out: Path, file_format: str, signing_key: str
 ) -> int:
     """Write the selected events to `out`; returns how many."""
-    query = select(AuditEvent).order_by(AuditEvent.seq)
-    if selection.tenant_id is not None:
-        query = query.where(AuditEvent.tenant_id == selection.tenant_id)
-    if selection.since is not None:
-        query = query.where(AuditEvent.time >= selection.since)
-    if selection.until is not None:
-        query = query.where(AuditEvent.time < selection.until)
-    events = [_event_dict(row) for row in session.scalars(query)]
-    header = {
-        "format": FORMAT,
-        "exported_at": format_time(datetime.now(UTC)),
-        "filter": selection.as_dict(),
-    }
+    _check_format(file_format)
+    with open(out, "w", encoding="utf-8", newline="") as handle:
+        return write_export(session, selection, handle, file_format, signing_key)
+
+
+def write_export(
+    session: Session,
+    selection: AuditFilter,
+    handle: TextIO,
+    file_format: str,
+    signing_key: str,
+    max_events: int | None = None,
+) -> int:
+    """Write the export of the selected events to a text stream; returns how many.
+
+    Open files with `newline=""` (CSV writes its own line ends). Raises ValueError for an
+    unknown format and, past `max_events` events, ExportTooLarge: what was written by then is
+    not an export (it has no trailer) and belongs in the bin.
+    """
+    _check_format(file_format)
+    write = _record_writer(handle, file_format)
+    write(
+        "header",
+        {
+            "format": FORMAT,
+            "exported_at": format_time(datetime.now(UTC)),
+            "filter": selection.as_dict(),
+        },
+    )
+    count, seqs, digest = 0, _SeqRanges(), hashlib.sha256()
+    query = selection.where(select(AuditEvent)).order_by(AuditEvent.seq)
+    rows = session.scalars(query.execution_options(yield_per=_BATCH))
+    try:
+        for row in rows:
+            count += 1
+            if max_events is not None and count > max_events:
+                raise ExportTooLarge(max_events)
+            event = _event_dict(row)
+            seqs.add(event["seq"])
+            digest.update(event["hash"].encode())
+            write("event", event)
+    finally:
+        rows.close()
     trailer: dict[str, Any] = {
-        "count": len(events),
-        "seqs": _ranges(event["seq"] for event in events),
-        "digest": _digest(event["hash"] for event in events),
+        "count": count,
+        "seqs": seqs.ranges,
+        "digest": digest.hexdigest(),
         "filter": selection.as_dict(),
     }
     trailer["signature"] = sign(trailer, signing_key)
-    with open(out, "w", encoding="utf-8", newline="") as handle:
-        if file_format == "jsonl":
-            handle.write(json.dumps({"record": "header", **header}) + "\n")
-            for event in events:
-                handle.write(json.dumps({"record": "event", **event}, ensure_ascii=False) + "\n")
-            handle.write(json.dumps({"record": "trailer", **trailer}) + "\n")
-        elif file_format == "csv":
-            writer = csv.writer(handle)
-            writer.writerow(CSV_COLUMNS)
-            writer.writerow(["header", *[""] * (len(CSV_COLUMNS) - 2), canonical_json(header)])
-            for event in events:
-                writer.writerow(["event", *[_csv_cell(event[name]) for name in CSV_COLUMNS[1:]]])
-            writer.writerow(["trailer", *[""] * (len(CSV_COLUMNS) - 2), canonical_json(trailer)])
-        else:
-            raise ValueError(f"unknown export format {file_format!r}; use jsonl or csv")
-    return len(events)
+    write("trailer", trailer)
+    return count
+
+
+def _check_format(file_format: str) -> None:
+    if file_format not in FORMATS:
+        raise ValueError(f"unknown export format {file_format!r}; use jsonl or csv")
+
+
+def _record_writer(handle: TextIO, file_format: str) -> Callable[[str, dict[str, Any]], None]:
+    """A function that writes one record (header, event or trailer) in the export's format."""
+    if file_format == "jsonl":
+
+        def write_jsonl(kind: str, value: dict[str, Any]) -> None:
+            # Events keep their text as is; the header and trailer are plain ASCII JSON.
+            line = json.dumps({"record": kind, **value}, ensure_ascii=kind != "event")
+            handle.write(line + "\n")
+
+        return write_jsonl
+    writer = csv.writer(handle)
+    writer.writerow(CSV_COLUMNS)
+
+    def write_csv(kind: str, value: dict[str, Any]) -> None:
+        if kind == "event":
+            writer.writerow(["event", *[_csv_cell(value[name]) for name in CSV_COLUMNS[1:]]])
+        else:  # the header's and trailer's JSON ride in the last column
+            writer.writerow([kind, *[""] * (len(CSV_COLUMNS) - 2), canonical_json(value)])
+
+    return write_csv
 
 
 def verify_file(path: Path, signing_key: str) -> VerifyResult:
@@ -164,43 +217,82 @@ def verify_database(
 
     The checkpoints are the database's and, when `checkpoint_path` is given, those kept in
     that file outside it: one the chain no longer reaches means its tail was cut. Raises
-    UnreadableAuditFile if the checkpoint file cannot be read.
+    UnreadableAuditFile if the checkpoint file cannot be read. Safe while events are being
+    appended: events that arrive during the check are followed up to the head.
     """
     external = audit_files.read_checkpoints(checkpoint_path) if checkpoint_path else []
-    previous_hash, previous_seq, count = GENESIS_HASH, 0, 0
-    hashes: dict[int, str] = {}
-    for row in session.scalars(select(AuditEvent).order_by(AuditEvent.seq)):
-        count += 1
-        if row.seq != previous_seq + 1:
-            return VerifyResult(False, count, f"event seq={previous_seq + 1} was deleted")
-        if row.prev_hash != previous_hash:
-            return VerifyResult(False, count, f"event seq={row.seq} does not follow its parent")
-        expected = chain_hash(row.prev_hash, event_payload(record_from_row(row), row.seq))
-        if expected != row.hash:
-            return VerifyResult(False, count, f"event seq={row.seq} was modified")
-        previous_hash, previous_seq = row.hash, row.seq
-        hashes[row.seq] = row.hash
-    head = session.get(AuditHead, 1)
-    if head is None or head.seq != previous_seq or head.hash != previous_hash:
-        return VerifyResult(False, count, f"the chain's tail after seq={previous_seq} is missing")
     stored = session.scalars(select(AuditCheckpoint).order_by(AuditCheckpoint.seq))
     checkpoints = [(SignedCheckpoint(row.seq, row.hash, row.signature), "") for row in stored]
     checkpoints += [(checkpoint, " in the file") for checkpoint in external]
+    chain = _Chain(checkpoint_seqs={checkpoint.seq for checkpoint, _ in checkpoints})
+    problem = chain.follow(session)
+    head = _head(session)
+    # Events committed while the chain was read moved the head on: follow them too.
+    for _ in range(_CATCH_UP_PASSES):
+        if problem is not None or head is None or head[0] <= chain.seq:
+            break
+        problem = chain.follow(session)
+        head = _head(session)
+    if problem is not None:
+        return VerifyResult(False, chain.count, problem)
+    if head != (chain.seq, chain.hash):
+        return VerifyResult(
+            False, chain.count, f"the chain's tail after seq={chain.seq} is missing"
+        )
+    count, last_seq = chain.count, chain.seq
     for checkpoint, where in checkpoints:
         statement = {"seq": checkpoint.seq, "hash": checkpoint.hash}
         if not signature_valid(statement, checkpoint.signature, signing_key):
             return VerifyResult(False, count, f"checkpoint seq={checkpoint.seq}{where} is forged")
     attested = max((checkpoint.seq for checkpoint in external), default=0)
-    if attested > previous_seq:
-        problem = (
-            f"the chain ends at seq={previous_seq} but the checkpoint file attests seq={attested}"
-        )
+    if attested > last_seq:
+        problem = f"the chain ends at seq={last_seq} but the checkpoint file attests seq={attested}"
         return VerifyResult(False, count, problem)
     for checkpoint, where in checkpoints:
-        if hashes.get(checkpoint.seq) != checkpoint.hash:
+        if chain.checkpoint_hashes.get(checkpoint.seq) != checkpoint.hash:
             problem = f"events up to checkpoint seq={checkpoint.seq}{where} are missing or changed"
             return VerifyResult(False, count, problem)
     return VerifyResult(True, count)
+
+
+@dataclass(slots=True)
+class _Chain:
+    """How far a check of the stored chain got, and the hashes its checkpoints will need."""
+
+    checkpoint_seqs: set[int]
+    seq: int = 0
+    hash: str = GENESIS_HASH
+    count: int = 0
+    checkpoint_hashes: dict[int, str] = field(default_factory=dict)
+
+    def follow(self, session: Session) -> str | None:
+        """Check the stored events after the ones already checked; the first problem, if any."""
+        query = select(AuditEvent).order_by(AuditEvent.seq)
+        if self.seq > 0:  # the first pass reads every row, whatever its seq
+            query = query.where(AuditEvent.seq > self.seq)
+        rows = session.scalars(query.execution_options(yield_per=_BATCH))
+        try:
+            for row in rows:
+                self.count += 1
+                if row.seq != self.seq + 1:
+                    return f"event seq={self.seq + 1} was deleted"
+                if row.prev_hash != self.hash:
+                    return f"event seq={row.seq} does not follow its parent"
+                expected = chain_hash(row.prev_hash, event_payload(record_from_row(row), row.seq))
+                if expected != row.hash:
+                    return f"event seq={row.seq} was modified"
+                self.seq, self.hash = row.seq, row.hash
+                if row.seq in self.checkpoint_seqs:
+                    self.checkpoint_hashes[row.seq] = row.hash
+        finally:
+            rows.close()
+        return None
+
+
+def _head(session: Session) -> tuple[int, str] | None:
+    """The head row as the database holds it now (never a copy the session remembers)."""
+    head = session.execute(select(AuditHead.seq, AuditHead.hash).where(AuditHead.id == 1)).first()
+    return None if head is None else (head.seq, head.hash)
 
 
 def _position_problem(
@@ -224,14 +316,17 @@ def _event_dict(row: AuditEvent) -> dict[str, Any]:
     return event
 
 
-def _ranges(seqs: Iterable[int]) -> list[list[int]]:
-    ranges: list[list[int]] = []
-    for seq in seqs:
-        if ranges and ranges[-1][1] == seq - 1:
-            ranges[-1][1] = seq
+class _SeqRanges:
+    """Sequence numbers as runs `[first, last]`, built one number at a time."""
+
+    def __init__(self) -> None:
+        self.ranges: list[list[int]] = []
+
+    def add(self, seq: int) -> None:
+        if self.ranges and self.ranges[-1][1] == seq - 1:
+            self.ranges[-1][1] = seq
         else:
-            ranges.append([seq, seq])
-    return ranges
+            self.ranges.append([seq, seq])
 
 
 def _expand(ranges: list[list[int]]) -> list[int]:

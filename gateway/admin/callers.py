@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from gateway.admin.tokens import InvalidToken
 from gateway.errors import APIError
 from gateway.state import GatewayState
-from tenancy import admins, api_keys, keys
+from tenancy import admins, api_keys, keys, tenants
 from tenancy.api_keys import VerifiedKey
 from tenancy.audit_chain import AuditRecord
 from tenancy.models import Tenant
@@ -56,6 +56,20 @@ def visible_tenant(session: Session, caller: AdminCaller, tenant_id: uuid.UUID) 
     if tenant is None or tenant.status == "deleted":
         raise APIError.not_found(f"no tenant with id {tenant_id}")
     return tenant
+
+
+def visible_tenants(
+    session: Session, caller: AdminCaller, text: str = "", limit: int = 50, offset: int = 0
+) -> tuple[list[Tenant], int]:
+    """One page of the live tenants the caller may see whose slug or name contains `text`,
+    and how many match in all (a tenant-admin: its own tenant or nothing)."""
+    if caller.is_admin:
+        return tenants.search_tenants(session, text, limit, offset)
+    assert caller.tenant_id is not None  # a tenant-admin always has its tenant
+    own = visible_tenant(session, caller, caller.tenant_id)
+    needle = text.lower()
+    matches = needle in own.slug or needle in own.display_name.lower()
+    return ([own] if matches and offset == 0 else []), int(matches)
 
 
 def authenticate_admin(

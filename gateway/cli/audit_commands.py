@@ -37,6 +37,13 @@ def audit_export(
     tenant: Annotated[str | None, typer.Option(help="Only this tenant's events.")] = None,
     since: Annotated[str | None, typer.Option(help="From this time (inclusive).")] = None,
     until: Annotated[str | None, typer.Option(help="Before this time.")] = None,
+    action: Annotated[
+        str | None,
+        typer.Option(help="Only this action, or those starting with a prefix: tenant.*"),
+    ] = None,
+    outcome: Annotated[
+        str | None, typer.Option(help="Only this outcome (success, failure, rejected, ...).")
+    ] = None,
 ) -> None:
     """Export audit events with a signed trailer; the export itself is audited."""
     if file_format not in ("jsonl", "csv"):
@@ -50,7 +57,7 @@ def audit_export(
                     tenant_id = str(tenants.get_tenant(session, tenant, include_deleted=True).id)
                 except TenancyError as error:
                     fail(str(error))
-        selection = ExportFilter(tenant_id, start, end)
+        selection = ExportFilter(tenant_id, start, end, action, outcome)
         store.audit.checkpoint_now()
         try:
             with store.transaction() as session:

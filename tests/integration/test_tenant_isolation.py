@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import tenancy
-from tenancy import api_keys, tenants
+from tenancy import admins, api_keys, tenants
 from tenancy.audit_chain import AuditRecord
 from tenancy.audit_export import ExportFilter, export_events, verify_file
 from tenancy.errors import NotFound
@@ -25,6 +25,10 @@ COVERED = {
     "tenancy.api_keys.revoke_key",
     "tenancy.api_keys.rotate_key",
     "tenancy.tenants.get_tenant_by_id",
+    "tenancy.admins.create_admin",
+    "tenancy.admins.list_admins",
+    # Pinned in tests/integration/test_audit_search.py (another tenant's events never count).
+    "tenancy.audit_search.request_totals",
 }
 
 
@@ -99,3 +103,20 @@ def test_tenant_filtered_audit_export_holds_only_that_tenant(
     assert count == 2
     assert str(beta.id) not in out.read_text()
     assert verify_file(out, store.signing_key).ok
+
+
+def test_operator_functions_bind_and_list_only_the_named_tenant(
+    store: Any, two_tenants: tuple[Any, Any, Any, Any]
+) -> None:
+    alpha, beta, _, _ = two_tenants
+    password = "a long enough password"
+    with store.transaction() as session:
+        admins.create_admin(session, "root", password)
+        alpha_ops = admins.create_admin(session, "alpha-ops", password, "tenant-admin", alpha.id)
+        beta_ops = admins.create_admin(session, "beta-ops", password, "tenant-admin", beta.id)
+        assert alpha_ops.tenant_id == alpha.id
+        assert [a.username for a in admins.list_admins(session, alpha.id)] == ["alpha-ops"]
+        assert [a.username for a in admins.list_admins(session, beta.id)] == [beta_ops.username]
+        tenants.delete_tenant(session, "beta")
+        with pytest.raises(NotFound):  # no operator for a deleted tenant
+            admins.create_admin(session, "late", password, "tenant-admin", beta.id)

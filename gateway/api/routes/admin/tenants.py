@@ -17,7 +17,7 @@ from fastapi import APIRouter, Body, Query
 from sqlalchemy.orm import Session
 
 from engine.math_utils import cdiv
-from gateway.admin.callers import AdminCaller, visible_tenant
+from gateway.admin.callers import AdminCaller, visible_tenant, visible_tenants
 from gateway.admin.changes import Action, Changed, apply_change
 from gateway.admin.schemas import QuotaUpdate, TenantCreate, TenantOut, TenantPage, TenantUpdate
 from gateway.admin.views import tenant_out
@@ -41,12 +41,7 @@ def list_tenants(
 ) -> TenantPage:
     """Live tenants by slug; a tenant-admin gets its own tenant only."""
     with state.store.transaction() as session:
-        if caller.is_admin:
-            rows, total = tenants.search_tenants(session, q, limit, offset)
-        else:
-            own = visible_tenant(session, caller, _own(caller))
-            matches = q.lower() in own.slug or q.lower() in own.display_name.lower()
-            rows, total = ([own] if matches and offset == 0 else []), int(matches)
+        rows, total = visible_tenants(session, caller, q, limit, offset)
         data = [tenant_out(state, tenant) for tenant in rows]
     return TenantPage(data=data, total=total, limit=limit, offset=offset)
 
@@ -182,11 +177,6 @@ def _change_tenant(
 def _show(state: GatewayState, caller: AdminCaller, tenant_id: uuid.UUID) -> TenantOut:
     with state.store.transaction() as session:
         return tenant_out(state, visible_tenant(session, caller, tenant_id))
-
-
-def _own(caller: AdminCaller) -> uuid.UUID:
-    assert caller.tenant_id is not None  # a tenant-admin always has its tenant
-    return caller.tenant_id
 
 
 def _blocks(state: GatewayState, blocks: int | None, tokens: int | None, what: str) -> int | None:

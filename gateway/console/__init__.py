@@ -1,0 +1,48 @@
+"""The admin console at /admin: server-rendered pages for the people who run PrefixGate.
+
+Operators log in with their username and password and work through plain HTML forms: tenants
+(quota bars, hit ratios, a live usage chart), their keys, limits and cache quotas, public
+prefixes, operator accounts and the audit log. The console owns no rules of its own: every
+read and every change is a call to the admin API's route functions
+(`gateway/api/routes/admin/`), so validation, audit events and effects on the engine have one
+home, and the console shows their answers and their errors as pages.
+
+No front-end build and nothing from a CDN: templates and the few static files (a stylesheet,
+the chart's script) ship in this package. `install_console` adds the pages, the static files
+and the security headers to the app.
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from starlette.staticfiles import StaticFiles
+
+from gateway.console import (
+    audit_pages,
+    key_pages,
+    login_pages,
+    operator_pages,
+    prefix_pages,
+    tenant_pages,
+    usage_feed,
+)
+from gateway.console.headers import ConsoleHeaders
+from gateway.console.pages import STATIC_DIR
+
+ROUTERS = [
+    login_pages.router,
+    tenant_pages.router,
+    key_pages.router,
+    usage_feed.router,
+    prefix_pages.router,
+    operator_pages.router,
+    audit_pages.router,
+]
+
+
+def install_console(app: FastAPI) -> None:
+    """Serve the console under /admin (pages, /admin/static files, security headers)."""
+    for router in ROUTERS:
+        app.include_router(router)
+    app.mount("/admin/static", StaticFiles(directory=STATIC_DIR), name="console-static")
+    app.add_middleware(ConsoleHeaders)

@@ -1,0 +1,140 @@
+"""The audit log page: filters, pages of events, export downloads and the chain's status.
+
+The filters are the admin API's (`gateway.api.routes.admin.audit`): tenant, action or action
+prefix (`tenant.*`), outcome and a time range, read here from the page's GET form (times typed
+without a zone are UTC, as the page says). The table pages newest first; the export buttons
+download the admin API's signed export of exactly the filtered events (JSONL or CSV), which
+`prefixgate audit verify` checks; the export is audited. A tenant-admin sees its own tenant's
+events only, and an admin also sees whether the stored hash chain verifies.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.responses import Response
+
+from gateway.admin.callers import AdminCaller
+from gateway.api.deps import StateDep
+from gateway.api.routes.admin import audit as audit_api
+from gateway.console.pages import CallerDep, ConsoleRoute, FormErrors, render
+from gateway.errors import APIError, validation_to_api_error
+from gateway.state import GatewayState
+from tenancy import tenants
+from tenancy.audit_search import AuditFilter
+
+router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=False)
+
+PAGE_SIZE = 50
+FILTER_FIELDS = {"tenant", "action", "outcome", "since", "until"}
+OUTCOMES = ("success", "failure", "rejected", "cancelled")
+
+
+class AuditQuery(BaseModel):
+    """The page's filter form, as the browser sends it (empty fields are absent)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tenant: uuid.UUID | None = None
+    action: Annotated[str, Field(max_length=100)] | None = None
+    outcome: Annotated[str, Field(max_length=32)] | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+
+    @field_validator("since", "until")
+    @classmethod
+    def _utc(cls, moment: datetime | None) -> datetime | None:
+        """A time typed without a zone (the browser's datetime-local input) is UTC."""
+        if moment is not None and moment.tzinfo is None:
+            return moment.replace(tzinfo=UTC)
+        return moment
+
+    def selection(self) -> AuditFilter:
+        """The admin API's filter for these fields."""
+        return audit_api.audit_filter(
+            tenant_id=self.tenant,
+            action=self.action,
+            outcome=self.outcome,
+            since=self.since,
+            until=self.until,
+        )
+
+
+@router.get("/audit")
+def audit_page(
+    request: Request,
+    caller: CallerDep,
+    state: StateDep,
+    before_seq: Annotated[int | None, Query(ge=1, le=2**63 - 1)] = None,
+) -> Response:
+    """A page of events matching the filters, newest first, with export buttons."""
+    filled = _filled(request)
+    try:
+        query = _query(filled)
+    except APIError as error:
+        errors = FormErrors.of(error, {}, FILTER_FIELDS)
+        return _render(request, caller, state, filled, errors, None, None, error.status)
+    page = audit_api.search(state, caller, query.selection(), PAGE_SIZE, before_seq=before_seq)
+    return _render(request, caller, state, filled, FormErrors(), page, before_seq)
+
+
+@router.get("/audit/export")
+def export_audit(
+    request: Request,
+    caller: CallerDep,
+    state: StateDep,
+    file_format: Annotated[Literal["jsonl", "csv"], Query(alias="format")] = "jsonl",
+) -> Response:
+    """Download the signed export of exactly the filtered events (the admin API's download)."""
+    selection = _query(_filled(request)).selection()
+    return audit_api.export_audit(caller, state, selection, file_format)
+
+
+def _filled(request: Request) -> dict[str, str]:
+    """The filter fields the browser sent, as typed."""
+    params = request.query_params
+    return {name: params.get(name, "").strip() for name in FILTER_FIELDS}
+
+
+def _query(filled: dict[str, str]) -> AuditQuery:
+    """The filters, or the API's 400 naming the field that is wrong."""
+    try:
+        return AuditQuery.model_validate({k: v for k, v in filled.items() if v})
+    except ValidationError as error:
+        raise validation_to_api_error(error.errors()) from error
+
+
+def _render(
+    request: Request,
+    caller: AdminCaller,
+    state: GatewayState,
+    filled: dict[str, str],
+    errors: FormErrors,
+    page: audit_api.AuditEventPage | None,
+    before_seq: int | None,
+    status: int = 200,
+) -> Response:
+    with state.store.transaction() as session:
+        rows = tenants.list_tenants(session, include_deleted=True)
+        slugs = {str(tenant.id): tenant.slug for tenant in rows if caller.sees(tenant.id)}
+        choices = [(str(t.id), t.slug) for t in rows if t.status != "deleted" and caller.sees(t.id)]
+    filters = {name: value for name, value in filled.items() if value}
+    return render(
+        request,
+        "audit.html",
+        status,
+        title="Audit log",
+        filled=filled,
+        filters=filters,
+        errors=errors,
+        page=page,
+        before_seq=before_seq,
+        slugs=slugs,
+        tenant_choices=choices,
+        outcome_choices=[("", "Any"), *((outcome, outcome) for outcome in OUTCOMES)],
+        verification=audit_api.chain_status(state, caller) if caller.is_admin else None,
+    )

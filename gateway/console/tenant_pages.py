@@ -1,0 +1,300 @@
+"""The tenants table and a tenant's page: usage, limits and sharing, cache quota, status.
+
+The table lists live tenants with a bar of cache blocks held against the quota and the hit
+ratio, searchable and paged. A tenant's page shows its cache now and over the last minutes (a
+chart that `static/chart.js` refreshes from `usage.json` every 2 s), its keys, and the forms
+that change it. Every change is the admin API's own function (`gateway.api.routes.admin
+.tenants`): the same validation, the same audit event, the same effect on the engine. Suspend,
+resume and delete go through a confirmation page first.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from starlette.responses import Response
+
+from gateway.admin.callers import AdminCaller
+from gateway.admin.schemas import CreatedKeyOut, KeyOut, QuotaUpdate, TenantCreate, TenantUpdate
+from gateway.api.deps import StateDep
+from gateway.api.routes.admin import keys as keys_api
+from gateway.api.routes.admin import tenants as tenants_api
+from gateway.api.routes.admin import usage as usage_api
+from gateway.console.pages import (
+    CallerDep,
+    ConsoleRoute,
+    Form,
+    FormDep,
+    FormErrors,
+    redirect,
+    render,
+)
+from gateway.errors import APIError
+from gateway.state import GatewayState
+
+router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=False)
+
+PAGE_SIZE = 25
+CREATE_FIELDS = {"slug", "display_name", "cache_quota_blocks", "sharing_mode"}
+SETTINGS_FIELDS = {
+    "display_name",
+    "sharing_mode",
+    "may_use_public_prefixes",
+    "requests_per_minute",
+    "tokens_per_minute",
+    "max_concurrent",
+}
+QUOTA_FIELDS = {"quota", "quota_unit", "reservation", "reservation_unit"}
+# The admin API's names for the quota form's two amounts (the API's `param`s).
+QUOTA_PARAMS = {
+    "quota_blocks": "quota",
+    "quota_tokens": "quota",
+    "cache_quota_blocks": "quota",
+    "reservation_blocks": "reservation",
+    "reservation_tokens": "reservation",
+    "cache_reservation_blocks": "reservation",
+}
+UNITS = ("blocks", "tokens")
+# Confirmed actions: what the confirmation page says, and what is done after it.
+STATUS_ACTIONS = {
+    "suspend": (
+        "Suspend",
+        "Its API keys stop working at once (within a second in other gateways). Its cached "
+        "blocks and settings stay; you can resume it later.",
+    ),
+    "resume": ("Resume", "Its API keys work again."),
+    "delete": (
+        "Delete",
+        "Its keys are revoked, its cached KV blocks are purged and zeroed, and it disappears "
+        "from the console. The audit trail stays. This cannot be undone.",
+    ),
+}
+
+
+@router.get("/tenants")
+def tenants_page(
+    request: Request,
+    caller: CallerDep,
+    state: StateDep,
+    q: Annotated[str, Query(max_length=100)] = "",
+    page: Annotated[int, Query(ge=1, le=1_000_000)] = 1,
+) -> Response:
+    """Live tenants, searchable by slug or name, `PAGE_SIZE` to a page."""
+    return _tenants_page(request, caller, state, q, page)
+
+
+@router.post("/tenants")
+def create_tenant(request: Request, caller: CallerDep, form: FormDep, state: StateDep) -> Response:
+    """Create a tenant and open its page."""
+    try:
+        created = tenants_api.create_tenant(form.body(TenantCreate), caller, state)
+    except APIError as error:
+        if error.status not in (400, 409):
+            raise
+        errors = FormErrors.of(error, {}, CREATE_FIELDS)
+        return _tenants_page(request, caller, state, "", 1, errors, form.values, error.status)
+    return redirect(f"/admin/tenants/{created.id}", done="tenant_created")
+
+
+@router.get("/tenants/{tenant_id}")
+def tenant_page(
+    request: Request, tenant_id: uuid.UUID, caller: CallerDep, state: StateDep
+) -> Response:
+    """One tenant: its cache now and over time, its keys, limits, quota and status."""
+    return render_tenant(request, caller, state, tenant_id)
+
+
+@router.post("/tenants/{tenant_id}/settings")
+def update_settings(
+    request: Request, tenant_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep
+) -> Response:
+    """Change the display name, sharing mode, public-prefix use and request limits."""
+    try:
+        tenants_api.update_tenant(tenant_id, form.body(TenantUpdate), caller, state)
+    except APIError as error:
+        if error.status not in (400, 409):
+            raise
+        errors = FormErrors.of(error, {}, SETTINGS_FIELDS)
+        return render_tenant(
+            request, caller, state, tenant_id, "settings", errors, form.values, None, error.status
+        )
+    return redirect(f"/admin/tenants/{tenant_id}", done="tenant_updated")
+
+
+@router.post("/tenants/{tenant_id}/quota")
+def set_quota(
+    request: Request, tenant_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep
+) -> Response:
+    """Set the cache quota and/or reservation, each in blocks or tokens."""
+    try:
+        tenants_api.set_quota(tenant_id, quota_body(form), caller, state)
+    except APIError as error:
+        if error.status not in (400, 409):
+            raise
+        errors = FormErrors.of(error, QUOTA_PARAMS, QUOTA_FIELDS)
+        return render_tenant(
+            request, caller, state, tenant_id, "quota", errors, form.values, None, error.status
+        )
+    return redirect(f"/admin/tenants/{tenant_id}", done="quota_set")
+
+
+@router.get("/tenants/{tenant_id}/confirm")
+def confirm_page(
+    request: Request,
+    tenant_id: uuid.UUID,
+    caller: CallerDep,
+    state: StateDep,
+    action: Annotated[str, Query(pattern="^(suspend|resume|delete)$")],
+) -> Response:
+    """Ask before suspending, resuming or deleting a tenant."""
+    caller.require_admin()
+    tenant = tenants_api.show_tenant(tenant_id, caller, state)
+    verb, consequence = STATUS_ACTIONS[action]
+    return render(
+        request,
+        "confirm.html",
+        title=f"{verb} {tenant.slug}?",
+        tenant=tenant,
+        action=action,
+        verb=verb,
+        consequence=consequence,
+    )
+
+
+@router.post("/tenants/{tenant_id}/suspend")
+def suspend(tenant_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep) -> Response:
+    """Suspend the tenant, once confirmed."""
+    return _confirmed(tenant_id, "suspend", caller, form, state)
+
+
+@router.post("/tenants/{tenant_id}/resume")
+def resume(tenant_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep) -> Response:
+    """Resume the tenant, once confirmed."""
+    return _confirmed(tenant_id, "resume", caller, form, state)
+
+
+@router.post("/tenants/{tenant_id}/delete")
+def delete(tenant_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep) -> Response:
+    """Delete the tenant, once confirmed."""
+    return _confirmed(tenant_id, "delete", caller, form, state)
+
+
+def quota_body(form: Form) -> QuotaUpdate:
+    """The API's quota body from the form's amounts and their units (blocks or tokens)."""
+    data: dict[str, str] = {}
+    for what in ("quota", "reservation"):
+        amount = form.get(what).strip()
+        if not amount:
+            continue
+        unit = form.get(f"{what}_unit", "blocks")
+        if unit not in UNITS:
+            raise APIError.invalid(f"{what} unit must be blocks or tokens", what)
+        data[f"{what}_{unit}"] = amount
+    return Form(data).body(QuotaUpdate)
+
+
+def render_tenant(
+    request: Request,
+    caller: AdminCaller,
+    state: GatewayState,
+    tenant_id: uuid.UUID,
+    failed: str | None = None,
+    errors: FormErrors | None = None,
+    submitted: dict[str, str] | None = None,
+    new_key: CreatedKeyOut | None = None,
+    status: int = 200,
+) -> Response:
+    """The tenant's page; `failed` names a form to show again with `errors` and its values.
+
+    A new key's secret (`new_key`) is shown on this answer only.
+    """
+    tenant = tenants_api.show_tenant(tenant_id, caller, state)
+    keys: list[KeyOut] = keys_api.list_keys(tenant_id, caller, state)
+    usage = usage_api.tenant_usage(state, caller, tenant_id, usage_api.DEFAULT_WINDOW_S)
+    spec = state.engine.pool.spec
+    values: dict[str, dict[str, Any]] = {
+        "settings": {
+            "display_name": tenant.display_name,
+            "sharing_mode": tenant.sharing_mode,
+            "may_use_public_prefixes": "true" if tenant.may_use_public_prefixes else "false",
+            "requests_per_minute": tenant.requests_per_minute,
+            "tokens_per_minute": tenant.tokens_per_minute,
+            "max_concurrent": tenant.max_concurrent,
+        },
+        "quota": {
+            "quota": tenant.quota.blocks,
+            "quota_unit": "blocks",
+            "reservation": tenant.reservation.blocks,
+            "reservation_unit": "blocks",
+        },
+        "key": {"name": "", "role": "inference", "expires_at": ""},
+        "rotate": {"grace_seconds": 86_400},
+    }
+    if failed is not None and submitted is not None:
+        values[failed].update({k: v for k, v in submitted.items() if k in values[failed]})
+    return render(
+        request,
+        "tenant.html",
+        status,
+        title=f"Tenant {tenant.slug}",
+        tenant=tenant,
+        keys=keys,
+        window=usage.summary,
+        window_minutes=usage.window_s // 60,
+        new_key=new_key,
+        values=values,
+        errors={failed: errors} if failed is not None and errors is not None else {},
+        block_size=spec.block_size,
+        bytes_per_block=spec.bytes_per_block,
+        pool_blocks=state.engine.pool.num_blocks,
+        units=UNITS,
+    )
+
+
+def _confirmed(
+    tenant_id: uuid.UUID, action: str, caller: AdminCaller, form: Form, state: GatewayState
+) -> Response:
+    """Do a status action the operator confirmed; without confirmation, ask first."""
+    if form.get("confirmed") != "yes":
+        return redirect(f"/admin/tenants/{tenant_id}/confirm", action=action)
+    if action == "delete":
+        tenants_api.delete_tenant(tenant_id, caller, state)
+        return redirect("/admin/tenants", done="tenant_deleted")
+    if action == "suspend":
+        tenants_api.suspend_tenant(tenant_id, caller, state)
+    else:
+        tenants_api.resume_tenant(tenant_id, caller, state)
+    return redirect(f"/admin/tenants/{tenant_id}", done=f"tenant_{action}d")
+
+
+def _tenants_page(
+    request: Request,
+    caller: AdminCaller,
+    state: GatewayState,
+    q: str,
+    page: int,
+    errors: FormErrors | None = None,
+    submitted: dict[str, str] | None = None,
+    status: int = 200,
+) -> Response:
+    listed = tenants_api.list_tenants(caller, state, q, PAGE_SIZE, (page - 1) * PAGE_SIZE)
+    pages = max(1, math.ceil(listed.total / PAGE_SIZE))
+    create = {"slug": "", "display_name": "", "cache_quota_blocks": "", "sharing_mode": "user"}
+    if submitted is not None:
+        create.update({k: v for k, v in submitted.items() if k in create})
+    return render(
+        request,
+        "tenants.html",
+        status,
+        title="Tenants",
+        listed=listed,
+        q=q,
+        page=page,
+        pages=pages,
+        create=create,
+        errors=errors or FormErrors(),
+        pool_blocks=state.engine.pool.num_blocks,
+    )
