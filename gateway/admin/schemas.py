@@ -7,14 +7,27 @@ the served model).
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 from engine.cache_stats import OwnerStats
 
+_ISO_DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[T ]")
+
+
+def _iso_only(value: object) -> object:
+    """Pydantic would read "2766" as seconds since 1970; a time here is ISO 8601 or nothing."""
+    if isinstance(value, str) and not _ISO_DATE_TIME.match(value):
+        raise ValueError("expected an ISO 8601 date-time with a time zone")
+    return value
+
+
+# A point in time from a query string: ISO 8601 with a time zone (2026-11-30T12:00:00Z).
+IsoTime = Annotated[AwareDatetime, BeforeValidator(_iso_only)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Limit = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Blocks = Annotated[int, Field(ge=0, le=2**31 - 1)]

@@ -32,11 +32,12 @@ from typing import IO, Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import StreamingResponse
-from pydantic import AwareDatetime, BaseModel, Field
+from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gateway.admin.callers import AdminCaller, visible_tenant
+from gateway.admin.schemas import IsoTime
 from gateway.api.deps import AdminDep, StateDep
 from gateway.api.openapi import ADMIN_RESPONSES
 from gateway.errors import from_tenancy_error
@@ -106,10 +107,10 @@ def audit_filter(
         str | None, Query(min_length=1, max_length=32, description="success, failure, ...")
     ] = None,
     since: Annotated[
-        AwareDatetime | None, Query(description="From this time (inclusive; with a time zone)")
+        IsoTime | None, Query(description="From this time (inclusive; with a time zone)")
     ] = None,
     until: Annotated[
-        AwareDatetime | None, Query(description="Before this time (with a time zone)")
+        IsoTime | None, Query(description="Before this time (with a time zone)")
     ] = None,
 ) -> AuditFilter:
     """The search and export filters, from the query string."""

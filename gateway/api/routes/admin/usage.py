@@ -21,10 +21,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from pydantic import AwareDatetime, BaseModel, Field
+from pydantic import BaseModel, Field
 
 from gateway.admin.callers import AdminCaller, visible_tenant, visible_tenants
-from gateway.admin.schemas import CacheUsage
+from gateway.admin.schemas import CacheUsage, IsoTime
 from gateway.api.deps import AdminDep, StateDep
 from gateway.api.openapi import ADMIN_RESPONSES
 from gateway.errors import from_tenancy_error
@@ -137,9 +137,9 @@ def show_usage_totals(
     caller: AdminDep,
     state: StateDep,
     since: Annotated[
-        AwareDatetime | None, Query(description="Inclusive; default: 30 days before until")
+        IsoTime | None, Query(description="Inclusive; default: 30 days before until")
     ] = None,
-    until: Annotated[AwareDatetime | None, Query(description="Exclusive; default: now")] = None,
+    until: Annotated[IsoTime | None, Query(description="Exclusive; default: now")] = None,
 ) -> UsageTotals:
     """The tenant's /v1 requests over a range of at most 90 days, from the audit log."""
     return usage_totals(state, caller, tenant_id, since, until)
