@@ -74,14 +74,18 @@ def check_fits(request: GenerationRequest, cache: KVCacheManager) -> None:
     )
     block = cache.block_size
     needed, limit = needed_blocks * block, limit_blocks * block
+    counted = "prompt plus max_tokens"
     if owner is None:
         what, limit_text = "the request", f"the server's KV cache holds only {limit} tokens"
     elif owner is PUBLIC_OWNER:
         what, limit_text = "its shared public prefix", f"the public cache budget is {limit} tokens"
+        fix = "ask the operator for a larger public cache budget"
     else:  # the message never names the tenant: its id is internal, the caller adds its name
         what, limit_text = "the request", f"the tenant's cache quota is {limit} tokens"
+        counted += ", beyond a shared public prefix"
+        fix += " or ask the operator for a larger cache quota"
     raise ExceedsCacheQuota(
-        f"{what} needs {needed} tokens of KV cache (prompt plus max_tokens, in blocks of "
+        f"{what} needs {needed} tokens of KV cache ({counted}, in whole blocks of "
         f"{block} tokens) but {limit_text}; retrying cannot help: {fix}",
         needed_tokens=needed,
         quota_tokens=limit,

@@ -24,8 +24,8 @@ from gateway.api.openapi import install_openapi
 from gateway.api.routes import completions, system
 from gateway.api.routes.admin import ROUTERS as ADMIN_ROUTERS
 from gateway.audit_queue import AuditQueue
-from gateway.console import install_console
 from gateway.auth import KeyAuthenticator
+from gateway.console import install_console
 from gateway.errors import install_error_handlers
 from gateway.limits import RateLimiter
 from gateway.metrics import GatewayMetrics
@@ -98,20 +98,23 @@ def create_app(
     return app
 
 
-def prepare_database(settings: Settings, announce: Callable[[str], None]) -> bool:
-    """Create the schema on a brand-new database (and say how to start); refuse one that is
-    behind. True if it created the schema."""
+def prepare_database(
+    settings: Settings, announce: Callable[[str], None], first_steps: bool = True
+) -> bool:
+    """Create the schema on a brand-new database (and, with `first_steps`, say how to make a
+    tenant and a key); refuse one that is behind. True if it created the schema."""
     engine = make_engine(settings.database_url)
     try:
         empty = not inspect(engine).get_table_names()
         if empty and current_revision(engine) is None:
             upgrade(settings.database_url)
             announce(f"created the database schema at {settings.database_url}")
-            announce(
-                "first start: create a tenant and an API key with\n"
-                "  prefixgate tenants create my-team\n"
-                "  prefixgate keys create --tenant my-team"
-            )
+            if first_steps:
+                announce(
+                    "first start: create a tenant and an API key with\n"
+                    "  prefixgate tenants create my-team\n"
+                    "  prefixgate keys create --tenant my-team"
+                )
             return True
         ensure_current(settings.database_url, engine)
         return False

@@ -138,7 +138,8 @@ class UsageHistory:
 
         The summary runs from the newest sample before the window (so a 60 s window counts
         60 s of traffic, not one interval less) or, without one, from zero (the ring still
-        holds the owner's first sample) or the window's first sample, to its last. An owner without samples gets an empty window.
+        holds the owner's first sample) or the window's first sample, to its last. An owner
+        without samples gets an empty window.
         """
         start = (time.time() if now is None else now) - seconds
         with self._lock:

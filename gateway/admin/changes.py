@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 from sqlalchemy.orm import Session
 
@@ -67,6 +67,12 @@ def apply_change(
     _audit(state, caller, action, "success", changed.tenant_id or action.tenant_id, details)
     state.tenancy_sync.poll()
     return changed.result
+
+
+def refuse(state: GatewayState, caller: AdminCaller, action: Action, error: APIError) -> NoReturn:
+    """Refuse a change before it starts: audited as a failure, like one `apply_change` refuses."""
+    _audit(state, caller, action, "failure", action.tenant_id, {"error": error.message})
+    raise error
 
 
 def _audit(

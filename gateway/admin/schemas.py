@@ -114,6 +114,9 @@ class OperatorUpdate(Body):
 
 class PasswordChange(Body):
     password: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+    current_password: Annotated[str, StringConstraints(max_length=1024)] | None = Field(
+        default=None, description="Required to change your own password"
+    )
 
 
 # -- answers ----------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ def serve(
     from tenancy.migrate import SchemaOutOfDate
 
     try:  # a brand-new database gets its schema; one that is behind stops us here
-        prepare_database(settings, typer.echo)
+        prepare_database(settings, typer.echo, first_steps=not demo)
     except SchemaOutOfDate as error:
         fail(str(error))
     except OperationalError as error:
@@ -103,7 +103,8 @@ def _create_demo_admin(state: Any) -> None:
     console = f"http://{state.settings.host}:{state.settings.port}/admin"
     typer.echo(
         f"console: {console}  user {DEMO_ADMIN}, password (shown only now): {password}\n"
-        f"  change it there (Operators) or with `prefixgate admins set-password {DEMO_ADMIN}`"
+        f"  change it on the console's My account page, or with "
+        f"`prefixgate admins set-password {DEMO_ADMIN}`"
     )
 
 

@@ -10,17 +10,22 @@ Passwords go into argon2 hashes and nowhere else: not into answers, audit events
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Body
 from sqlalchemy.orm import Session
 
-from gateway.admin.changes import Action, Changed, apply_change
+from gateway.admin.callers import AdminCaller
+from gateway.admin.changes import Action, Changed, apply_change, refuse
 from gateway.admin.schemas import OperatorCreate, OperatorOut, OperatorUpdate, PasswordChange
 from gateway.admin.views import operator_out
 from gateway.api.deps import AdminDep, StateDep
 from gateway.api.openapi import ADMIN_RESPONSES
+from gateway.errors import APIError
+from gateway.state import GatewayState
 from tenancy import admins
+from tenancy.admins import Lockout
 from tenancy.models import Admin
 
 router = APIRouter(
@@ -80,10 +85,13 @@ def set_password(
     caller: AdminDep,
     state: StateDep,
 ) -> None:
-    """Set an operator's password (an admin: anyone's; any operator: its own)."""
+    """Set an operator's password (an admin: anyone's; any operator: its own, giving the
+    current one, so that an unattended session cannot take the account over)."""
     own = caller.operator_id == operator_id
     if not own:
         caller.require_admin()
+    else:
+        _check_current_password(state, caller, body.current_password or "")
 
     def change(session: Session) -> Changed[None]:
         admin = admins.change_password(
@@ -97,6 +105,19 @@ def set_password(
     apply_change(
         state, caller, Action("operator.set_password", "operator", str(operator_id)), change
     )
+
+
+def _check_current_password(state: GatewayState, caller: AdminCaller, password: str) -> None:
+    """Refuse (audited) a wrong current password; a wrong guess counts towards the lockout,
+    in its own transaction so that the refusal does not roll the count back."""
+    settings = state.settings
+    lockout = Lockout(settings.admin_lockout_failures, timedelta(seconds=settings.admin_lockout_s))
+    with state.store.transaction() as session:
+        result = admins.login(session, caller.actor_id, password, lockout)
+    if result.admin is None:
+        action = Action("operator.set_password", "operator", str(caller.operator_id))
+        refusal = APIError.invalid("the current password is wrong", "current_password")
+        refuse(state, caller, action, refusal)
 
 
 def _tenant(admin: Admin) -> str | None:

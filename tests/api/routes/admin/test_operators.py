@@ -125,9 +125,14 @@ def test_a_password_change_ends_the_accounts_other_sessions(operators_gateway: G
     second = login(gateway, operator["username"], PASSWORD)
     new_password = "another long enough password"
     with admin_client(gateway, first) as client:
-        answer = client.post(
-            f"/operators/{operator['id']}/password", json={"password": new_password}
-        )
+        path = f"/operators/{operator['id']}/password"
+        for current in (None, "not the current password"):  # an unattended session cannot
+            refused = client.post(
+                path, json={"password": new_password, "current_password": current}
+            )
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "current_password"
+        answer = client.post(path, json={"password": new_password, "current_password": PASSWORD})
         assert answer.status_code == 204, answer.text
     assert _works(gateway, first)  # the session that changed it goes on
     assert not _works(gateway, second)
@@ -157,7 +162,8 @@ def test_a_tenant_admin_changes_its_own_password_and_nothing_else(
         other = _create(admin)
     with admin_client(gateway, login(gateway, operator["username"], PASSWORD)) as client:
         own = client.post(
-            f"/operators/{operator['id']}/password", json={"password": "my own new password"}
+            f"/operators/{operator['id']}/password",
+            json={"password": "my own new password", "current_password": PASSWORD},
         )
         assert own.status_code == 204
         for answer in (
