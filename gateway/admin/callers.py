@@ -23,6 +23,8 @@ from tenancy.api_keys import VerifiedKey
 from tenancy.audit_chain import AuditRecord
 from tenancy.models import Tenant
 
+ADMIN_ONLY = "this needs an admin; a tenant-admin manages its own tenant"
+
 
 @dataclass(frozen=True, slots=True)
 class AdminCaller:
@@ -47,7 +49,7 @@ class AdminCaller:
     def require_admin(self) -> None:
         """Refuse a tenant-admin a call that spans tenants (403)."""
         if not self.is_admin:
-            raise APIError.forbidden("this needs an admin; a tenant-admin manages its own tenant")
+            raise APIError.forbidden(ADMIN_ONLY)
 
 
 def visible_tenant(session: Session, caller: AdminCaller, tenant_id: uuid.UUID) -> Tenant:

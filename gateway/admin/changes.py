@@ -17,7 +17,7 @@ from typing import Any, Generic, NoReturn, TypeVar
 
 from sqlalchemy.orm import Session
 
-from gateway.admin.callers import AdminCaller
+from gateway.admin.callers import ADMIN_ONLY, AdminCaller
 from gateway.errors import APIError, from_tenancy_error
 from gateway.state import GatewayState
 from tenancy.audit_chain import AuditRecord
@@ -44,6 +44,7 @@ class Action:
     resource_type: str
     resource_id: str
     tenant_id: str | None = None  # known before the change (for a refusal's event)
+    admin_only: bool = False  # refused (403, audited) for a tenant-admin
 
 
 def apply_change(
@@ -56,6 +57,8 @@ def apply_change(
 
     Blocking (database, engine): call it from a threadpool (sync routes are).
     """
+    if action.admin_only and not caller.is_admin:
+        refuse(state, caller, action, APIError.forbidden(ADMIN_ONLY))
     try:
         with state.store.transaction() as session:
             changed = change(session)

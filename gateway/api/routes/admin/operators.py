@@ -46,7 +46,6 @@ def create_operator(
     body: Annotated[OperatorCreate, Body()], caller: AdminDep, state: StateDep
 ) -> OperatorOut:
     """Create an operator: an `admin`, or a `tenant-admin` bound to `tenant_id`."""
-    caller.require_admin()
 
     def change(session: Session) -> Changed[OperatorOut]:
         admin = admins.create_admin(
@@ -55,7 +54,7 @@ def create_operator(
         return Changed(operator_out(admin), _tenant(admin), None, _audit_view(admin))
 
     tenant_id = None if body.tenant_id is None else str(body.tenant_id)
-    action = Action("operator.create", "operator", body.username, tenant_id)
+    action = Action("operator.create", "operator", body.username, tenant_id, admin_only=True)
     return apply_change(state, caller, action, change)
 
 
@@ -67,7 +66,6 @@ def update_operator(
     state: StateDep,
 ) -> OperatorOut:
     """Disable (its sessions end at once) or re-enable an operator."""
-    caller.require_admin()
 
     def change(session: Session) -> Changed[OperatorOut]:
         before = _audit_view(admins.get_admin(session, operator_id))
@@ -75,7 +73,8 @@ def update_operator(
         return Changed(operator_out(admin), _tenant(admin), before, _audit_view(admin))
 
     name = "operator.disable" if body.disabled else "operator.enable"
-    return apply_change(state, caller, Action(name, "operator", str(operator_id)), change)
+    action = Action(name, "operator", str(operator_id), admin_only=True)
+    return apply_change(state, caller, action, change)
 
 
 @router.post("/{operator_id}/password", status_code=204)
@@ -88,9 +87,7 @@ def set_password(
     """Set an operator's password (an admin: anyone's; any operator: its own, giving the
     current one, so that an unattended session cannot take the account over)."""
     own = caller.operator_id == operator_id
-    if not own:
-        caller.require_admin()
-    else:
+    if own:
         _check_current_password(state, caller, body.current_password or "")
 
     def change(session: Session) -> Changed[None]:
@@ -102,9 +99,8 @@ def set_password(
         view = {**_audit_view(admin), "password_changed_at": changed_at and changed_at.isoformat()}
         return Changed(None, _tenant(admin), None, view)
 
-    apply_change(
-        state, caller, Action("operator.set_password", "operator", str(operator_id)), change
-    )
+    action = Action("operator.set_password", "operator", str(operator_id), admin_only=not own)
+    apply_change(state, caller, action, change)
 
 
 def _check_current_password(state: GatewayState, caller: AdminCaller, password: str) -> None:

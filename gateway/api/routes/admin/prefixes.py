@@ -52,7 +52,6 @@ def add_prefix(
     body: Annotated[PrefixCreate, Body()], caller: AdminDep, state: StateDep
 ) -> PrefixOut:
     """Register a system prompt to share across tenants (model default: the served one)."""
-    caller.require_admin()
     model = body.model or state.model_name
 
     def change(session: Session) -> Changed[PrefixOut]:
@@ -62,7 +61,9 @@ def add_prefix(
         return Changed(prefix_out(state, prefix), None, None, _audit_view(prefix))
 
     resource = f"{model}/{body.namespace}/{body.name}"
-    added = apply_change(state, caller, Action("prefix.create", "public_prefix", resource), change)
+    added = apply_change(
+        state, caller, Action("prefix.create", "public_prefix", resource, admin_only=True), change
+    )
     state.sharing.refresh(state.store)  # this process shares it from the next request on
     return added
 
@@ -84,7 +85,6 @@ def update_prefix(
     prefix_id: uuid.UUID, body: Annotated[PrefixUpdate, Body()], caller: AdminDep, state: StateDep
 ) -> PrefixOut:
     """Enable or disable a prefix; disabling drops its cached blocks."""
-    caller.require_admin()
 
     def change(session: Session) -> Changed[PrefixOut]:
         before = _audit_view(prefixes.get_prefix_by_id(session, prefix_id))
@@ -92,7 +92,9 @@ def update_prefix(
         return Changed(prefix_out(state, prefix), None, before, _audit_view(prefix))
 
     action = "prefix.enable" if body.enabled else "prefix.disable"
-    updated = apply_change(state, caller, Action(action, "public_prefix", str(prefix_id)), change)
+    updated = apply_change(
+        state, caller, Action(action, "public_prefix", str(prefix_id), admin_only=True), change
+    )
     state.sharing.refresh(state.store)
     if not updated.enabled:
         _drop_blocks(state, updated.model, updated.namespace, updated.text)
@@ -102,7 +104,6 @@ def update_prefix(
 @router.delete("/{prefix_id}", status_code=204)
 def delete_prefix(prefix_id: uuid.UUID, caller: AdminDep, state: StateDep) -> None:
     """Delete a prefix; its cached blocks are dropped."""
-    caller.require_admin()
 
     def change(session: Session) -> Changed[tuple[str, str, str]]:
         prefix = prefixes.get_prefix_by_id(session, prefix_id)
@@ -110,7 +111,7 @@ def delete_prefix(prefix_id: uuid.UUID, caller: AdminDep, state: StateDep) -> No
         prefixes.delete_prefix_by_id(session, prefix_id)
         return Changed(deleted, None, before, None)
 
-    action = Action("prefix.delete", "public_prefix", str(prefix_id))
+    action = Action("prefix.delete", "public_prefix", str(prefix_id), admin_only=True)
     model, namespace, text = apply_change(state, caller, action, change)
     state.sharing.refresh(state.store)
     _drop_blocks(state, model, namespace, text)

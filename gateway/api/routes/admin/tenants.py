@@ -51,7 +51,6 @@ def create_tenant(
     body: Annotated[TenantCreate, Body()], caller: AdminDep, state: StateDep
 ) -> TenantOut:
     """Create an active tenant (quota default: 1024 blocks, at most the pool)."""
-    caller.require_admin()
     limits = tenants.TenantLimits(
         cache_quota_blocks=body.cache_quota_blocks,
         cache_reservation_blocks=body.cache_reservation_blocks,
@@ -71,7 +70,9 @@ def create_tenant(
         )
         return Changed(tenant.id, str(tenant.id), None, _audit_view(tenant))
 
-    tenant_id = apply_change(state, caller, Action("tenant.create", "tenant", body.slug), change)
+    tenant_id = apply_change(
+        state, caller, Action("tenant.create", "tenant", body.slug, admin_only=True), change
+    )
     return _show(state, caller, tenant_id)
 
 
@@ -86,7 +87,6 @@ def update_tenant(
     tenant_id: uuid.UUID, body: Annotated[TenantUpdate, Body()], caller: AdminDep, state: StateDep
 ) -> TenantOut:
     """Change the display name, sharing mode, public-prefix use or request limits."""
-    caller.require_admin()
     changes = tenants.TenantChanges(**body.model_dump(exclude_unset=True))
     _change_tenant(
         state,
@@ -103,23 +103,21 @@ def set_quota(
     tenant_id: uuid.UUID, body: Annotated[QuotaUpdate, Body()], caller: AdminDep, state: StateDep
 ) -> TenantOut:
     """Set the cache quota and/or reservation, in blocks or tokens; applied to the engine now."""
-    caller.require_admin()
-    quota = _blocks(state, body.quota_blocks, body.quota_tokens, "quota")
-    reservation = _blocks(state, body.reservation_blocks, body.reservation_tokens, "reservation")
-    _change_tenant(
-        state,
-        caller,
-        tenant_id,
-        "tenant.set_quota",
-        lambda session, tenant: tenants.set_quota(session, tenant.slug, quota, reservation),
-    )
+
+    def change(session: Session, tenant: Tenant) -> Tenant:
+        quota = _blocks(state, body.quota_blocks, body.quota_tokens, "quota")
+        reservation = _blocks(
+            state, body.reservation_blocks, body.reservation_tokens, "reservation"
+        )
+        return tenants.set_quota(session, tenant.slug, quota, reservation)
+
+    _change_tenant(state, caller, tenant_id, "tenant.set_quota", change)
     return _show(state, caller, tenant_id)
 
 
 @router.post("/{tenant_id}/suspend")
 def suspend_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> TenantOut:
     """Suspend a tenant: its keys stop working (within a poll in every gateway)."""
-    caller.require_admin()
     _change_tenant(
         state,
         caller,
@@ -133,7 +131,6 @@ def suspend_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> T
 @router.post("/{tenant_id}/resume")
 def resume_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> TenantOut:
     """Reactivate a suspended tenant."""
-    caller.require_admin()
     _change_tenant(
         state,
         caller,
@@ -147,7 +144,6 @@ def resume_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> Te
 @router.delete("/{tenant_id}", status_code=204)
 def delete_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> None:
     """Delete a tenant: keys revoked, cached KV blocks purged and zeroed; the audit trail stays."""
-    caller.require_admin()
     _change_tenant(
         state,
         caller,
@@ -170,7 +166,7 @@ def _change_tenant(
         after = _audit_view(change(session, tenant))
         return Changed(None, str(tenant_id), before, after)
 
-    resource = Action(action, "tenant", str(tenant_id), tenant_id=str(tenant_id))
+    resource = Action(action, "tenant", str(tenant_id), str(tenant_id), admin_only=True)
     apply_change(state, caller, resource, audited)
 
 

@@ -85,8 +85,14 @@ def test_tenant_admin_sees_only_its_own_tenant(gateway: Gateway) -> None:
         other = acme.get(f"/tenants/{globex_id}")
         assert other.status_code == 404
         assert "globex" not in other.text
+        after = gateway.last_audit_seq()
         assert acme.put(f"/tenants/{acme_id}/quota", json={"quota_blocks": 1}).status_code == 403
         assert acme.delete(f"/tenants/{globex_id}").status_code == 403
+        refused = [(e.action, e.outcome, e.actor_type) for e in gateway.audit_events(after)]
+        assert refused == [
+            ("tenant.set_quota", "failure", "api_key"),
+            ("tenant.delete", "failure", "api_key"),
+        ]
 
 
 def test_inference_key_cannot_administer(gateway: Gateway) -> None:
