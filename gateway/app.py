@@ -18,7 +18,7 @@ from engine.budget import TenantBudget
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import EMBEDDED_MODEL_NAME, LoadedModel, load_model
-from gateway.admin.login_throttle import LoginThrottle
+from gateway.admin.throttle import LoginThrottle, SlidingWindow
 from gateway.admin.tokens import AdminTokens
 from gateway.api.openapi import install_openapi
 from gateway.api.routes import completions, system
@@ -181,6 +181,7 @@ def build_state(
             leeway_s=settings.admin_token_leeway_s,
         ),
         login_throttle=LoginThrottle(settings.admin_login_attempts_per_minute),
+        admin_changes=SlidingWindow(settings.admin_changes_per_minute),
         usage=usage,
         tenant_names=tenant_names,
     )

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import (
@@ -27,6 +28,7 @@ from engine.errors import (
 )
 from engine.sampler import InvalidSampling
 from tenancy.api_keys import AuthFailure
+from tenancy.db import is_outage
 from tenancy.errors import Conflict, InvalidInput, NotFound, TenancyError
 
 
@@ -178,6 +180,14 @@ class APIError(Exception):
         return cls(503, message, error_type="server_error", code="shutting_down")
 
     @classmethod
+    def database_unavailable(cls) -> APIError:
+        """503: the database is unreachable or busy; nothing was changed."""
+        message = "the database is unavailable; retry shortly"
+        return cls(
+            503, message, error_type="server_error", code="database_unavailable", retry_after=2
+        )
+
+    @classmethod
     def timeout(cls) -> APIError:
         """504: the request ran past `request_timeout_s`."""
         return cls(504, "the request timed out", error_type="server_error", code="timeout")
@@ -248,6 +258,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         return respond_with(request, error)
+
+    @app.exception_handler(OperationalError)
+    async def database_error(request: Request, error: OperationalError) -> JSONResponse:
+        if not is_outage(error):
+            raise error  # a bug, not an outage: the request gate answers 500 and logs it
+        return respond_with(request, APIError.database_unavailable())
 
     @app.exception_handler(TenancyError)
     async def tenancy_error(request: Request, error: TenancyError) -> JSONResponse:

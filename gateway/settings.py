@@ -158,6 +158,8 @@ class Settings(BaseSettings):
     """The `iss` claim admin tokens carry and must carry."""
     admin_login_attempts_per_minute: int = Field(default=10, ge=1)
     """Login attempts allowed per username and, separately, per client address each minute."""
+    admin_changes_per_minute: int = Field(default=120, ge=1)
+    """Changes one administrator (operator or tenant-admin key) may make each minute."""
     admin_lockout_failures: int = Field(default=5, ge=1)
     """Wrong passwords in a row that lock an operator account."""
     admin_lockout_s: int = Field(default=900, ge=1)

@@ -11,7 +11,7 @@ from opentelemetry.trace import Tracer
 
 from engine.engine import Engine
 from engine.model_loader import LoadedModel
-from gateway.admin.login_throttle import LoginThrottle
+from gateway.admin.throttle import LoginThrottle, SlidingWindow
 from gateway.admin.tokens import AdminTokens
 from gateway.audit_queue import AuditQueue
 from gateway.auth import KeyAuthenticator
@@ -44,6 +44,7 @@ class GatewayState:
     prepare_slots: asyncio.Semaphore  # requests being templated and tokenized at once
     admin_tokens: AdminTokens
     login_throttle: LoginThrottle
+    admin_changes: SlidingWindow  # changes per admin caller each minute
     usage: UsageHistory  # live cache usage per tenant, for the console's charts
     tenant_names: dict[str, str] = field(default_factory=dict)  # id -> slug, for metrics
     draining: bool = False

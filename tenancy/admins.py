@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import enum
 import re
+import unicodedata
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from pwdlib import PasswordHash
 from pwdlib.hashers.argon2 import Argon2Hasher
 from sqlalchemy import delete, func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from tenancy.errors import Conflict, InvalidInput, NotFound
 from tenancy.models import OPERATOR_ROLES, Admin, AdminSession, Tenant, utcnow
@@ -52,6 +53,11 @@ class LoginResult:
 
 
 def check_password(password: str) -> None:
+    """Refuse a password too short, too long, blank or holding control characters."""
+    if any(ord(character) < 32 or ord(character) == 127 for character in password):
+        raise InvalidInput("password must not contain control characters", "password")
+    if not password.strip():
+        raise InvalidInput("password must not be only spaces", "password")
     if len(password) < MIN_PASSWORD_LENGTH:
         raise InvalidInput(
             f"password must be at least {MIN_PASSWORD_LENGTH} characters", "password"
@@ -79,11 +85,13 @@ def create_admin(
         tenant = session.get(Tenant, tenant_id)
         if tenant is None or tenant.status == "deleted":
             raise NotFound(f"no tenant with id {tenant_id}")
-    if session.scalar(select(Admin.id).where(Admin.username == username)) is not None:
+    # Names differing only in case would be easy to confuse in the audit log.
+    same_name = select(Admin.id).where(func.lower(Admin.username) == username.lower())
+    if session.scalar(same_name) is not None:
         raise Conflict(f"an operator named {username!r} already exists")
     admin = Admin(
         username=username,
-        password_hash=_HASHER.hash(password),
+        password_hash=_HASHER.hash(_normalized(password)),
         role=role,
         tenant_id=tenant_id,
         password_changed_at=utcnow(),
@@ -117,13 +125,17 @@ def find_admin(session: Session, username: str) -> Admin:
 
 
 def set_disabled(session: Session, admin_id: uuid.UUID, disabled: bool) -> Admin:
-    """Disable (every session of it revoked at once) or re-enable an operator."""
+    """Disable (every session of it revoked at once) or re-enable an operator (which also
+    ends a lockout)."""
     admin = get_admin(session, admin_id)
     if disabled and admin.role == "admin" and not admin.disabled:
-        _keep_one_admin(session, admin)
+        _disable_unless_last_admin(session, admin)
     admin.disabled = disabled
     if disabled:
         revoke_sessions(session, admin.id)
+    else:  # re-enabling restores access: a lockout ends too
+        admin.failed_logins = 0
+        admin.locked_until = None
     session.flush()
     return admin
 
@@ -134,7 +146,7 @@ def change_password(
     """Set a new password, clear any lockout and end every other session of the account."""
     check_password(password)
     admin = get_admin(session, admin_id)
-    admin.password_hash = _HASHER.hash(password)
+    admin.password_hash = _HASHER.hash(_normalized(password))
     admin.password_changed_at = utcnow()
     admin.failed_logins = 0
     admin.locked_until = None
@@ -148,25 +160,35 @@ def login(
 ) -> LoginResult:
     """Check a username and password, counting wrong passwords towards the account's lockout."""
     now = now or utcnow()
-    password = password[:MAX_PASSWORD_LENGTH]
+    password = _normalized(password[:MAX_PASSWORD_LENGTH])
     admin = session.scalar(select(Admin).where(Admin.username == username))
     if admin is None:
         _HASHER.verify(password, _DUMMY_HASH)
         return LoginResult(None, LoginRefused.WRONG_CREDENTIALS)
-    locked_until = _aware(admin.locked_until)
+    locked_until = admin.locked_until
     if locked_until is not None and locked_until > now:
         _HASHER.verify(password, _DUMMY_HASH)  # same work whether locked or not
         return LoginResult(None, LoginRefused.LOCKED, locked_until)
     if not _HASHER.verify(password, admin.password_hash):
-        admin.failed_logins += 1
-        if admin.failed_logins >= lockout.failures:
-            admin.failed_logins = 0
-            admin.locked_until = now + lockout.duration
-            session.flush()
-            return LoginResult(None, LoginRefused.LOCKED, admin.locked_until)
-        session.flush()
+        # One atomic increment: guesses sent at the same moment each count.
+        failures = session.execute(
+            update(Admin)
+            .where(Admin.id == admin.id)
+            .values(failed_logins=Admin.failed_logins + 1)
+            .returning(Admin.failed_logins)
+            .execution_options(synchronize_session=False)
+        ).scalar_one()
+        if failures >= lockout.failures:
+            until = now + lockout.duration
+            session.execute(
+                update(Admin)
+                .where(Admin.id == admin.id)
+                .values(failed_logins=0, locked_until=until)
+                .execution_options(synchronize_session=False)
+            )
+            return LoginResult(None, LoginRefused.LOCKED, until)
         return LoginResult(None, LoginRefused.WRONG_CREDENTIALS)
-    if admin.disabled:
+    if admin.disabled or not _tenant_active(session, admin):
         return LoginResult(None, LoginRefused.DISABLED)
     admin.failed_logins = 0
     admin.locked_until = None
@@ -200,15 +222,10 @@ def active_session(session: Session, jti: str, now: datetime | None = None) -> A
     if row is None:
         return None
     admin_session, admin = row
-    expires_at = _aware(admin_session.expires_at)
-    if admin_session.revoked_at is not None or expires_at is None or expires_at <= now:
+    if admin_session.revoked_at is not None or admin_session.expires_at <= now:
         return None
-    if admin.disabled:
+    if admin.disabled or not _tenant_active(session, admin):
         return None
-    if admin.tenant_id is not None:
-        tenant = session.get(Tenant, admin.tenant_id)
-        if tenant is None or tenant.status == "deleted":
-            return None
     return admin
 
 
@@ -229,18 +246,41 @@ def revoke_sessions(session: Session, admin_id: uuid.UUID, keep: str | None = No
     session.execute(query.values(revoked_at=utcnow()))
 
 
-def _keep_one_admin(session: Session, leaving: Admin) -> None:
-    others = session.scalar(
+def _tenant_active(session: Session, admin: Admin) -> bool:
+    """An admin has no tenant; a tenant-admin works only while its tenant is active."""
+    if admin.tenant_id is None:
+        return True
+    tenant = session.get(Tenant, admin.tenant_id)
+    return tenant is not None and tenant.status == "active"
+
+
+def _disable_unless_last_admin(session: Session, leaving: Admin) -> None:
+    """Disable an enabled admin unless no other enabled admin would remain.
+
+    Two admins disabling each other at the same moment must not both succeed: on PostgreSQL
+    the enabled admins' rows are locked (in id order) before counting; the UPDATE itself
+    repeats the count, which makes it one atomic statement on SQLite's single writer.
+    """
+    enabled = (Admin.role == "admin") & Admin.disabled.is_(False)
+    session.execute(select(Admin.id).where(enabled).order_by(Admin.id).with_for_update())
+    other = aliased(Admin)
+    others = (
         select(func.count())
-        .select_from(Admin)
-        .where(Admin.role == "admin", Admin.disabled.is_(False), Admin.id != leaving.id)
+        .select_from(other)
+        .where(other.role == "admin", other.disabled.is_(False), other.id != leaving.id)
+        .scalar_subquery()
     )
-    if not others:
+    result = session.execute(
+        update(Admin)
+        .where(Admin.id == leaving.id, others > 0)
+        .values(disabled=True)
+        .execution_options(synchronize_session=False)
+    )
+    if result.rowcount == 0:  # type: ignore[attr-defined]
         raise Conflict("at least one enabled admin must remain")
+    session.refresh(leaving)
 
 
-def _aware(moment: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes; everything here is UTC."""
-    if moment is None or moment.tzinfo is not None:
-        return moment
-    return moment.replace(tzinfo=UTC)
+def _normalized(password: str) -> str:
+    """NFKC, so that a password typed on another keyboard or system hashes the same."""
+    return unicodedata.normalize("NFKC", password)

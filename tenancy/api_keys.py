@@ -5,14 +5,16 @@ from __future__ import annotations
 import enum
 import uuid
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tenancy.errors import InvalidInput, NotFound
+from tenancy.errors import Conflict, InvalidInput, NotFound
 from tenancy.keys import MalformedKey, hash_secret, new_key, parse_key, secret_matches
 from tenancy.models import KEY_ROLES, ApiKey, Tenant, utcnow
+
+MAX_LIVE_KEYS = 1000  # per tenant: one tenant-admin cannot fill the table
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,12 @@ def create_key(
         raise InvalidInput(f"role must be one of {', '.join(KEY_ROLES)}", "role")
     if tenant.status == "deleted":
         raise NotFound(f"no tenant {tenant.slug!r}")
+    live = select(func.count()).where(ApiKey.tenant_id == tenant.id, ApiKey.revoked_at.is_(None))
+    if (session.scalar(live) or 0) >= MAX_LIVE_KEYS:
+        raise Conflict(
+            f"tenant {tenant.slug!r} already has {MAX_LIVE_KEYS} keys that are not revoked; "
+            "revoke some first"
+        )
     secret, parsed = new_key()
     key = ApiKey(
         tenant_id=tenant.id,
@@ -151,12 +159,7 @@ def key_state(key: ApiKey, now: datetime) -> str:
     of its rotation's grace period), `rotating` (in that grace period) or `active`."""
     if key.revoked_at is not None:
         return "revoked"
-    ends = [_aware(moment) for moment in (key.expires_at, key.grace_until) if moment is not None]
+    ends = [moment for moment in (key.expires_at, key.grace_until) if moment is not None]
     if any(end <= now for end in ends):
         return "expired"
     return "rotating" if key.grace_until is not None else "active"
-
-
-def _aware(moment: datetime) -> datetime:
-    """SQLite hands back naive datetimes; everything here is UTC."""
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)

@@ -88,6 +88,8 @@ def _sqlite_pragmas(connection: Any, _record: Any) -> None:
     cursor = connection.cursor()
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=5000")
+    # Readers (key checks, exports) and the one writer do not block each other in WAL mode.
+    cursor.execute("PRAGMA journal_mode=WAL")
     cursor.close()
 
 

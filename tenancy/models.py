@@ -20,12 +20,14 @@ from sqlalchemy import (
     Boolean,
     CheckConstraint,
     DateTime,
+    Dialect,
     ForeignKey,
     Integer,
     MetaData,
     SmallInteger,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
     Uuid,
 )
@@ -50,6 +52,25 @@ OPERATOR_ROLES = ("admin", "tenant-admin")
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A moment, always in UTC: aware values are converted to UTC on the way in (SQLite
+    would store and compare them as wall-clock time, dropping their offset), and come back
+    aware on every database (SQLite hands back naive ones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None or value.tzinfo is None:  # naive values are UTC by convention
+            return value
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None or value.tzinfo is not None:
+            return value
+        return value.replace(tzinfo=UTC)
 
 
 def _one_of(column: str, values: tuple[str, ...]) -> str:
@@ -88,10 +109,8 @@ class Tenant(Base):
     requests_per_minute: Mapped[int] = mapped_column(Integer, default=600)
     tokens_per_minute: Mapped[int] = mapped_column(Integer, default=1_000_000)
     max_concurrent: Mapped[int] = mapped_column(Integer, default=16)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    updated_at: Mapped[datetime] = mapped_column(
-        DateTime(timezone=True), default=utcnow, onupdate=utcnow
-    )
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
 
 class ApiKey(Base):
@@ -107,15 +126,15 @@ class ApiKey(Base):
     # HMAC-SHA256 of the secret under the server's key-hashing secret; never the secret.
     secret_hash: Mapped[str] = mapped_column(String(64))
     role: Mapped[str] = mapped_column(String(16), default="inference")
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     rotated_from_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("api_keys.id", ondelete="SET NULL")
     )
     # After a rotation the old key keeps working until this time.
-    grace_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    grace_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class Admin(Base):
@@ -139,12 +158,12 @@ class Admin(Base):
     tenant_id: Mapped[uuid.UUID | None] = mapped_column(
         ForeignKey("tenants.id", ondelete="CASCADE"), index=True
     )
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
     # Consecutive wrong passwords; at the lockout threshold the account locks until `locked_until`.
     failed_logins: Mapped[int] = mapped_column(Integer, default=0)
-    locked_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    password_changed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    locked_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    password_changed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class AdminSession(Base):
@@ -156,9 +175,9 @@ class AdminSession(Base):
     admin_id: Mapped[uuid.UUID] = mapped_column(
         ForeignKey("admins.id", ondelete="CASCADE"), index=True
     )
-    issued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    issued_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class PublicPrefix(Base):
@@ -171,7 +190,7 @@ class PublicPrefix(Base):
     name: Mapped[str] = mapped_column(String(200))
     text: Mapped[str] = mapped_column(Text)
     created_by: Mapped[str] = mapped_column(String(200))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
 
 
@@ -182,7 +201,7 @@ class AuditEvent(Base):
 
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     event_id: Mapped[uuid.UUID] = mapped_column(Uuid, unique=True)
-    time: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    time: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
     actor_type: Mapped[str] = mapped_column(String(32))
     actor_id: Mapped[str | None] = mapped_column(String(200))
     tenant_id: Mapped[str | None] = mapped_column(String(64), index=True)
@@ -216,7 +235,7 @@ class AuditCheckpoint(Base):
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     hash: Mapped[str] = mapped_column(String(64))
     signature: Mapped[str] = mapped_column(String(64))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class SecretFingerprint(Base):
@@ -226,7 +245,7 @@ class SecretFingerprint(Base):
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     fingerprint: Mapped[str] = mapped_column(String(64))
-    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    recorded_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class Deployment(Base):
@@ -240,7 +259,7 @@ class Deployment(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     pool_blocks: Mapped[int | None] = mapped_column(Integer)
-    pool_recorded_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    pool_recorded_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class TenancyChanges(Base):

@@ -59,6 +59,10 @@ def apply_change(
     """
     if action.admin_only and not caller.is_admin:
         refuse(state, caller, action, APIError.forbidden(ADMIN_ONLY))
+    wait = state.admin_changes.admit(f"{caller.actor_type}:{caller.actor_id}")
+    if wait is not None:
+        message = f"more than {state.admin_changes.per_minute} changes a minute; slow down"
+        refuse(state, caller, action, APIError.rate_limited(message, wait))
     try:
         with state.store.transaction() as session:
             changed = change(session)
@@ -86,6 +90,8 @@ def _audit(
     tenant_id: str | None,
     details: dict[str, Any],
 ) -> None:
+    if not caller.sees(tenant_id):  # a refused reach into another tenant stays in one's own log
+        tenant_id = None if caller.tenant_id is None else str(caller.tenant_id)
     state.store.record(
         AuditRecord(
             actor_type=caller.actor_type,

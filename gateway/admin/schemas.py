@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import re
 import uuid
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from pydantic import AwareDatetime, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+)
 
 from engine.cache_stats import OwnerStats
 
@@ -26,8 +34,17 @@ def _iso_only(value: object) -> object:
     return value
 
 
-# A point in time from a query string: ISO 8601 with a time zone (2026-11-30T12:00:00Z).
-IsoTime = Annotated[AwareDatetime, BeforeValidator(_iso_only)]
+def _in_utc(value: datetime) -> datetime:
+    """The same instant in UTC (databases compare stored UTC times), between 1970 and 9000
+    so that ranges computed from it stay representable."""
+    if not 1970 <= value.year <= 9000:
+        raise ValueError("expected a time between the years 1970 and 9000")
+    return value.astimezone(UTC)
+
+
+# A point in time from a query string: ISO 8601 with a time zone (2026-11-30T12:00:00Z),
+# handed on in UTC.
+IsoTime = Annotated[AwareDatetime, BeforeValidator(_iso_only), AfterValidator(_in_utc)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Limit = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Blocks = Annotated[int, Field(ge=0, le=2**31 - 1)]

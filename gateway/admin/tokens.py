@@ -8,8 +8,10 @@ session is still open (logout and disabled accounts revoke it) and what role it 
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -18,6 +20,7 @@ import jwt
 ALGORITHM = "HS256"
 AUDIENCE = "prefixgate-admin"
 _REQUIRED = ["exp", "iat", "nbf", "iss", "aud", "sub", "jti"]
+_JTI = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class InvalidToken(Exception):
@@ -78,6 +81,17 @@ class AdminTokens:
         except jwt.InvalidTokenError as error:
             raise InvalidToken("invalid admin token") from error
         subject, jti = claims["sub"], claims["jti"]
-        if not isinstance(subject, str) or not isinstance(jti, str) or len(jti) > 64:
+        # Only what `issue` makes: an operator's uuid and a URL-safe token id.
+        if not isinstance(jti, str) or not _JTI.match(jti) or not _is_uuid(subject):
             raise InvalidToken("invalid admin token")
         return TokenClaims(subject, jti)
+
+
+def _is_uuid(value: object) -> bool:
+    if not isinstance(value, str) or len(value) != 36:
+        return False
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True

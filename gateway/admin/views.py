@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import threading
 from datetime import datetime
 
 from gateway.admin.schemas import (
@@ -65,13 +67,18 @@ def prefix_out(state: GatewayState, prefix: PublicPrefix) -> PrefixOut:
     warning = None
     tokenizer = state.loaded.tokenizer
     if prefix.model == state.model_name and tokenizer is not None:
-        tokens = len(system_prompt_tokens(tokenizer, prefix.text))
+        tokens = _token_count(tokenizer, prefix.text)
         blocks = tokens // state.settings.block_size
         minimum = state.sharing.min_public_blocks
         if blocks < minimum:
             warning = (
                 f"shorter than {minimum} whole blocks ({minimum * state.settings.block_size} "
                 "tokens): it will not be shared"
+            )
+        elif tokens >= state.max_prompt_tokens:
+            warning = (
+                f"{tokens} tokens, at least the longest prompt this gateway accepts "
+                f"({state.max_prompt_tokens}): no request can use it"
             )
     elif prefix.model != state.model_name:
         warning = f"this gateway serves {state.model_name!r}, not {prefix.model!r}"
@@ -88,6 +95,26 @@ def prefix_out(state: GatewayState, prefix: PublicPrefix) -> PrefixOut:
         blocks=blocks,
         warning=warning,
     )
+
+
+def _token_count(tokenizer: object, text: str) -> int:
+    """Tokens of a registered prompt's system turn, remembered by the text's digest: listing
+    prefixes must not re-tokenize every text every time."""
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+    with _TOKEN_COUNTS_LOCK:
+        count = _TOKEN_COUNTS.get(digest)
+    if count is None:
+        count = len(system_prompt_tokens(tokenizer, text))
+        with _TOKEN_COUNTS_LOCK:
+            if len(_TOKEN_COUNTS) >= _TOKEN_COUNTS_KEPT:
+                _TOKEN_COUNTS.pop(next(iter(_TOKEN_COUNTS)))
+            _TOKEN_COUNTS[digest] = count
+    return count
+
+
+_TOKEN_COUNTS: dict[bytes, int] = {}  # one served model per process: its tokenizer's counts
+_TOKEN_COUNTS_KEPT = 1024
+_TOKEN_COUNTS_LOCK = threading.Lock()
 
 
 def operator_out(admin: Admin) -> OperatorOut:

@@ -8,7 +8,8 @@ read and every change is a call to the admin API's route functions
 home, and the console shows their answers and their errors as pages.
 
 No front-end build and nothing from a CDN: templates and the few static files (a stylesheet,
-the chart's script) ship in this package. `install_console` adds the pages, the static files
+the chart's script, the new key's Copy button) ship in this package. `install_console` adds the
+pages, the landings for a GET on a form's address, the single-use form nonces, the static files
 and the security headers to the app.
 """
 
@@ -19,6 +20,7 @@ from starlette.staticfiles import StaticFiles
 
 from gateway.console import (
     audit_pages,
+    form_urls,
     key_pages,
     login_pages,
     operator_pages,
@@ -26,6 +28,7 @@ from gateway.console import (
     tenant_pages,
     usage_feed,
 )
+from gateway.console.form_nonces import install_forms
 from gateway.console.headers import ConsoleHeaders
 from gateway.console.pages import STATIC_DIR
 
@@ -37,11 +40,13 @@ ROUTERS = [
     prefix_pages.router,
     operator_pages.router,
     audit_pages.router,
+    form_urls.router,
 ]
 
 
 def install_console(app: FastAPI) -> None:
     """Serve the console under /admin (pages, /admin/static files, security headers)."""
+    install_forms(app.state)
     for router in ROUTERS:
         app.include_router(router)
     app.mount("/admin/static", StaticFiles(directory=STATIC_DIR), name="console-static")

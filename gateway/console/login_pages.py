@@ -26,6 +26,7 @@ from gateway.console.pages import (
     Form,
     FormDep,
     FormErrors,
+    Notice,
     read_form,
     redirect,
     render,
@@ -35,10 +36,14 @@ from gateway.middleware import client_ip
 
 router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=False)
 
+# Why the login page is shown: information, not a success (and not an error either).
 REASONS = {
-    "login": "Log in to continue.",
-    "expired": "Your session has ended (it expired, was revoked, or the account was "
-    "disabled). Log in again.",
+    "login": Notice("Log in to continue.", "info"),
+    "expired": Notice(
+        "Your session has ended (it expired, was revoked, or the account was disabled). "
+        "Log in again.",
+        "warning",
+    ),
 }
 
 
@@ -96,7 +101,7 @@ def logout(request: Request, caller: CallerDep, form: FormDep, state: StateDep) 
 def _login_form(
     request: Request,
     state: StateDep,
-    message: str | None,
+    message: Notice | None,
     errors: FormErrors,
     username: str,
     status: int = 200,

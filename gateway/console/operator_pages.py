@@ -2,9 +2,11 @@
 
 An admin creates operators (an `admin`, or a `tenant-admin` bound to one tenant, named by its
 slug), disables and re-enables them and sets their passwords; every operator changes its own
-password on its account page. All of it is the admin API's own operator functions
-(`gateway.api.routes.admin.operators`): at least one enabled admin always remains, a disabled
-account's sessions end at once, and no password reaches an answer, a page or the audit log.
+password on its account page, giving its current one (the admin API's rule: a session left
+open cannot take the account over; a wrong one counts toward the lockout). All of it is the
+admin API's own operator functions (`gateway.api.routes.admin.operators`): at least one
+enabled admin always remains, a disabled account's sessions end at once, and no password
+reaches an answer, a page or the audit log.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from tenancy.errors import NotFound
 router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=False)
 
 CREATE_FIELDS = {"username", "password", "role", "tenant"}
+ACCOUNT_FIELDS = {"current_password", "password", "password_again"}
 MAX_SLUG = 63
 
 
@@ -82,7 +85,10 @@ def enable_operator(
 def set_password(
     request: Request, operator_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep
 ) -> Response:
-    """Set an operator's password (an admin: anyone's)."""
+    """Set an operator's password (an admin: anyone else's; its own on "My account")."""
+    if operator_id == caller.operator_id:
+        # This form has no current password: the API would refuse and count a wrong guess.
+        return redirect("/admin/account")
     try:
         operators_api.set_password(operator_id, form.body(PasswordChange), caller, state)
     except APIError as error:
@@ -113,7 +119,7 @@ def change_own_password(
     except APIError as error:
         if error.status != 400:
             raise
-        errors = FormErrors.of(error, {}, {"password", "password_again"})
+        errors = FormErrors.of(error, {}, ACCOUNT_FIELDS)
         return render(request, "account.html", 400, title="My account", errors=errors)
     return redirect("/admin/account", done="password_changed")
 

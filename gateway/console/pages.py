@@ -10,7 +10,9 @@ path or query parameters are a 404 or 400 page.
 Pages are rendered from Jinja2 templates with autoescaping on, so every value shown (a tenant's
 display name, an audit event's details) is text, never markup. Forms are posted, the change is
 made by the admin API's own function, and the browser is redirected (303) to a page that says
-what was done; a refused change renders the form again with the message next to its field.
+what was done, in a notice styled by its kind (done, for information, or a warning); a refused
+change renders the form again with the message next to its field. A missing value is rendered
+as nothing, never as "None".
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 from urllib.parse import urlencode
 
 from fastapi import Depends, Request
@@ -39,8 +41,16 @@ from tenancy.errors import TenancyError
 
 STATIC_DIR = Path(__file__).parent / "static"
 CSRF_FIELD = "csrf"
+# Fields taken exactly as typed (a password may begin or end with a space); others are trimmed.
+RAW_FIELDS = frozenset({"password", "current_password"})
 MAX_FORM_FIELDS = 50
 Model = TypeVar("Model", bound=BaseModel)
+
+
+def _nothing_for_none(value: Any) -> Any:
+    """What `{{ value }}` prints: a missing value is an empty string, never "None"."""
+    return "" if value is None else value
+
 
 _ENVIRONMENT = Environment(
     loader=PackageLoader("gateway.console", "templates"),
@@ -48,26 +58,36 @@ _ENVIRONMENT = Environment(
     undefined=StrictUndefined,
     trim_blocks=True,
     lstrip_blocks=True,
+    finalize=_nothing_for_none,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """A message at the top of a page; `kind` (its CSS class) says done, information or warning."""
+
+    text: str
+    kind: Literal["success", "info", "warning"] = "success"
+
 
 # What a redirect-after-POST page says it did (`?done=<code>`): fixed texts, never echoed input.
 NOTICES = {
-    "tenant_created": "Tenant created.",
-    "tenant_updated": "Limits and sharing saved.",
-    "quota_set": "Cache quota saved and applied to the engine.",
-    "tenant_suspended": "Tenant suspended: its keys stop working.",
-    "tenant_resumed": "Tenant resumed.",
-    "tenant_deleted": "Tenant deleted; its cached blocks were purged.",
-    "key_revoked": "Key revoked.",
-    "prefix_added": "Public prefix added.",
-    "prefix_enabled": "Public prefix enabled.",
-    "prefix_disabled": "Public prefix disabled.",
-    "prefix_deleted": "Public prefix deleted.",
-    "operator_created": "Operator created.",
-    "operator_disabled": "Operator disabled; their sessions ended.",
-    "operator_enabled": "Operator enabled.",
-    "password_changed": "Password changed; the account's other sessions ended.",
-    "logged_out": "You are logged out.",
+    "tenant_created": Notice("Tenant created."),
+    "tenant_updated": Notice("Limits and sharing saved."),
+    "quota_set": Notice("Cache quota saved and applied to the engine."),
+    "tenant_suspended": Notice("Tenant suspended: its keys stop working."),
+    "tenant_resumed": Notice("Tenant resumed."),
+    "tenant_deleted": Notice("Tenant deleted; its cached blocks were purged."),
+    "key_revoked": Notice("Key revoked."),
+    "prefix_added": Notice("Public prefix added."),
+    "prefix_enabled": Notice("Public prefix enabled."),
+    "prefix_disabled": Notice("Public prefix disabled."),
+    "prefix_deleted": Notice("Public prefix deleted."),
+    "operator_created": Notice("Operator created."),
+    "operator_disabled": Notice("Operator disabled; their sessions ended."),
+    "operator_enabled": Notice("Operator enabled."),
+    "password_changed": Notice("Password changed; the account's other sessions ended."),
+    "logged_out": Notice("You are logged out.", "info"),
 }
 
 
@@ -102,8 +122,8 @@ class Form:
         data: dict[str, str] = {}
         for name in model.model_fields:
             value = self.values.get(names.get(name, name), "")
-            if value.strip():  # passwords are taken as typed, other fields trimmed
-                data[name] = value if name == "password" else value.strip()
+            if value.strip():
+                data[name] = value if name in RAW_FIELDS else value.strip()
         try:
             # Lax mode: form values are strings; the model converts "12" and "true" itself.
             return model.model_validate(data, strict=False)
@@ -128,13 +148,17 @@ class FormErrors:
 
 
 def template_context(request: Request, **context: Any) -> dict[str, Any]:
-    """What every page's template can use: the caller, the CSRF token, the notice."""
+    """What every page's template can use: the caller, the CSRF token, the notice.
+
+    The notice is the page's own (`notice` in `context`) if it has one, else the fixed text of
+    the `done` code in the address.
+    """
     caller: AdminCaller | None = getattr(request.state, "console_caller", None)
     state: GatewayState = request.app.state.gateway
     csrf = ""
     if caller is not None and caller.session_id is not None:
         csrf = session_csrf(state.settings.secret("jwt_secret"), caller.session_id)
-    notice = NOTICES.get(request.query_params.get("done", ""))
+    notice = context.pop("notice", None) or NOTICES.get(request.query_params.get("done", ""))
     return {"caller": caller, "csrf": csrf, "notice": notice, "path": request.url.path, **context}
 
 
@@ -243,7 +267,13 @@ def format_time(moment: datetime | None) -> str:
     return "—" if moment is None else moment.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def format_hit_ratio(ratio: float, prompt_tokens: int) -> str:
+    """A hit ratio as a percentage, or "—" when there were no prompt tokens to hit."""
+    return "—" if prompt_tokens <= 0 else f"{100 * ratio:.1f}%"
+
+
 _ENVIRONMENT.filters["bytes"] = format_bytes
 _ENVIRONMENT.filters["when"] = format_time
 _ENVIRONMENT.filters["percent"] = lambda ratio: f"{100 * ratio:.1f}%"
+_ENVIRONMENT.filters["hit_ratio"] = format_hit_ratio
 _ENVIRONMENT.filters["thousands"] = lambda number: f"{number:,}"

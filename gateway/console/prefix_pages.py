@@ -1,9 +1,12 @@
 """The public prefixes page: the system prompts every tenant may share, for admins only.
 
-Each prefix shows what it shares for the served model (tokens and whole KV blocks) and the
-admin API's warning when it is too short to be shared at all. Adding, enabling, disabling and
-deleting are the admin API's own functions (`gateway.api.routes.admin.prefixes`): the sharing
-policy is rebuilt and a withdrawn prefix's cached blocks are dropped before the page answers.
+Each prefix shows what it shares for the served model (tokens and whole KV blocks, counted
+with the chat template's system turn around the text) and the admin API's warning when it is
+too short to be shared at all. An enabled prefix that is not shared says so in its state, and
+adding or enabling one ends in a warning that says why instead of a plain success. Adding,
+enabling, disabling and deleting are the admin API's own functions (`gateway.api.routes.admin
+.prefixes`): the sharing policy is rebuilt and a withdrawn prefix's cached blocks are dropped
+before the page answers.
 Deleting asks for confirmation first.
 """
 
@@ -15,10 +18,18 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.admin.callers import AdminCaller
-from gateway.admin.schemas import PrefixCreate, PrefixUpdate
+from gateway.admin.schemas import PrefixCreate, PrefixOut, PrefixUpdate
 from gateway.api.deps import StateDep
 from gateway.api.routes.admin import prefixes as prefixes_api
-from gateway.console.pages import CallerDep, ConsoleRoute, FormDep, FormErrors, redirect, render
+from gateway.console.pages import (
+    CallerDep,
+    ConsoleRoute,
+    FormDep,
+    FormErrors,
+    Notice,
+    redirect,
+    render,
+)
 from gateway.errors import APIError
 from gateway.state import GatewayState
 
@@ -37,21 +48,21 @@ def prefixes_page(request: Request, caller: CallerDep, state: StateDep) -> Respo
 def add_prefix(request: Request, caller: CallerDep, form: FormDep, state: StateDep) -> Response:
     """Register a prefix; refused input comes back with the message by its field."""
     try:
-        prefixes_api.add_prefix(form.body(PrefixCreate), caller, state)
+        added = prefixes_api.add_prefix(form.body(PrefixCreate), caller, state)
     except APIError as error:
         if error.status not in (400, 409):
             raise
         errors = FormErrors.of(error, {}, PREFIX_FIELDS)
         return _prefixes_page(request, caller, state, errors, form.values, error.status)
-    return redirect("/admin/prefixes", done="prefix_added")
+    return _done(added, state, "prefix_added")
 
 
 @router.post("/prefixes/{prefix_id}/enable")
 def enable_prefix(
     prefix_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep
 ) -> Response:
-    prefixes_api.update_prefix(prefix_id, PrefixUpdate(enabled=True), caller, state)
-    return redirect("/admin/prefixes", done="prefix_enabled")
+    enabled = prefixes_api.update_prefix(prefix_id, PrefixUpdate(enabled=True), caller, state)
+    return _done(enabled, state, "prefix_enabled")
 
 
 @router.post("/prefixes/{prefix_id}/disable")
@@ -82,6 +93,49 @@ def delete_prefix(
     return redirect("/admin/prefixes", done="prefix_deleted")
 
 
+def not_shared_because(prefix: PrefixOut, state: GatewayState) -> str | None:
+    """Why the prefix would share nothing here (another model, too short), or None."""
+    if prefix.model != state.model_name:
+        return "another model"
+    if prefix.blocks is not None and prefix.blocks < state.sharing.min_public_blocks:
+        return "too short"
+    return None
+
+
+def _done(prefix: PrefixOut, state: GatewayState, done: str) -> Response:
+    """Back to the list, saying what was done; a warning (naming the prefix) if it won't share."""
+    if not_shared_because(prefix, state) is None:
+        return redirect("/admin/prefixes", done=done)
+    return redirect("/admin/prefixes", done=f"{done}_unshared", prefix=str(prefix.id))
+
+
+def _unshared_notice(
+    request: Request, listed: list[PrefixOut], state: GatewayState
+) -> Notice | None:
+    """The warning after adding or enabling a prefix that will not be shared, saying why."""
+    done = request.query_params.get("done", "")
+    if done not in ("prefix_added_unshared", "prefix_enabled_unshared"):
+        return None
+    verb = "added" if done == "prefix_added_unshared" else "enabled"
+    asked = request.query_params.get("prefix", "")
+    prefix = next((p for p in listed if str(p.id) == asked), None)
+    if prefix is None:
+        return Notice(f"Public prefix {verb}, but it will not be shared.", "warning")
+    minimum = state.sharing.min_public_blocks
+    name = f"{prefix.namespace} / {prefix.name}"
+    if prefix.model != state.model_name or prefix.tokens is None or prefix.blocks is None:
+        why = f"it is for {prefix.model}, and this gateway serves {state.model_name}"
+    else:
+        block_size = state.settings.block_size
+        why = (
+            f"its {prefix.tokens:,} tokens (the system turn as the chat template writes it) "
+            f"make {prefix.blocks} whole blocks of {block_size}, and a prefix is shared from "
+            f"{minimum} blocks ({minimum * block_size:,} tokens) on. Lengthen its text or "
+            "disable it"
+        )
+    return Notice(f"Public prefix {name} {verb}, but it will not be shared: {why}.", "warning")
+
+
 def _prefixes_page(
     request: Request,
     caller: AdminCaller,
@@ -99,10 +153,11 @@ def _prefixes_page(
         "prefixes.html",
         status,
         title="Public prefixes",
-        prefixes=listed,
+        prefixes=[(prefix, not_shared_because(prefix, state)) for prefix in listed],
         values=values,
         errors=errors or FormErrors(),
         model_name=state.model_name,
         min_public_blocks=state.sharing.min_public_blocks,
         block_size=state.settings.block_size,
+        notice=_unshared_notice(request, listed, state),
     )

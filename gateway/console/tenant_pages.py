@@ -5,7 +5,9 @@ ratio, searchable and paged. A tenant's page shows its cache now and over the la
 chart that `static/chart.js` refreshes from `usage.json` every 2 s), its keys, and the forms
 that change it. Every change is the admin API's own function (`gateway.api.routes.admin
 .tenants`): the same validation, the same audit event, the same effect on the engine. Suspend,
-resume and delete go through a confirmation page first.
+resume and delete go through a confirmation page first. A quota saved in tokens comes back in
+tokens. The tenants table's hit ratio and prompt tokens are the last minutes' (the usage window),
+as the tenant's page shows them; "—" where there was no prompt to hit.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from gateway.api.deps import StateDep
 from gateway.api.routes.admin import keys as keys_api
 from gateway.api.routes.admin import tenants as tenants_api
 from gateway.api.routes.admin import usage as usage_api
+from gateway.console.form_nonces import one_time_forms
 from gateway.console.pages import (
     CallerDep,
     ConsoleRoute,
@@ -138,7 +141,13 @@ def set_quota(
         return render_tenant(
             request, caller, state, tenant_id, "quota", errors, form.values, None, error.status
         )
-    return redirect(f"/admin/tenants/{tenant_id}", done="quota_set")
+    # The page shows the form again in the units the operator used (blocks unless told).
+    units = {
+        name: form.get(name)
+        for name in ("quota_unit", "reservation_unit")
+        if form.get(name) in UNITS and form.get(name) != "blocks"
+    }
+    return redirect(f"/admin/tenants/{tenant_id}", done="quota_set", **units)
 
 
 @router.get("/tenants/{tenant_id}/confirm")
@@ -196,6 +205,16 @@ def quota_body(form: Form) -> QuotaUpdate:
     return Form(data).body(QuotaUpdate)
 
 
+def create_key_scope(tenant_id: uuid.UUID) -> str:
+    """What the single-use "create a key" form of this tenant does (its nonce's scope)."""
+    return f"create-key:{tenant_id}"
+
+
+def rotate_key_scope(tenant_id: uuid.UUID, key_id: str) -> str:
+    """What the single-use "rotate" form of one key does (its nonce's scope)."""
+    return f"rotate-key:{tenant_id}:{key_id}"
+
+
 def render_tenant(
     request: Request,
     caller: AdminCaller,
@@ -206,15 +225,26 @@ def render_tenant(
     submitted: dict[str, str] | None = None,
     new_key: CreatedKeyOut | None = None,
     status: int = 200,
+    repeated: str | None = None,
 ) -> Response:
     """The tenant's page; `failed` names a form to show again with `errors` and its values.
 
-    A new key's secret (`new_key`) is shown on this answer only.
+    A new key's secret (`new_key`) is shown on this answer only; `repeated` says what a
+    single-use key form posted again had already made. Each key form gets a fresh nonce.
     """
     tenant = tenants_api.show_tenant(tenant_id, caller, state)
     keys: list[KeyOut] = keys_api.list_keys(tenant_id, caller, state)
     usage = usage_api.tenant_usage(state, caller, tenant_id, usage_api.DEFAULT_WINDOW_S)
     spec = state.engine.pool.spec
+    forms = one_time_forms(request)
+    create_nonce = forms.issue(create_key_scope(tenant_id))
+    rotate_nonces = {
+        key.key_id: forms.issue(rotate_key_scope(tenant_id, key.key_id))
+        for key in keys
+        if key.state == "active"
+    }
+    quota_unit = _unit(request.query_params.get("quota_unit"))
+    reservation_unit = _unit(request.query_params.get("reservation_unit"))
     values: dict[str, dict[str, Any]] = {
         "settings": {
             "display_name": tenant.display_name,
@@ -225,10 +255,10 @@ def render_tenant(
             "max_concurrent": tenant.max_concurrent,
         },
         "quota": {
-            "quota": tenant.quota.blocks,
-            "quota_unit": "blocks",
-            "reservation": tenant.reservation.blocks,
-            "reservation_unit": "blocks",
+            "quota": getattr(tenant.quota, quota_unit),
+            "quota_unit": quota_unit,
+            "reservation": getattr(tenant.reservation, reservation_unit),
+            "reservation_unit": reservation_unit,
         },
         "key": {"name": "", "role": "inference", "expires_at": ""},
         "rotate": {"grace_seconds": 86_400},
@@ -245,6 +275,9 @@ def render_tenant(
         window=usage.summary,
         window_minutes=usage.window_s // 60,
         new_key=new_key,
+        repeated=repeated,
+        create_nonce=create_nonce,
+        rotate_nonces=rotate_nonces,
         values=values,
         errors={failed: errors} if failed is not None and errors is not None else {},
         block_size=spec.block_size,
@@ -252,6 +285,11 @@ def render_tenant(
         pool_blocks=state.engine.pool.num_blocks,
         units=UNITS,
     )
+
+
+def _unit(asked: str | None) -> str:
+    """A unit named in the page's address (after a save in tokens), else blocks."""
+    return asked if asked in UNITS else "blocks"
 
 
 def _confirmed(
@@ -280,7 +318,11 @@ def _tenants_page(
     submitted: dict[str, str] | None = None,
     status: int = 200,
 ) -> Response:
-    listed = tenants_api.list_tenants(caller, state, q, PAGE_SIZE, (page - 1) * PAGE_SIZE)
+    offset = (page - 1) * PAGE_SIZE
+    listed = tenants_api.list_tenants(caller, state, q, PAGE_SIZE, offset)
+    # The same page of tenants, for what each did in the usage window (hit ratio, prompts).
+    usage = usage_api.usage_table(state, caller, usage_api.DEFAULT_WINDOW_S, q, PAGE_SIZE, offset)
+    windows = {row.tenant_id: row.summary for row in usage.data}
     pages = max(1, math.ceil(listed.total / PAGE_SIZE))
     create = {"slug": "", "display_name": "", "cache_quota_blocks": "", "sharing_mode": "user"}
     if submitted is not None:
@@ -291,6 +333,8 @@ def _tenants_page(
         status,
         title="Tenants",
         listed=listed,
+        windows=windows,
+        window_minutes=usage.window_s // 60,
         q=q,
         page=page,
         pages=pages,

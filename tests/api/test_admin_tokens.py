@@ -16,6 +16,7 @@ SECRET = "unit-test-jwt-secret-" + "x" * 48
 LEEWAY_S = 30
 TOKENS = AdminTokens(secret=SECRET, issuer="prefixgate", ttl_s=900, leeway_s=LEEWAY_S)
 
+OPERATOR_ID = "5b0c2a0e-8c39-4d5e-9a7e-0f6f0d1c2b3a"
 
 def _claims(**changes: Any) -> dict[str, Any]:
     """Claims as `issue` writes them, valid now, with `changes` applied (None removes one)."""
@@ -39,12 +40,12 @@ def _sign(claims: dict[str, Any], secret: str = SECRET, algorithm: str = ALGORIT
 
 def test_an_issued_token_checks_out_with_its_subject_and_id() -> None:
     before = int(time.time())
-    issued = TOKENS.issue("operator-1")
+    issued = TOKENS.issue(OPERATOR_ID)
     claims = TOKENS.check(issued.token)
-    assert (claims.subject, claims.jti) == ("operator-1", issued.jti)
+    assert (claims.subject, claims.jti) == (OPERATOR_ID, issued.jti)
     assert jwt.get_unverified_header(issued.token)["alg"] == "HS256"
     assert before + 900 <= issued.expires_at.timestamp() <= int(time.time()) + 900
-    assert TOKENS.issue("operator-1").jti != issued.jti  # every session has its own id
+    assert TOKENS.issue(OPERATOR_ID).jti != issued.jti  # every session has its own id
 
 
 def test_a_hand_signed_token_with_the_same_claims_checks_out() -> None:
@@ -103,3 +104,14 @@ def test_a_token_not_meant_for_us_fails(what: str, token: str) -> None:
 def test_every_claim_is_required(claim: str) -> None:
     with pytest.raises(InvalidToken):
         TOKENS.check(_sign(_claims(**{claim: None})))
+
+
+@pytest.mark.parametrize(
+    ("claim", "value"),
+    [("jti", "\ud800"), ("jti", "has space"), ("sub", "operator-1"), ("sub", 7)],
+)
+def test_a_signed_token_with_claims_we_never_issue_is_refused(claim: str, value: object) -> None:
+    claims = {**jwt.decode(TOKENS.issue(OPERATOR_ID).token, options={"verify_signature": False})}
+    claims[claim] = value
+    with pytest.raises(InvalidToken):
+        TOKENS.check(_sign(claims))

@@ -17,6 +17,7 @@ One gateway of its own (so quotas can change freely) and one browser for the who
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import uuid
@@ -29,17 +30,21 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from fastapi.routing import APIRoute
 from playwright.sync_api import Browser, ConsoleMessage, Dialog, Page, expect
 from starlette.requests import Request
 from starlette.responses import Response
 
+from gateway.console import ROUTERS
+from gateway.console.form_nonces import NONCE_FIELD, FormAlreadyUsed, FormExpired, OneTimeForms
+from gateway.console.form_urls import LANDINGS
 from gateway.console.headers import CONTENT_SECURITY_POLICY
 from gateway.console.pages import format_bytes
 from gateway.console.session import set_session_cookie
 from tenancy import keys
 from tenancy.tenants import TenantLimits
 from tests.support.admin import admin_client
-from tests.support.browser import ConsoleSession, csrf_of, launch_chromium
+from tests.support.browser import ConsoleSession, csrf_of, form_value, launch_chromium
 from tests.support.cli import Cli
 from tests.support.gateway import (
     ADMIN_PASSWORD,
@@ -120,6 +125,24 @@ def number_in(page: Page, selector: str) -> float:
     return float(text.replace(",", "").rstrip("%"))
 
 
+def y_ticks(page: Page) -> list[int]:
+    """The blocks chart's y-axis labels, which must be round numbers 1, 2 or 5 x 10^k apart."""
+    labels = page.locator("#usage-chart text.tick-y").all_text_contents()
+    ticks = [int(label.replace(",", "")) for label in labels]
+    steps = {later - earlier for earlier, later in itertools.pairwise(ticks)}
+    assert ticks[0] == 0 and len(steps) == 1, labels
+    (step,) = steps
+    assert re.fullmatch(r"[125]0*", str(step)), labels
+    return ticks
+
+
+def assert_steps(points: str) -> None:
+    """Every segment of a polyline is level or vertical: a step chart, no slanted ramps."""
+    xy = [tuple(map(float, point.split(","))) for point in points.split()]
+    for (x0, y0), (x1, y1) in itertools.pairwise(xy):
+        assert x0 == x1 or y0 == y1, f"a slanted segment {x0},{y0} -> {x1},{y1} in {points}"
+
+
 def chat(client: openai.OpenAI, turns: list[str]) -> None:
     """One conversation, a turn at a time: the shared system prompt, then private turns."""
     messages: list[Any] = [{"role": "system", "content": SYSTEM_PROMPT}]
@@ -144,6 +167,8 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     page.goto("/admin")
     expect(page).to_have_url(re.compile(r"/admin/login\?reason=login$"))
     expect(page).to_have_title(re.compile("^Log in"))
+    expect(page.locator(".notice")).to_have_text("Log in to continue.")
+    expect(page.locator(".notice")).to_have_class("notice info")  # neutral, not a success
     shot(page, "01-login")
     log_in(page)
     expect(page).to_have_url(re.compile(r"/admin/tenants$"))
@@ -167,10 +192,19 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     page.get_by_role("button", name="Create key").click()
     secret = page.locator("#new-key-secret").input_value()
     assert secret.startswith(f"{keys.PREFIX}_")
+    # Copy puts the secret on the clipboard; the address is the tenant's page again, not the
+    # form's POST, so a reload posts nothing (and the secret is gone: shown once).
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page.get_by_role("button", name="Copy").click()
+    expect(page.locator("#copy-status")).to_have_text("Copied to the clipboard.")
+    assert page.evaluate("navigator.clipboard.readText()") == secret
+    expect(page).to_have_url(re.compile(rf"/admin/tenants/{tenant_id}$"))
     shot(page, "03-key-created")
-    page.goto(f"/admin/tenants/{tenant_id}")
-    assert secret not in page.content()  # shown once, never again
+    page.reload()
+    assert secret not in page.content()
     expect(page.locator("#keys-table")).to_contain_text("booking service")
+    expect(page.locator("#keys-table tbody tr")).to_have_count(1)
+    expect(page.locator("#live-hit-ratio")).to_have_text("—")  # no prompt yet: no ratio
 
     # Real traffic with that key; the live chart and the hit ratio follow it.
     client = openai.OpenAI(base_url=console_gateway.base_url, api_key=secret, max_retries=0)
@@ -189,12 +223,19 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
         arg=points_before,
         timeout=LIVE_TIMEOUT_MS,
     )
-    expect(page.locator("#live-hit-ratio")).not_to_have_text("0.0%", timeout=LIVE_TIMEOUT_MS)
-    assert number_in(page, "#live-hit-ratio") > 0
-    expect(page.locator("#live-window-hit-ratio")).not_to_have_text("0.0%")
+    for ratio in ("#live-hit-ratio", "#live-window-hit-ratio"):
+        page.wait_for_function(
+            "id => parseFloat(document.querySelector(id).textContent) > 0",
+            arg=ratio,
+            timeout=LIVE_TIMEOUT_MS,
+        )
     expect(page.locator("#live-cached-blocks")).not_to_have_text("0", timeout=LIVE_TIMEOUT_MS)
     cached_before = number_in(page, "#live-cached-blocks")
     assert cached_before > 2, "the traffic should have left several private blocks cached"
+    # The y-axis fits the quota now (48 blocks: 0 to 50 by tens), not the 1,024 blocks the
+    # tenant was created with, nor twice anything.
+    expect(page.locator("#usage-chart")).to_have_attribute("data-y-max", "50")
+    assert y_ticks(page) == [0, 10, 20, 30, 40, 50]
     shot(page, "04-tenant-live")
 
     # Shrinking the quota evicts this tenant's cached blocks at once.
@@ -206,6 +247,17 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     expect(page.locator("#live-quota-blocks")).to_have_text("2", timeout=LIVE_TIMEOUT_MS)
     stats = console_gateway.server.gateway.engine.cache_stats().owners[tenant_id]
     assert stats.cached_blocks <= 2 < cached_before
+    # The quota's drop is a step (level, then straight down), and the axis now fits the
+    # window's cached blocks, which were more than the new quota.
+    quota_line = page.locator("#usage-chart polyline.series-quota")
+    page.wait_for_function(
+        "() => { const p = document.querySelector('#usage-chart polyline.series-quota')"
+        ".getAttribute('points').split(' ').map(xy => xy.split(',').map(Number));"
+        " return p.some((xy, i) => i > 0 && xy[0] === p[i - 1][0] && xy[1] > p[i - 1][1]); }",
+        timeout=LIVE_TIMEOUT_MS,
+    )
+    assert_steps(quota_line.get_attribute("points") or "")
+    assert cached_before <= y_ticks(page)[-1] <= 50
     shot(page, "05-tenant-quota-shrunk")
 
     # The other pages an operator uses.
@@ -244,6 +296,7 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     # Logging out ends the session: the console sends the browser back to the login page.
     page.get_by_role("button", name="Log out").click()
     expect(page.locator(".notice")).to_have_text("You are logged out.")
+    expect(page.locator(".notice")).to_have_class("notice info")
     page.goto(f"/admin/tenants/{tenant_id}")
     expect(page).to_have_url(re.compile(r"/admin/login\?reason=login$"))
 
@@ -461,6 +514,9 @@ def test_bad_input_gives_the_form_back_with_a_message(console_gateway: Gateway) 
             ("/admin/tenants/not-a-uuid/quota", {"quota": "3"}, 404, None, "no such page"),
         ]  # fmt: skip
         for path, form, status, field, message in cases:
+            if path.endswith("/keys"):  # a single-use form: it needs its nonce from the page
+                nonce = form_value(console.get(path.removesuffix("/keys")).text, path, NONCE_FIELD)
+                form = {**form, NONCE_FIELD: nonce}
             answer = console.post(path, form)
             assert answer.status_code == status, (path, form, answer.status_code)
             assert answer.headers["content-type"].startswith("text/html")
@@ -499,6 +555,10 @@ def test_the_tenants_table_searches_and_pages(console_gateway: Gateway) -> None:
     with ConsoleSession(console_gateway) as console:
         first = console.get("/admin/tenants", q=tag).text
         assert first.count(f'data-slug="{tag}-') == 25
+        # No traffic: no hit ratio to show (not 0.0%); the columns say their window.
+        assert first.count('<td class="number hit-ratio">—</td>') == 25
+        assert "0.0%" not in first
+        assert "Prompt tokens <small>(last 15 min)</small>" in first
         assert "27 tenants" in first and "Page 1 of 2" in first and 'rel="next"' in first
         second = console.get("/admin/tenants", q=tag, page="2").text
         assert second.count(f'data-slug="{tag}-') == 2 and f"{tag}-26" in second
@@ -535,31 +595,113 @@ def test_a_key_secret_is_shown_once_and_keys_rotate_and_revoke(console_gateway: 
     secret_field = re.compile(r'id="new-key-secret"[^>]*value="([^"]+)"')
     with admin_client(console_gateway) as api, ConsoleSession(console_gateway) as console:
         tenant_id = api.post("/tenants", json={"slug": f"k-{uuid.uuid4().hex[:8]}"}).json()["id"]
-        keys_page = f"/admin/tenants/{tenant_id}/keys"
+        tenant_page = f"/admin/tenants/{tenant_id}"
+        keys_page = f"{tenant_page}/keys"
 
         def key_states() -> dict[str, str]:
             return {key["key_id"]: key["state"] for key in api.get(f"/tenants/{tenant_id}/keys")
                     .json()}  # fmt: skip
 
-        created = console.post(keys_page, {"name": "booking service"})
+        nonce = form_value(console.get(tenant_page).text, keys_page, NONCE_FIELD)
+        created = console.post(keys_page, {"name": "booking service", NONCE_FIELD: nonce})
         assert created.status_code == 200
+        assert created.headers["cache-control"] == "no-store"  # the secret is never cached
         found = secret_field.search(created.text)
         assert found is not None
         secret = found.group(1)
         (key_id,) = key_states()
         assert key_id in secret
-        shown = console.get(f"/admin/tenants/{tenant_id}").text
+        shown = console.get(tenant_page).text
         assert key_id in shown and secret not in shown and "new-key-secret" not in shown
 
-        rotated = console.post(f"{keys_page}/{key_id}/rotate", {"grace_seconds": "60"})
+        rotate = f"{keys_page}/{key_id}/rotate"
+        other_tab = console.get(tenant_page).text  # its own rotate form, not sent yet
+        rotated = console.post(
+            rotate, {"grace_seconds": "60", NONCE_FIELD: form_value(shown, rotate, NONCE_FIELD)}
+        )
         assert rotated.status_code == 200
         successor = secret_field.search(rotated.text)
         assert successor is not None and successor.group(1) != secret
         assert key_states()[key_id] == "rotating"
         assert console.post(f"{keys_page}/{key_id}/revoke", {}).status_code == 303
         assert key_states()[key_id] == "revoked"
-        again = console.post(f"{keys_page}/{key_id}/rotate", {"grace_seconds": "60"})
+        again = console.post(
+            rotate, {"grace_seconds": "60", NONCE_FIELD: form_value(other_tab, rotate, NONCE_FIELD)}
+        )
         assert again.status_code == 409 and "only an active key rotates" in again.text
+
+
+def test_a_key_form_posted_again_makes_no_second_key(console_gateway: Gateway) -> None:
+    with admin_client(console_gateway) as api, ConsoleSession(console_gateway) as console:
+        tenant_id = api.post("/tenants", json={"slug": f"n-{uuid.uuid4().hex[:8]}"}).json()["id"]
+        tenant_page = f"/admin/tenants/{tenant_id}"
+        keys_page = f"{tenant_page}/keys"
+
+        def keys_made() -> list[dict[str, Any]]:
+            return list(api.get(f"/tenants/{tenant_id}/keys").json())
+
+        form = {"name": "reloaded", NONCE_FIELD: form_value(console.get(tenant_page).text,
+                                                             keys_page, NONCE_FIELD)}  # fmt: skip
+        assert console.post(keys_page, form).status_code == 200
+        (made,) = keys_made()
+        # The reload of that answer (the browser posts the same form again).
+        repeated = console.post(keys_page, form)
+        assert repeated.status_code == 409
+        assert "new-key-secret" not in repeated.text
+        notice = re.search(r'id="key-repeated"[^>]*>([^<]*)<', repeated.text)
+        assert notice is not None
+        assert f"Key {made['key_id']} “reloaded” was already created by this form" in notice.group(
+            1
+        )
+        assert "its secret is not shown again" in notice.group(1)
+        assert len(keys_made()) == 1
+        # A nonce this gateway never handed out (or forgot), or none at all: nothing is made.
+        for nonce in ("made-up", ""):
+            refused = console.post(keys_page, {"name": "forged", NONCE_FIELD: nonce})
+            assert refused.status_code == 409 and "This form has expired" in refused.text
+            assert 'value="forged"' in refused.text  # the form comes back, to be sent again
+        assert len(keys_made()) == 1
+        # A refused form may be corrected and sent again with the same nonce.
+        nonce = form_value(console.get(tenant_page).text, keys_page, NONCE_FIELD)
+        bad = console.post(keys_page, {"name": "x", "role": "root", NONCE_FIELD: nonce})
+        assert bad.status_code == 400 and len(keys_made()) == 1
+        assert console.post(keys_page, {"name": "fixed", NONCE_FIELD: nonce}).status_code == 200
+        assert len(keys_made()) == 2
+        # A nonce works for its own form only: the create form's cannot rotate a key.
+        rotate = f"{keys_page}/{made['key_id']}/rotate"
+        nonce = form_value(console.get(tenant_page).text, keys_page, NONCE_FIELD)
+        crossed = console.post(rotate, {"grace_seconds": "0", NONCE_FIELD: nonce})
+        assert crossed.status_code == 409 and len(keys_made()) == 2
+        # Rotation, posted twice, makes one successor.
+        nonce = form_value(console.get(tenant_page).text, rotate, NONCE_FIELD)
+        form = {"grace_seconds": "60", NONCE_FIELD: nonce}
+        assert console.post(rotate, form).status_code == 200
+        assert console.post(rotate, form).status_code == 409
+        assert len(keys_made()) == 3
+
+
+def test_one_time_forms_forget_old_nonces_and_stay_bounded() -> None:
+    now = [0.0]
+    forms = OneTimeForms(capacity=3, ttl_s=60, clock=lambda: now[0])
+    old = forms.issue("create-key:t")
+    now[0] = 61
+    with pytest.raises(FormExpired), forms.single_use(old, "create-key:t"):
+        pass
+    nonces = [forms.issue("create-key:t") for _ in range(4)]
+    assert len(forms) == 3  # the oldest went first
+    with pytest.raises(FormExpired), forms.single_use(nonces[0], "create-key:t"):
+        pass
+    now[0] = 100
+    with forms.single_use(nonces[3], "create-key:t") as claim:
+        claim.made = "Key k1"
+    now[0] = 131  # a used nonce is remembered a full TTL from its use, not from its issue
+    with pytest.raises(FormExpired), forms.single_use(nonces[2], "create-key:t"):
+        pass
+    with pytest.raises(FormAlreadyUsed) as used, forms.single_use(nonces[3], "create-key:t"):
+        pass
+    assert used.value.made == "Key k1"
+    with pytest.raises(FormExpired), forms.single_use(nonces[3], "rotate-key:t:k1"):
+        pass  # a nonce works for its own form only
 
 
 def test_public_prefixes_show_their_size_and_are_disabled_and_deleted(
@@ -568,10 +710,23 @@ def test_public_prefixes_show_their_size_and_are_disabled_and_deleted(
     name = f"brief-{uuid.uuid4().hex[:6]}"
     with admin_client(console_gateway) as api, ConsoleSession(console_gateway) as console:
         form = {"namespace": "default", "name": name, "text": "Be brief."}
-        assert console.post("/admin/prefixes", form).status_code == 303
-        listed = console.get("/admin/prefixes").text
+        added = console.post("/admin/prefixes", form)
+        assert added.status_code == 303
+        assert "done=prefix_added_unshared" in added.headers["location"]
+        listed = console.get(added.headers["location"]).text
+        # Added, but not shared: the flash is a warning that says why, and so is its state.
+        flash = re.search(r'<p class="notice ([a-z]+)" role="status">([^<]*)</p>', listed)
+        assert flash is not None and flash.group(1) == "warning", listed[:2000]
+        assert f"default / {name} added, but it will not be shared" in flash.group(2)
+        assert "whole blocks of 16, and a prefix is shared from 2 blocks (32 tokens)" in (
+            flash.group(2)
+        )
+        assert "includes the chat template&#39;s system turn" in listed  # near the form
         row = listed[listed.index(f'data-prefix="default/{name}"') :].split("</tr>")[0]
         assert "shorter than 2 whole blocks" in row  # the too-short warning
+        assert '<span class="status unshared">enabled, not shared (too short)</span>' in row
+        airline = listed[listed.index('data-prefix="default/airline"') :].split("</tr>")[0]
+        assert '<span class="status enabled">enabled</span>' in airline
         prefix = next(p for p in api.get("/prefixes").json() if p["name"] == name)
         assert f'<td class="number">{prefix["tokens"]}</td>' in row
         assert prefix["blocks"] == 0 and '<td class="number">0</td>' in row
@@ -616,3 +771,106 @@ def test_operators_are_disabled_and_get_new_passwords(console_gateway: Gateway) 
             refused = them.login(username, new_password)
             assert refused.status_code == 403 and "disabled" in refused.text
         assert admin.post(f"/admin/operators/{operator_id}/enable", {}).status_code == 303
+
+
+def test_my_account_asks_for_the_current_password(console_gateway: Gateway) -> None:
+    username = f"me-{uuid.uuid4().hex[:6]}"
+    new_password = "my brand new password"
+    with ConsoleSession(console_gateway) as admin:
+        form = {"username": username, "password": OPERATOR_PASSWORD, "role": "admin"}
+        assert admin.post("/admin/operators", form).status_code == 303
+        # An operator's own row on the operators page sends it to "My account".
+        assert 'href="/admin/account">Change your password' in admin.get("/admin/operators").text
+    with ConsoleSession(console_gateway, username, OPERATOR_PASSWORD) as me:
+        page = me.get("/admin/account").text
+        field = re.search(r'<input id="account-current_password"[^>]*>', page)
+        assert field is not None
+        assert 'type="password"' in field.group(0) and "required" in field.group(0)
+        assert 'autocomplete="current-password"' in field.group(0)
+        assert '<label for="account-current_password">Current password</label>' in page
+        change = {"password": new_password, "password_again": new_password}
+        for current in ("not my password", ""):
+            refused = me.post("/admin/account/password", {**change, "current_password": current})
+            assert refused.status_code == 400
+            error = re.search(r'id="account-current_password-error">([^<]*)<', refused.text)
+            assert error is not None and "current password is wrong" in error.group(1)
+        # Taken as typed (a password may end with a space), then the password changes.
+        changed = me.post("/admin/account/password",
+                          {**change, "current_password": OPERATOR_PASSWORD})  # fmt: skip
+        assert changed.status_code == 303
+        assert changed.headers["location"] == "/admin/account?done=password_changed"
+    with ConsoleSession(console_gateway, username, new_password) as me:
+        assert me.get("/admin/account").status_code == 200
+
+
+def test_a_get_on_any_form_address_lands_on_the_page_of_its_form(console_gateway: Gateway) -> None:
+    routes = [r for router in ROUTERS for r in router.routes if isinstance(r, APIRoute)]
+    posted = {route.path for route in routes if "POST" in (route.methods or set())}
+    got = {route.path for route in routes if "GET" in (route.methods or set())}
+    assert posted - got == set(), "a POST-only console address would answer a GET with a 405"
+    with admin_client(console_gateway) as api, ConsoleSession(console_gateway) as console:
+        tenant_id = api.post("/tenants", json={"slug": f"g-{uuid.uuid4().hex[:8]}"}).json()["id"]
+        key_id = api.post(f"/tenants/{tenant_id}/keys", json={"name": "k"}).json()["key_id"]
+        ids = {
+            "tenant_id": tenant_id,
+            "key_id": key_id,
+            "prefix_id": api.get("/prefixes").json()[0]["id"],
+            "operator_id": api.get("/operators").json()[0]["id"],
+        }
+        keys_before = len(api.get(f"/tenants/{tenant_id}/keys").json())
+        for path in sorted(posted):
+            address = path.format(**ids)
+            landed = console.client.get(address, follow_redirects=True)
+            assert landed.status_code == 200, (address, landed.status_code)
+            assert landed.headers["content-type"].startswith("text/html"), address
+            landing = LANDINGS.get(path.removeprefix("/admin"))
+            if landing is not None:  # else the address has a page of its own (the form's)
+                hop = console.client.get(address)
+                assert hop.status_code == 303, address
+                assert hop.headers["location"] == landing.format(**ids), address
+        assert len(api.get(f"/tenants/{tenant_id}/keys").json()) == keys_before
+        assert console.get("/admin/account").status_code == 200  # a GET logged nobody out
+    # Without a session, the landing page asks for a login, as any page does.
+    anonymous = httpx.get(f"{console_gateway.server.url}/admin/tenants/{tenant_id}/keys",
+                          follow_redirects=True)  # fmt: skip
+    assert anonymous.status_code == 200 and "Log in to continue." in anonymous.text
+
+
+def test_a_quota_saved_in_tokens_comes_back_in_tokens(console_gateway: Gateway) -> None:
+    block_size = console_gateway.server.gateway.engine.pool.spec.block_size
+    with admin_client(console_gateway) as api, ConsoleSession(console_gateway) as console:
+        tenant_id = api.post("/tenants", json={"slug": f"u-{uuid.uuid4().hex[:8]}"}).json()["id"]
+        form = {"quota": "1000", "quota_unit": "tokens", "reservation": "2",
+                "reservation_unit": "blocks"}  # fmt: skip
+        saved = console.post(f"/admin/tenants/{tenant_id}/quota", form)
+        assert saved.status_code == 303
+        page = console.get(saved.headers["location"]).text
+        quota_blocks = -(-1000 // block_size)  # rounded up to whole blocks
+        assert api.get(f"/tenants/{tenant_id}").json()["quota"]["blocks"] == quota_blocks
+        quota = re.search(r'<input id="quota-quota"[^>]*value="([^"]*)"', page)
+        assert quota is not None and quota.group(1) == str(quota_blocks * block_size)
+        assert '<option value="tokens" selected>' in page.split('id="quota-quota_unit"')[1]
+        reservation = re.search(r'<input id="quota-reservation"[^>]*value="([^"]*)"', page)
+        assert reservation is not None and reservation.group(1) == "2"
+        assert '<option value="blocks" selected>' in page.split('id="quota-reservation_unit"')[1]
+
+
+def test_audit_rows_show_missing_values_as_dashes_and_details_full_width(
+    console_gateway: Gateway,
+) -> None:
+    with ConsoleSession(console_gateway) as console:
+        assert console.get("/admin/audit/export", format="jsonl").status_code == 200
+        console_gateway.server.gateway.audit.join()
+        page = console.get("/admin/audit", action="audit.export").text
+        first = page.index('<tr data-seq="')
+        row = page[first : page.index("</tr>", first)]
+        assert "audit.export" in row and "audit_log" in row
+        assert "None" not in row
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", row, re.S)
+        assert cells[3] == "—"  # an export of every tenant's events names no tenant
+        # The details sit in a row of their own under the event, across the table.
+        seq = re.search(r'data-seq="(\d+)"', row)
+        assert seq is not None
+        details = page[page.index(f'data-details-of="{seq.group(1)}"') :].split("</tr>")[0]
+        assert '<td colspan="6"><details>' in details and '"format": "jsonl"' in details
+    assert re.search(r"\bNone\b", page) is None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -75,3 +77,72 @@ def test_an_expired_session_is_not_active(store: Any) -> None:
         ops = admins.create_admin(session, "ops", PASSWORD)
         admins.open_session(session, ops, "old", utcnow() + timedelta(seconds=1))
         assert admins.active_session(session, "old", now=utcnow() + timedelta(seconds=2)) is None
+
+
+def test_concurrent_wrong_passwords_each_count_toward_the_lockout(store: Any) -> None:
+    lockout = Lockout(failures=5, duration=timedelta(minutes=5))
+    with store.transaction() as session:
+        admins.create_admin(session, "ops", PASSWORD)
+    barrier = threading.Barrier(8)
+
+    def guess(index: int) -> LoginRefused | None:
+        barrier.wait()
+        with store.transaction() as session:
+            return admins.login(session, "ops", f"wrong guess {index:04d}", lockout).refused
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(guess, range(8)))
+    assert LoginRefused.LOCKED in outcomes, outcomes
+    with store.transaction() as session:
+        assert admins.login(session, "ops", PASSWORD, lockout).refused is LoginRefused.LOCKED
+
+
+def test_two_admins_disabling_each_other_at_once_leave_one_enabled(store: Any) -> None:
+    with store.transaction() as session:
+        first = admins.create_admin(session, "first", PASSWORD).id
+        second = admins.create_admin(session, "second", PASSWORD).id
+    for _ in range(3):
+        barrier = threading.Barrier(2)
+
+        def disable(admin_id: Any, barrier: threading.Barrier = barrier) -> str:
+            barrier.wait()
+            try:
+                with store.transaction() as session:
+                    admins.set_disabled(session, admin_id, True)
+            except Conflict:
+                return "refused"
+            return "disabled"
+
+        with ThreadPoolExecutor(2) as pool:
+            outcomes = sorted(pool.map(disable, (first, second)))
+        assert outcomes == ["disabled", "refused"]
+        with store.transaction() as session:
+            enabled = [a.username for a in admins.list_admins(session) if not a.disabled]
+            assert len(enabled) == 1
+            for admin_id in (first, second):  # and again, from two enabled admins
+                admins.set_disabled(session, admin_id, False)
+
+
+def test_passwords_are_normalised_and_blank_or_control_ones_refused(store: Any) -> None:
+    composed, decomposed = "p\u00e4ssw\u00f6rd-unicode-1", "pa\u0308ssw\u00f6rd-unicode-1"
+    with store.transaction() as session:
+        admins.create_admin(session, "ops", composed)
+        assert admins.login(session, "ops", decomposed, Lockout()).admin is not None
+        for bad in (" " * 12, "\x00" * 12, "tab\tinside-password"):
+            with pytest.raises(InvalidInput):
+                admins.create_admin(session, "other", bad)
+        with pytest.raises(Conflict):
+            admins.create_admin(session, "OPS", PASSWORD)
+
+
+def test_a_tenant_admin_of_a_suspended_tenant_cannot_log_in_or_keep_its_session(
+    store: Any,
+) -> None:
+    with store.transaction() as session:
+        tenant = tenants.create_tenant(session, "acme")
+        ops = admins.create_admin(session, "acme-ops", PASSWORD, "tenant-admin", tenant.id)
+        admins.open_session(session, ops, "live", utcnow() + timedelta(minutes=5))
+        tenants.set_status(session, "acme", "suspended")
+        assert admins.active_session(session, "live") is None
+        refused = admins.login(session, "acme-ops", PASSWORD, Lockout()).refused
+        assert refused is LoginRefused.DISABLED

@@ -27,15 +27,15 @@ def permissive_umask() -> Iterator[None]:
 
 
 @pytest.mark.usefixtures("permissive_umask")
-def test_a_new_sqlite_database_file_and_its_journal_are_private(tmp_path: Path) -> None:
+def test_a_new_sqlite_database_file_and_its_write_ahead_log_are_private(tmp_path: Path) -> None:
     database = tmp_path / "state" / "prefixgate.db"
     engine = make_engine(f"sqlite:///{database}")
     assert mode_of(database) == 0o600 and mode_of(database.parent) == 0o700
     with engine.begin() as connection:
         connection.execute(text("CREATE TABLE notes (body TEXT)"))
         connection.execute(text("INSERT INTO notes VALUES ('secret')"))
-        journal = database.with_name("prefixgate.db-journal")  # open while we write
-        assert mode_of(journal) == 0o600
+        for log in ("prefixgate.db-wal", "prefixgate.db-shm"):  # open while we write
+            assert mode_of(database.with_name(log)) == 0o600
     engine.dispose()
     assert mode_of(database) == 0o600
 

@@ -3,7 +3,8 @@
 `launch_chromium` drives the system's `chromium` (never a downloaded browser); tests skip with
 the reason when it is missing (`.ci/run` installs it). `ConsoleSession` logs in through the
 login form as a browser would (CSRF nonce cookie, hidden field), for the tests that check
-headers, cookies and refusals without a browser.
+headers, cookies and refusals without a browser; `form_value` reads a hidden field (a
+single-use form's nonce) of one form on a page.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from html.parser import HTMLParser
 from typing import Any
 
 import httpx
@@ -43,6 +45,36 @@ def csrf_of(page: str) -> str:
     found = _CSRF.search(page)
     assert found is not None, "no CSRF field on the page"
     return found.group(1)
+
+
+class _FormFields(HTMLParser):
+    """The input values of the forms on a page, by the form's action."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forms: dict[str, dict[str, str]] = {}
+        self._action: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        named = dict(attrs)
+        if tag == "form":
+            self._action = named.get("action") or ""
+            self.forms.setdefault(self._action, {})
+        elif tag == "input" and self._action is not None and named.get("name"):
+            self.forms[self._action][named["name"] or ""] = named.get("value") or ""
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "form":
+            self._action = None
+
+
+def form_value(page: str, action: str, name: str) -> str:
+    """The value of input `name` in the page's form that posts to `action`."""
+    parser = _FormFields()
+    parser.feed(page)
+    assert action in parser.forms, f"no form posts to {action}"
+    assert name in parser.forms[action], f"the form to {action} has no {name}"
+    return parser.forms[action][name]
 
 
 class ConsoleSession:

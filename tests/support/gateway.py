@@ -133,6 +133,7 @@ def start_gateway(
         "metrics_token": METRICS_TOKEN,
         # Every test logs in from 127.0.0.1; tests of the throttle set their own limit.
         "admin_login_attempts_per_minute": 10_000,
+        "admin_changes_per_minute": 10_000,
         **settings,
     }
     try:

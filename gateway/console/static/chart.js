@@ -3,6 +3,12 @@
 // quota and reservation; hit ratio per sample) and the numbers above them. No library, no inline
 // script: the CSP allows scripts from this origin only, and every visual property is an SVG
 // attribute or a CSS class.
+//
+// The blocks chart's y-axis fits what the operator needs to see: the largest cached, active or
+// reserved count in the window, or the quota now, whichever is higher, rounded up to a 1-2-5
+// step (so the ticks are round numbers). An older, larger quota does not stretch the axis (its
+// line comes down from above the plot, which clips it). Quota and reservation change at a
+// moment, so they are drawn as steps (level, then straight down or up), not as slanted ramps.
 (function () {
   "use strict";
   var SVG = "http://www.w3.org/2000/svg";
@@ -23,28 +29,40 @@
     });
   }
 
-  function niceMax(value) {
-    if (value <= 4) { return 4; }
-    var power = Math.pow(10, Math.floor(Math.log10(value)));
-    var steps = [1, 2, 2.5, 5, 10];
-    for (var i = 0; i < steps.length; i++) {
-      if (steps[i] * power >= value) { return steps[i] * power; }
-    }
-    return 10 * power;
+  // The axis for values up to `top`: a 1-2-5 step of at least `minStep`, at most 6 intervals.
+  function niceAxis(top, minStep) {
+    top = Math.max(top, minStep);
+    var rough = top / 6;
+    var power = Math.pow(10, Math.floor(Math.log10(rough)));
+    var step = [1, 2, 5, 10].map(function (m) { return m * power; })
+      .filter(function (candidate) { return candidate >= rough; })[0];
+    step = Math.max(step, minStep);
+    return { max: Math.ceil(top / step - 1e-9) * step, step: step };
   }
 
-  function frame(svg, height, yMax, yLabel, tStart, tEnd) {
+  function frame(svg, height, axis, yLabel, tStart, tEnd) {
     var plotHeight = height - TOP - BOTTOM;
-    for (var i = 0; i <= 4; i++) {
-      var y = TOP + plotHeight - (plotHeight * i) / 4;
+    var intervals = Math.round(axis.max / axis.step);
+    for (var i = 0; i <= intervals; i++) {
+      var value = axis.step * i;
+      var y = TOP + plotHeight - (plotHeight * value) / axis.max;
       svg.appendChild(element("line", { x1: LEFT, x2: WIDTH - RIGHT, y1: y, y2: y, "class": "gridline" }));
-      svg.appendChild(element("text", { x: LEFT - 6, y: y + 4, "text-anchor": "end", "class": "tick" }, yLabel((yMax * i) / 4)));
+      svg.appendChild(element("text", { x: LEFT - 6, y: y + 4, "text-anchor": "end", "class": "tick tick-y" }, yLabel(value)));
     }
     svg.appendChild(element("line", { x1: LEFT, x2: LEFT, y1: TOP, y2: TOP + plotHeight, "class": "axis" }));
     svg.appendChild(element("line", { x1: LEFT, x2: WIDTH - RIGHT, y1: TOP + plotHeight, y2: TOP + plotHeight, "class": "axis" }));
     var span = Math.max(1, tEnd - tStart);
     svg.appendChild(element("text", { x: LEFT, y: height - 6, "class": "tick" }, "−" + ago(span)));
     svg.appendChild(element("text", { x: WIDTH - RIGHT, y: height - 6, "text-anchor": "end", "class": "tick" }, "now"));
+    svg.setAttribute("data-y-max", String(axis.max));
+    // Series are clipped to the plot (a little above it, for a line drawn at the top).
+    var clipId = svg.id + "-plot";
+    var defs = element("defs", {});
+    var clip = element("clipPath", { id: clipId });
+    clip.appendChild(element("rect", { x: LEFT, y: TOP - 3, width: WIDTH - RIGHT - LEFT, height: plotHeight + 6 }));
+    defs.appendChild(clip);
+    svg.appendChild(defs);
+    return "url(#" + clipId + ")";
   }
 
   function ago(seconds) {
@@ -56,19 +74,25 @@
     var span = Math.max(1, tEnd - tStart);
     return function (t, value) {
       var x = LEFT + (plotWidth * (t - tStart)) / span;
-      var y = TOP + plotHeight - (plotHeight * Math.min(value, yMax)) / yMax;
+      var y = TOP + plotHeight - (plotHeight * value) / yMax;
       return x.toFixed(1) + "," + y.toFixed(1);
     };
   }
 
-  function line(svg, samples, scale, pick, className) {
-    var points = [];
+  // A polyline through the samples' values; as `steps`, each value holds until the next sample
+  // (level to its time, then straight to its value). `data-points` counts the samples drawn.
+  function line(svg, samples, scale, pick, className, clip, steps) {
+    var points = [], drawn = 0, previous = null;
     samples.forEach(function (sample) {
       var value = pick(sample);
-      if (value !== null && value !== undefined) { points.push(scale(sample.t, value)); }
+      if (value === null || value === undefined) { return; }
+      if (steps && previous !== null && previous !== value) { points.push(scale(sample.t, previous)); }
+      points.push(scale(sample.t, value));
+      previous = value;
+      drawn += 1;
     });
-    var attributes = { points: points.join(" "), "class": className };
-    attributes["data-points"] = String(points.length);
+    var attributes = { points: points.join(" "), "class": className, "clip-path": clip };
+    attributes["data-points"] = String(drawn);
     svg.appendChild(element("polyline", attributes));
     return points;
   }
@@ -78,17 +102,17 @@
     clear(svg);
     var tEnd = samples.length ? samples[samples.length - 1].t : 0;
     var tStart = samples.length ? Math.min(samples[0].t, tEnd - MIN_SPAN_S) : -MIN_SPAN_S;
-    var top = 1;
+    var top = samples.length ? samples[samples.length - 1].quota_blocks : 0;
     samples.forEach(function (s) {
-      top = Math.max(top, s.quota_blocks, s.cached_blocks + s.active_blocks, s.reserved_blocks);
+      top = Math.max(top, s.cached_blocks, s.active_blocks, s.reserved_blocks);
     });
-    var yMax = niceMax(top * 1.05);
-    frame(svg, height, yMax, function (v) { return String(Math.round(v)); }, tStart, tEnd);
-    var scale = scaler(height, yMax, tStart, tEnd);
-    line(svg, samples, scale, function (s) { return s.quota_blocks; }, "series-quota");
-    line(svg, samples, scale, function (s) { return s.reserved_blocks; }, "series-reserved");
-    line(svg, samples, scale, function (s) { return s.active_blocks; }, "series-active");
-    line(svg, samples, scale, function (s) { return s.cached_blocks; }, "series-cached");
+    var axis = niceAxis(top, 1);
+    var clip = frame(svg, height, axis, number, tStart, tEnd);
+    var scale = scaler(height, axis.max, tStart, tEnd);
+    line(svg, samples, scale, function (s) { return s.quota_blocks; }, "series-quota", clip, true);
+    line(svg, samples, scale, function (s) { return s.reserved_blocks; }, "series-reserved", clip, true);
+    line(svg, samples, scale, function (s) { return s.active_blocks; }, "series-active", clip, false);
+    line(svg, samples, scale, function (s) { return s.cached_blocks; }, "series-cached", clip, false);
     if (!samples.length) {
       svg.appendChild(element("text", { x: WIDTH / 2, y: height / 2, "text-anchor": "middle", "class": "empty-note" }, "No samples yet"));
     }
@@ -100,9 +124,9 @@
     clear(svg);
     var tEnd = samples.length ? samples[samples.length - 1].t : 0;
     var tStart = samples.length ? Math.min(samples[0].t, tEnd - MIN_SPAN_S) : -MIN_SPAN_S;
-    frame(svg, height, 1, function (v) { return Math.round(v * 100) + "%"; }, tStart, tEnd);
+    var clip = frame(svg, height, { max: 1, step: 0.25 }, function (v) { return Math.round(v * 100) + "%"; }, tStart, tEnd);
     var scale = scaler(height, 1, tStart, tEnd);
-    var points = line(svg, samples, scale, function (s) { return s.hit_ratio; }, "series-ratio");
+    var points = line(svg, samples, scale, function (s) { return s.hit_ratio; }, "series-ratio", clip, false);
     points.forEach(function (point) {
       var xy = point.split(",");
       svg.appendChild(element("circle", { cx: xy[0], cy: xy[1], r: 2.5, "class": "point-ratio" }));
@@ -117,15 +141,18 @@
 
   function number(value) { return Number(value).toLocaleString("en-US"); }
 
-  function percent(ratio) { return (100 * ratio).toFixed(1) + "%"; }
+  // A hit ratio, or "—" when there was no prompt token to hit (as the page renders it).
+  function hitRatio(ratio, promptTokens) {
+    return promptTokens > 0 ? (100 * ratio).toFixed(1) + "%" : "—";
+  }
 
   function showNow(now, window) {
     setText("live-cached-blocks", number(now.cached_blocks));
     setText("live-active-blocks", number(now.active_blocks));
     setText("live-reserved-blocks", number(now.reserved_blocks));
     setText("live-quota-blocks", number(now.quota_blocks));
-    setText("live-hit-ratio", percent(now.hit_ratio));
-    setText("live-window-hit-ratio", percent(window.hit_ratio));
+    setText("live-hit-ratio", hitRatio(now.hit_ratio, now.prompt_tokens));
+    setText("live-window-hit-ratio", hitRatio(window.hit_ratio, window.prompt_tokens));
     setText("live-window-requests", number(window.requests));
     setText("live-window-saved", number(window.prefill_tokens_saved));
     setText("live-prompt-tokens", number(now.prompt_tokens));

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Request
 
 from gateway.admin.schemas import CallerOut, LoginBody, LoginOut
+from gateway.admin.throttle import PasswordChecksBusy
 from gateway.admin.views import operator_out
 from gateway.api.deps import AdminDep, StateDep
 from gateway.api.openapi import ADMIN_RESPONSES, error_response
@@ -29,6 +30,7 @@ _LOGIN_RESPONSES: dict[int | str, dict[str, Any]] = {
     401: error_response("Wrong username or password"),
     403: error_response("The account is locked (until when) or disabled"),
     429: error_response("Too many login attempts for this username or address"),
+    503: error_response("Too many logins at once; retry shortly"),
 }
 
 
@@ -67,16 +69,20 @@ def create_session(
         )
     settings = state.settings
     lockout = Lockout(settings.admin_lockout_failures, timedelta(seconds=settings.admin_lockout_s))
-    with state.store.transaction() as session:
-        result = admins.login(session, username, password, lockout)
-        if result.admin is not None:
-            issued = state.admin_tokens.issue(str(result.admin.id))
-            admins.open_session(session, result.admin, issued.jti, issued.expires_at)
-            answer = LoginOut(
-                token=issued.token,
-                expires_at=issued.expires_at,
-                operator=operator_out(result.admin),
-            )
+    try:
+        with state.login_throttle.password_check(), state.store.transaction() as session:
+            result = admins.login(session, username, password, lockout)
+            if result.admin is not None:
+                issued = state.admin_tokens.issue(str(result.admin.id))
+                admins.open_session(session, result.admin, issued.jti, issued.expires_at)
+                answer = LoginOut(
+                    token=issued.token,
+                    expires_at=issued.expires_at,
+                    operator=operator_out(result.admin),
+                )
+    except PasswordChecksBusy as busy:
+        audit("failure", "busy")
+        raise APIError.overloaded("too many logins at once; retry shortly", 2) from busy
     if result.refused is LoginRefused.LOCKED:
         assert result.locked_until is not None
         audit("failure", "locked")

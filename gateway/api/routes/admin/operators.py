@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from gateway.admin.callers import AdminCaller
 from gateway.admin.changes import Action, Changed, apply_change, refuse
 from gateway.admin.schemas import OperatorCreate, OperatorOut, OperatorUpdate, PasswordChange
+from gateway.admin.throttle import PasswordChecksBusy
 from gateway.admin.views import operator_out
 from gateway.api.deps import AdminDep, StateDep
 from gateway.api.openapi import ADMIN_RESPONSES
@@ -108,8 +109,11 @@ def _check_current_password(state: GatewayState, caller: AdminCaller, password: 
     in its own transaction so that the refusal does not roll the count back."""
     settings = state.settings
     lockout = Lockout(settings.admin_lockout_failures, timedelta(seconds=settings.admin_lockout_s))
-    with state.store.transaction() as session:
-        result = admins.login(session, caller.actor_id, password, lockout)
+    try:
+        with state.login_throttle.password_check(), state.store.transaction() as session:
+            result = admins.login(session, caller.actor_id, password, lockout)
+    except PasswordChecksBusy as busy:
+        raise APIError.overloaded("too many password checks at once; retry shortly", 2) from busy
     if result.admin is None:
         action = Action("operator.set_password", "operator", str(caller.operator_id))
         refusal = APIError.invalid("the current password is wrong", "current_password")
