@@ -11,6 +11,12 @@ checkpoint file, which outlive any cut of the chain's tail inside the database.
 `write_export` is the format's one home: the CLI writes it to a file (`export_events`), the
 admin API to a download. Both stream events from the database in batches, so memory does not
 grow with the export; the API caps how many events one export may hold (`ExportTooLarge`).
+The API reads with `write_export_in_pages`: each batch in a transaction of its own, so no read
+holds the database for the whole export (SQLite's writers wait for its readers), and only
+events up to a sequence number fixed beforehand, so the pages add up to one snapshot.
+
+An export needs no fresh checkpoint of the database's chain: its trailer signs the list of
+sequence numbers and the digest of their hashes itself, so `verify_file` checks it alone.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import hashlib
 import io
 import json
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,8 +56,6 @@ FORMAT = "prefixgate-audit-v1"
 FORMATS = ("jsonl", "csv")
 CSV_COLUMNS = ("record", *EVENT_FIELDS, "prev_hash", "hash")
 _BATCH = 1000  # events read from the database at a time (export, verification)
-# Extra passes over events appended while the database's chain was being verified.
-_CATCH_UP_PASSES = 5
 
 # The filter an export was made with: the search's filter, so both select the same events.
 ExportFilter = AuditFilter
@@ -98,6 +103,70 @@ def write_export(
     not an export (it has no trailer) and belongs in the bin.
     """
     _check_format(file_format)
+    query = selection.where(select(AuditEvent)).order_by(AuditEvent.seq)
+    rows = session.scalars(query.execution_options(yield_per=_BATCH))
+    try:
+        events = (_event_dict(row) for row in rows)
+        return _write(events, selection, handle, file_format, signing_key, max_events)
+    finally:
+        rows.close()
+
+
+def write_export_in_pages(
+    transaction: Callable[[], AbstractContextManager[Session]],
+    selection: AuditFilter,
+    handle: TextIO,
+    file_format: str,
+    signing_key: str,
+    through_seq: int,
+) -> int:
+    """Write the export of the selected events up to sequence number `through_seq`, reading
+    each batch in a short transaction of its own (`transaction()` opens one); returns how many.
+
+    It has no cap of its own: count the events first (`audit_search.count_events` with the
+    same `through_seq`) and refuse a large export before calling it.
+    """
+    _check_format(file_format)
+    return _write(
+        _paged_events(transaction, selection, through_seq),
+        selection,
+        handle,
+        file_format,
+        signing_key,
+    )
+
+
+def _paged_events(
+    transaction: Callable[[], AbstractContextManager[Session]],
+    selection: AuditFilter,
+    through_seq: int,
+) -> Iterator[dict[str, Any]]:
+    """The selected events up to `through_seq` in order, a transaction per batch (keyset)."""
+    after_seq = 0
+    while True:
+        query = (
+            selection.where(select(AuditEvent))
+            .where(AuditEvent.seq > after_seq, AuditEvent.seq <= through_seq)
+            .order_by(AuditEvent.seq)
+            .limit(_BATCH)
+        )
+        with transaction() as session:
+            events = [_event_dict(row) for row in session.scalars(query)]
+        yield from events
+        if len(events) < _BATCH:
+            return
+        after_seq = events[-1]["seq"]
+
+
+def _write(
+    events: Iterable[dict[str, Any]],
+    selection: AuditFilter,
+    handle: TextIO,
+    file_format: str,
+    signing_key: str,
+    max_events: int | None = None,
+) -> int:
+    """Header, `events` (past `max_events`: ExportTooLarge), signed trailer; returns how many."""
     write = _record_writer(handle, file_format)
     write(
         "header",
@@ -108,19 +177,13 @@ def write_export(
         },
     )
     count, seqs, digest = 0, _SeqRanges(), hashlib.sha256()
-    query = selection.where(select(AuditEvent)).order_by(AuditEvent.seq)
-    rows = session.scalars(query.execution_options(yield_per=_BATCH))
-    try:
-        for row in rows:
-            count += 1
-            if max_events is not None and count > max_events:
-                raise ExportTooLarge(max_events)
-            event = _event_dict(row)
-            seqs.add(event["seq"])
-            digest.update(event["hash"].encode())
-            write("event", event)
-    finally:
-        rows.close()
+    for event in events:
+        count += 1
+        if max_events is not None and count > max_events:
+            raise ExportTooLarge(max_events)
+        seqs.add(event["seq"])
+        digest.update(event["hash"].encode())
+        write("event", event)
     trailer: dict[str, Any] = {
         "count": count,
         "seqs": seqs.ranges,
@@ -218,21 +281,16 @@ def verify_database(
     The checkpoints are the database's and, when `checkpoint_path` is given, those kept in
     that file outside it: one the chain no longer reaches means its tail was cut. Raises
     UnreadableAuditFile if the checkpoint file cannot be read. Safe while events are being
-    appended: events that arrive during the check are followed up to the head.
+    appended: the check covers the chain up to the head as it was when the check began (the
+    head moves in the same transaction as the events it covers, so those are all there).
     """
     external = audit_files.read_checkpoints(checkpoint_path) if checkpoint_path else []
     stored = session.scalars(select(AuditCheckpoint).order_by(AuditCheckpoint.seq))
     checkpoints = [(SignedCheckpoint(row.seq, row.hash, row.signature), "") for row in stored]
     checkpoints += [(checkpoint, " in the file") for checkpoint in external]
     chain = _Chain(checkpoint_seqs={checkpoint.seq for checkpoint, _ in checkpoints})
-    problem = chain.follow(session)
-    head = _head(session)
-    # Events committed while the chain was read moved the head on: follow them too.
-    for _ in range(_CATCH_UP_PASSES):
-        if problem is not None or head is None or head[0] <= chain.seq:
-            break
-        problem = chain.follow(session)
-        head = _head(session)
+    head = _head(session)  # after the checkpoints: none of them is past it
+    problem = chain.follow(session, through=0 if head is None else head[0])
     if problem is not None:
         return VerifyResult(False, chain.count, problem)
     if head != (chain.seq, chain.hash):
@@ -265,11 +323,9 @@ class _Chain:
     count: int = 0
     checkpoint_hashes: dict[int, str] = field(default_factory=dict)
 
-    def follow(self, session: Session) -> str | None:
-        """Check the stored events after the ones already checked; the first problem, if any."""
-        query = select(AuditEvent).order_by(AuditEvent.seq)
-        if self.seq > 0:  # the first pass reads every row, whatever its seq
-            query = query.where(AuditEvent.seq > self.seq)
+    def follow(self, session: Session, through: int) -> str | None:
+        """Check the stored events up to seq `through`; the first problem, if any."""
+        query = select(AuditEvent).where(AuditEvent.seq <= through).order_by(AuditEvent.seq)
         rows = session.scalars(query.execution_options(yield_per=_BATCH))
         try:
             for row in rows:

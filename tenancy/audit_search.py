@@ -9,6 +9,11 @@ newest event back (what an operator reads first), `after_seq` walks forward from
 (to follow what is new). A page costs the same however deep it is, and events appended while
 someone pages never shift or repeat the rows they see.
 
+Every bound is held in UTC: the filter converts an aware time to UTC and reads a naive one as
+UTC (the CLI's convention), so a bound with any offset selects what its UTC twin selects on
+every database, and the range an export's header states is the range it holds. A bound that
+has no UTC equivalent (near the years 1 and 9999) is refused by name.
+
 Request totals sum the usage every /v1 request's event carries in its details (written by
 gateway/settlement.py) in one SQL aggregate. SQLAlchemy's JSON index with `as_integer()` renders
 as `CAST(details ->> 'key' AS INTEGER)` on PostgreSQL and `JSON_EXTRACT` on SQLite, so the same
@@ -18,7 +23,7 @@ query runs on both and no row leaves the database.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVarTuple
 
 from sqlalchemy import ColumnElement, Select, case, func, select
@@ -51,6 +56,14 @@ class AuditFilter:
     action: str | None = None
     outcome: str | None = None
 
+    def __post_init__(self) -> None:
+        """Hold both bounds in UTC; raises InvalidInput naming a bound that has no UTC time."""
+        # A frozen dataclass sets its own fields through object.__setattr__.
+        if self.since is not None:
+            object.__setattr__(self, "since", _in_utc(self.since, "since"))
+        if self.until is not None:
+            object.__setattr__(self, "until", _in_utc(self.until, "until"))
+
     def as_dict(self) -> dict[str, str | None]:
         """The filter as an export's header and trailer record it."""
         values: dict[str, str | None] = {
@@ -78,6 +91,24 @@ class AuditFilter:
         if self.outcome is not None:
             query = query.where(AuditEvent.outcome == self.outcome)
         return query
+
+
+def count_events(session: Session, selection: AuditFilter, through_seq: int | None = None) -> int:
+    """How many events the filter selects (up to sequence number `through_seq`), in one COUNT."""
+    query = selection.where(select(func.count()).select_from(AuditEvent))
+    if through_seq is not None:
+        query = query.where(AuditEvent.seq <= through_seq)
+    return int(session.execute(query).scalar_one())
+
+
+def last_seq(session: Session) -> int:
+    """The newest event's sequence number (0 for an empty log).
+
+    Appends are serialised and never change an older event, so once this one is visible,
+    every event up to it is: reading "up to last_seq" later, in other transactions, reads
+    the same events as one snapshot taken now.
+    """
+    return int(session.execute(select(func.max(AuditEvent.seq))).scalar_one() or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +174,7 @@ def request_totals(
     Raises InvalidInput (naming the field) for an empty range or one longer than
     MAX_TOTALS_RANGE: the sum reads every request event in the range.
     """
+    since, until = _in_utc(since, "since"), _in_utc(until, "until")
     if since >= until:
         raise InvalidInput("since must be before until", "since")
     if until - since > MAX_TOTALS_RANGE:
@@ -160,6 +192,16 @@ def request_totals(
     query = AuditFilter(tenant_id, since, until).where(query)
     requests, errors, prompt, cached, completion = session.execute(query).one()
     return RequestTotals(int(requests), int(errors), int(prompt), int(cached), int(completion))
+
+
+def _in_utc(moment: datetime, field: str) -> datetime:
+    """`moment` in UTC (naive: already UTC); InvalidInput naming `field` if it has none."""
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=UTC)
+    try:
+        return moment.astimezone(UTC)
+    except OverflowError as error:  # e.g. 0001-01-01T00:00+14:00 is in the year 0 in UTC
+        raise InvalidInput(f"{field} is out of range: it has no time in UTC", field) from error
 
 
 def _sum_detail(name: str) -> ColumnElement[Any]:

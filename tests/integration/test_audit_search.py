@@ -1,26 +1,39 @@
-"""Reading the audit log, on PostgreSQL and SQLite: a filter selects exactly its events, pages
-walk them once, exports of a filtered set verify, and request totals are summed in SQL."""
+"""Reading the audit log, on PostgreSQL and SQLite: a filter selects exactly its events (its
+bounds in UTC whatever their offset), pages walk them once, exports of a filtered set verify
+(also read a page per transaction), and request totals are summed in SQL."""
 
 from __future__ import annotations
 
 import io
+import json
 import threading
-from datetime import UTC, datetime, timedelta
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from tenancy.audit_chain import AuditRecord
 from tenancy.audit_export import (
     ExportFilter,
     ExportTooLarge,
+    VerifyResult,
     export_events,
     verify_database,
     verify_file,
     write_export,
+    write_export_in_pages,
 )
-from tenancy.audit_search import AuditFilter, request_totals, search_events
+from tenancy.audit_search import (
+    AuditFilter,
+    count_events,
+    last_seq,
+    request_totals,
+    search_events,
+)
 from tenancy.errors import InvalidInput
 from tenancy.models import AuditEvent
 from tenancy.store import Store
@@ -96,6 +109,65 @@ def test_a_filter_selects_exactly_its_events_newest_first(
     assert expected_seqs(selection), "every filter here selects something"
 
 
+KIRITIMATI, NEWFOUNDLAND = timezone(timedelta(hours=14)), timezone(-timedelta(hours=3, minutes=30))
+# The bounds below, as an export's header states them.
+UTC_BOUNDS = {f"2026-03-01T12:0{minute}:00.000000Z" for minute in range(10)}
+
+
+@pytest.mark.parametrize("zone", [KIRITIMATI, NEWFOUNDLAND], ids=["+14:00", "-03:30"])
+@pytest.mark.parametrize(
+    "selection",
+    [f for f in FILTERS if f.since or f.until]
+    + [AuditFilter(since=T0 + timedelta(minutes=3)), AuditFilter(until=T0 + timedelta(minutes=1))],
+    ids=repr,
+)
+def test_a_bound_with_an_offset_selects_what_its_utc_twin_selects(
+    store: Store, selection: AuditFilter, zone: timezone
+) -> None:
+    record_events(store)
+    shifted = AuditFilter(
+        selection.tenant_id,
+        None if selection.since is None else selection.since.astimezone(zone),
+        None if selection.until is None else selection.until.astimezone(zone),
+    )
+    with store.transaction() as session:
+        page = search_events(session, shifted, limit=100)
+        assert [event.seq for event in page.events] == expected_seqs(selection)[::-1]
+        assert count_events(session, shifted) == len(expected_seqs(selection))
+        stream = io.StringIO(newline="")
+        write_export(session, shifted, stream, "jsonl", store.signing_key)
+    # The export states the range it holds, in UTC, exactly as its UTC twin would.
+    header = json.loads(stream.getvalue().splitlines()[0])
+    assert header["filter"] == selection.as_dict()
+    assert all(header["filter"][bound] in (None, *UTC_BOUNDS) for bound in ("since", "until"))
+
+
+@pytest.mark.parametrize(
+    ("since", "until", "field"),
+    [
+        (datetime(1, 1, 1, tzinfo=KIRITIMATI), T0, "since"),
+        (T0, datetime(9999, 12, 31, 23, tzinfo=NEWFOUNDLAND), "until"),
+    ],
+)
+def test_a_bound_without_a_time_in_utc_is_refused_by_name(
+    store: Store, since: datetime, until: datetime, field: str
+) -> None:
+    with pytest.raises(InvalidInput, match=f"{field} is out of range") as refused:
+        AuditFilter(since=since, until=until)
+    assert refused.value.field == field
+    with store.transaction() as session, pytest.raises(InvalidInput) as refused:
+        request_totals(session, ALPHA, since, until)
+    assert refused.value.field == field
+
+
+def test_a_naive_bound_is_read_as_utc(store: Store) -> None:
+    record_events(store)
+    naive = AuditFilter(since=datetime(2026, 3, 1, 12, 2), until=datetime(2026, 3, 1, 12, 6))
+    assert naive == FILTERS[8]
+    with store.transaction() as session:
+        assert count_events(session, naive) == len(expected_seqs(FILTERS[8])) == 4
+
+
 def test_pages_walk_every_event_once_and_see_nothing_appended_twice(store: Store) -> None:
     record_events(store)
     walked, cursor = [], None
@@ -152,6 +224,44 @@ def test_an_export_past_its_cap_is_refused_by_name(store: Store) -> None:
         assert write_export(session, ExportFilter(), io.StringIO(), "jsonl", "k", 8) == 8
         with pytest.raises(ExportTooLarge, match="more than 7 events"):
             write_export(session, ExportFilter(), io.StringIO(), "jsonl", "k", 7)
+
+
+def test_an_export_in_pages_is_the_snapshot_counted_before_it(store: Store, tmp_path: Path) -> None:
+    """Read a page per transaction up to the newest event at the count: the same export as
+    one read, whatever is appended meanwhile."""
+    store.audit.record_many(
+        [
+            AuditRecord("cli", "tenant.update", "success", tenant_id=ALPHA if n % 3 else BETA)
+            for n in range(2500)
+        ]
+    )
+    selection = AuditFilter(tenant_id=ALPHA)
+    whole = io.StringIO(newline="")
+    with store.transaction() as session:
+        through_seq = last_seq(session)
+        counted = count_events(session, selection, through_seq)
+        write_export(session, selection, whole, "csv", store.signing_key)
+    assert (through_seq, counted) == (2500, 1666)
+    store.record(AuditRecord("cli", "tenant.update", "success", tenant_id=ALPHA))  # too late
+    opened = []
+
+    @contextmanager
+    def transaction() -> Iterator[Session]:
+        opened.append(1)
+        with store.transaction() as session:
+            yield session
+
+    paged = io.StringIO(newline="")
+    assert (
+        write_export_in_pages(transaction, selection, paged, "csv", store.signing_key, through_seq)
+        == counted
+    )
+    assert len(opened) == 2  # 1,666 events in pages of 1,000, each its own transaction
+    # Equal but for the header's export time (line 2; line 1 names the columns).
+    assert paged.getvalue().splitlines()[2:] == whole.getvalue().splitlines()[2:]
+    out = tmp_path / "paged.csv"
+    out.write_text(paged.getvalue(), newline="")
+    assert verify_file(out, store.signing_key) == VerifyResult(True, counted)
 
 
 def request(

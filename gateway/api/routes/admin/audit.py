@@ -7,9 +7,22 @@ to its tenant, another tenant's id is the same 404 as a missing one, and events 
 (logins, global changes) are never its.
 
 A download is the signed export of `prefixgate audit export` (tenancy/audit_export.py writes
-both), so `prefixgate audit verify` checks it. It is written in the route's worker thread to a
-spooled temporary file (in memory up to `_SPOOL_BYTES`, then on disk) and holds at most
-`MAX_EXPORT_EVENTS` events; a wider filter is a 400 asking for a narrower range.
+both), so `prefixgate audit verify` checks it. An export reads its whole selection, so what
+one caller can make the database do with exports is bounded:
+
+- at most `MAX_CONCURRENT_EXPORTS` are written at a time in the process, and one per holder (a
+  tenant's administrators, or one operator), so no one caller takes every slot; past that
+  the answer is at once a 429 `export_busy` with Retry-After (not audited: it read nothing,
+  and a flood of refusals must not become a flood of audit writes);
+- one COUNT of the selection refuses more than `MAX_EXPORT_EVENTS` events (an audited 400
+  asking for a narrower range) before a byte is written;
+- events are read a page per short transaction, up to the newest event at the start, so no
+  read holds the database for the whole export (SQLite's writers wait for its readers);
+- no checkpoint is signed for it: the export's trailer signs its own contents, and the audit
+  writer signs the chain's head on its own schedule.
+
+It is written in the route's worker thread to a spooled temporary file (in memory up to
+`_SPOOL_BYTES`, then on disk) that the response streams and then closes.
 
 Verifying the chain reads every event, so its status is cached per store for
 `VERIFICATION_TTL_S` seconds, and callers arriving during a check wait for its result instead
@@ -19,6 +32,7 @@ poll it. (An incremental check would miss an edit to an event it had already pas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import tempfile
@@ -39,12 +53,12 @@ from sqlalchemy.orm import Session
 from gateway.admin.callers import AdminCaller, visible_tenant
 from gateway.admin.schemas import IsoTime
 from gateway.api.deps import AdminDep, StateDep
-from gateway.api.openapi import ADMIN_RESPONSES
-from gateway.errors import from_tenancy_error
+from gateway.api.openapi import ADMIN_RESPONSES, error_response
+from gateway.errors import APIError, from_tenancy_error
 from gateway.state import GatewayState
 from tenancy import audit_search
 from tenancy.audit_chain import AuditRecord
-from tenancy.audit_export import ExportTooLarge, verify_database, write_export
+from tenancy.audit_export import ExportTooLarge, verify_database, write_export_in_pages
 from tenancy.audit_files import UnreadableAuditFile
 from tenancy.audit_search import AuditFilter
 from tenancy.errors import TenancyError
@@ -54,6 +68,8 @@ from tenancy.store import Store
 router = APIRouter(prefix="/admin/api/audit", tags=["admin: audit"], responses=ADMIN_RESPONSES)
 
 MAX_EXPORT_EVENTS = 100_000
+MAX_CONCURRENT_EXPORTS = 2  # exports being written at once, in this process
+EXPORT_RETRY_AFTER_S = 5  # what a refused export is told to wait: about one large export
 VERIFICATION_TTL_S = 10.0
 _SPOOL_BYTES = 8 << 20  # an export larger than this is spooled to disk, not kept in memory
 _CHUNK_BYTES = 64 << 10
@@ -141,7 +157,8 @@ def search_events(
         200: {
             "description": "The signed export, as a file to save",
             "content": {media_type: {} for media_type in _MEDIA_TYPES.values()},
-        }
+        },
+        429: error_response("Too many exports being written (export_busy); see Retry-After"),
     },
 )
 def export_audit(
@@ -151,7 +168,10 @@ def export_audit(
     file_format: Annotated[Literal["jsonl", "csv"], Query(alias="format")] = "jsonl",
 ) -> StreamingResponse:
     """Download the events the filters select in the signed format `prefixgate audit verify`
-    checks (at most 100,000 events; the export is audited)."""
+    checks (at most 100,000 events; the export is audited).
+
+    At most two exports are written at a time, one per caller (a tenant's administrators
+    count as one): past that the answer is a 429 `export_busy` with Retry-After."""
     download = export(state, caller, selection, file_format)
     return StreamingResponse(
         _chunks(download.file),
@@ -210,27 +230,81 @@ def export(
 ) -> AuditDownload:
     """Write the signed export of the events the caller may see that match `selection`.
 
-    Blocking (database, file): run it in a worker thread. The export is audited, and so is a
-    refusal (more than MAX_EXPORT_EVENTS events: a 400). The caller closes `file`.
+    Blocking (database, file): run it in a worker thread. A 429 at once when the export slots
+    (or the caller's one) are taken; a 400 past MAX_EXPORT_EVENTS events. The export is
+    audited, and so is the 400. The caller closes `file`.
     """
     with state.store.transaction() as session:
         scoped = visible_filter(session, caller, selection)
+    with EXPORT_SLOTS.hold(export_holder(caller)):
+        return _write_download(state, caller, scoped, file_format)
+
+
+def export_holder(caller: AdminCaller) -> str:
+    """Whose export slot a call takes: a tenant's administrators share one (however many
+    tenant-admin keys they make), an admin operator has its own."""
+    if caller.is_admin:
+        return f"{caller.actor_type}:{caller.actor_id}"
+    return f"tenant:{caller.tenant_id}"
+
+
+class ExportSlots:
+    """At most `total` exports written at once, and one per holder; no waiting in line."""
+
+    def __init__(self, total: int) -> None:
+        self._total = total
+        self._lock = threading.Lock()
+        self._holders: set[str] = set()
+
+    @contextlib.contextmanager
+    def hold(self, holder: str) -> Iterator[None]:
+        """A slot for `holder` while the block runs; a 429 (export_busy) at once if none."""
+        with self._lock:
+            if holder in self._holders:
+                raise _busy("an export of yours is still being written; retry when it is done")
+            if len(self._holders) >= self._total:
+                raise _busy(f"{self._total} exports are being written; retry shortly")
+            self._holders.add(holder)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders.discard(holder)
+
+
+EXPORT_SLOTS = ExportSlots(MAX_CONCURRENT_EXPORTS)
+
+
+def _busy(message: str) -> APIError:
+    return APIError.rate_limited(message, retry_after=EXPORT_RETRY_AFTER_S, code="export_busy")
+
+
+def _write_download(
+    state: GatewayState, caller: AdminCaller, scoped: AuditFilter, file_format: str
+) -> AuditDownload:
+    """The export of `scoped` (already narrowed to what the caller may see) in a spooled file."""
     details: dict[str, Any] = {"format": file_format, **scoped.as_dict()}
-    state.store.audit.checkpoint_now()  # as the CLI does: the head is signed before an export
+    with state.store.transaction() as session:
+        through_seq = audit_search.last_seq(session)
+        selected = audit_search.count_events(session, scoped, through_seq)
+    if selected > MAX_EXPORT_EVENTS:
+        error = ExportTooLarge(MAX_EXPORT_EVENTS)
+        _audit_export(state, caller, scoped, "failure", {**details, "error": str(error)})
+        raise from_tenancy_error(error)
     # Not a `with`: the file outlives this call, the response streams it and closes it.
     spool = tempfile.SpooledTemporaryFile(max_size=_SPOOL_BYTES)  # noqa: SIM115
     text = io.TextIOWrapper(spool, encoding="utf-8", newline="")
     try:
-        with state.store.transaction() as session:
-            count = write_export(
-                session, scoped, text, file_format, state.store.signing_key, MAX_EXPORT_EVENTS
-            )
+        count = write_export_in_pages(
+            state.store.transaction,
+            scoped,
+            text,
+            file_format,
+            state.store.signing_key,
+            through_seq,
+        )
         text.flush()
         text.detach()
-    except ExportTooLarge as error:
-        text.close()
-        _audit_export(state, caller, scoped, "failure", {**details, "error": str(error)})
-        raise from_tenancy_error(error) from error
     except BaseException:
         text.close()
         raise
@@ -270,7 +344,7 @@ def event_out(row: AuditEvent) -> AuditEventOut:
     return AuditEventOut(
         seq=row.seq,
         event_id=row.event_id,
-        time=_aware(row.time),
+        time=row.time,
         actor_type=row.actor_type,
         actor_id=row.actor_id,
         tenant_id=row.tenant_id,
@@ -282,11 +356,6 @@ def event_out(row: AuditEvent) -> AuditEventOut:
         source_ip=row.source_ip,
         details=row.details,
     )
-
-
-def _aware(moment: datetime) -> datetime:
-    # SQLite returns naive datetimes; they are UTC.
-    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 def _chunks(file: IO[bytes]) -> Iterator[bytes]:
@@ -337,7 +406,7 @@ def _verify(state: GatewayState) -> VerificationOut:
         events=events,
         problem=problem,
         last_checkpoint_seq=None if last is None else last.seq,
-        last_checkpoint_time=None if last is None else _aware(last.created_at),
+        last_checkpoint_time=None if last is None else last.created_at,
         checked_at=datetime.now(UTC),
     )
 

@@ -27,7 +27,7 @@ from gateway.admin.callers import AdminCaller, visible_tenant, visible_tenants
 from gateway.admin.schemas import CacheUsage, IsoTime
 from gateway.api.deps import AdminDep, StateDep
 from gateway.api.openapi import ADMIN_RESPONSES
-from gateway.errors import from_tenancy_error
+from gateway.errors import APIError, from_tenancy_error
 from gateway.state import GatewayState
 from gateway.usage_history import UsageSample, UsageSummary
 from tenancy import audit_search
@@ -200,9 +200,19 @@ def usage_totals(
     since: datetime | None = None,
     until: datetime | None = None,
 ) -> UsageTotals:
-    """The tenant's request totals from the audit log (default: the last 30 days; blocking)."""
+    """The tenant's request totals from the audit log (default: the last 30 days; blocking).
+
+    A 400 naming the bound when the default range cannot be computed from `until`.
+    """
     end = until or datetime.now(UTC)
-    start = since or end - DEFAULT_TOTALS_RANGE
+    try:
+        start = since or end - DEFAULT_TOTALS_RANGE
+    except OverflowError:  # until within 30 days of the year 1: no default start exists
+        raise APIError.invalid(
+            f"until is too early for the default range of {DEFAULT_TOTALS_RANGE.days} days; "
+            "give since",
+            "until",
+        ) from None
     with state.store.transaction() as session:
         visible_tenant(session, caller, tenant_id)
         try:

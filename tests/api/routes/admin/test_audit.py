@@ -1,11 +1,14 @@
 """/admin/api/audit: search with filters and keyset pages, a download that `prefixgate audit
-verify` accepts (and rejects once a byte changed), the chain's status, and a tenant-admin that
-reads its own tenant's events and nothing else."""
+verify` accepts (and rejects once a byte changed), the chain's status, a tenant-admin that
+reads its own tenant's events and nothing else, and exports bounded in number: past the
+slots a 429 at once, with nothing written."""
 
 from __future__ import annotations
 
 import json
+import threading
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -13,9 +16,18 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.admin.callers import AdminCaller
+from gateway.api.routes.admin import audit as audit_api
+from gateway.local_server import serve
+from tenancy import api_keys, tenants
+from tenancy.audit_chain import AuditRecord
+from tenancy.audit_export import verify_file
+from tenancy.migrate import upgrade
+from tenancy.models import AuditEvent
+from tenancy.store import Store
 from tests.support.admin import admin_client, login
 from tests.support.cli import Cli
-from tests.support.gateway import KEY_SECRET, SIGNING_KEY, Gateway
+from tests.support.gateway import JWT_SECRET, KEY_SECRET, SIGNING_KEY, Gateway
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +145,8 @@ def test_pages_walk_every_event_once_in_either_direction(
         ({"until": "yesterday"}, "until"),
         ({"limit": 501}, "limit"),
         ({"tenant_id": "acme"}, "tenant_id"),
+        ({"since": "0001-01-01T00:00:00+14:00"}, "since"),  # the year 0 in UTC
+        ({"until": "9999-12-31T23:00:00-14:00"}, "until"),  # the year 10000 in UTC
     ],
 )
 def test_bad_filters_are_400s_that_name_the_parameter(
@@ -142,6 +156,10 @@ def test_bad_filters_are_400s_that_name_the_parameter(
         answer = client.get("/audit/events", params=params)
         assert answer.status_code == 400, answer.text
         assert param in answer.json()["error"]["message"]
+        if param != "limit":  # the export takes the same filters
+            exported = client.get("/audit/export", params=params)
+            assert exported.status_code == 400, exported.text
+            assert exported.json()["error"]["param"] == param
         assert client.get("/audit/export", params={"format": "xml"}).status_code == 400
 
 
@@ -227,3 +245,170 @@ def test_the_export_range_filters_by_time(gateway: Gateway, admin_token: str) ->
         records = [json.loads(line) for line in answer.content.splitlines()]
         assert [record["record"] for record in records] == ["header", "trailer"]
         assert records[-1]["count"] == 0
+
+
+def _exports_after(gateway: Gateway, seq: int) -> list[AuditEvent]:
+    return [event for event in gateway.audit_events(seq) if event.action == "audit.export"]
+
+
+def _assert_busy(answer: httpx.Response) -> None:
+    """A 429 export_busy with Retry-After, and no file (not even a partial one)."""
+    assert answer.status_code == 429, answer.text
+    assert answer.headers["retry-after"] == str(audit_api.EXPORT_RETRY_AFTER_S)
+    error = answer.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "export_busy")
+    assert "content-disposition" not in answer.headers
+
+
+def _verified(download: bytes, tmp_path: Path) -> int:
+    """How many events a downloaded export holds, once it verified."""
+    path = tmp_path / f"{uuid.uuid4().hex}.export"
+    path.write_bytes(download)
+    result = verify_file(path, SIGNING_KEY)
+    assert result.ok, result.problem
+    return result.events
+
+
+def test_an_export_past_its_slots_is_a_429_at_once_that_writes_nothing(
+    gateway: Gateway, admin_token: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with admin_client(gateway, admin_token) as client:
+        tenant_id, _ = _new_tenant(client)
+        key = _tenant_admin_key(client, tenant_id)
+    before = gateway.last_audit_seq()
+    slots = audit_api.EXPORT_SLOTS
+    with admin_client(gateway, admin_token) as admin, admin_client(gateway, key) as own:
+        # Both slots of the process are taken: everyone is told to come back.
+        with slots.hold("test:first"), slots.hold("test:second"):
+            _assert_busy(admin.get("/audit/export", params={"format": "csv"}))
+            _assert_busy(own.get("/audit/export"))
+        # Another key of the same tenant is exporting: this tenant waits, an admin does not.
+        sibling = AdminCaller("tenant-admin", uuid.UUID(tenant_id), "api_key", "another-key")
+        with slots.hold(audit_api.export_holder(sibling)):
+            refused = own.get("/audit/export")
+            _assert_busy(refused)
+            assert "an export of yours" in refused.json()["error"]["message"]
+            beside = admin.get("/audit/export", params={"tenant_id": tenant_id})
+            assert beside.status_code == 200, beside.text
+        # A refusal for size is counted before anything is read, and frees its slot too.
+        monkeypatch.setattr(audit_api, "MAX_EXPORT_EVENTS", 2)
+        too_large = own.get("/audit/export")
+        assert too_large.status_code == 400 and "more than 2 events" in too_large.text
+        monkeypatch.undo()
+        # Refusals left no slot behind: the tenant's own export now goes through.
+        mine = own.get("/audit/export")
+        assert mine.status_code == 200, mine.text
+    # The tenant's events, and then also the admin's export of them and the refusal.
+    assert _verified(mine.content, tmp_path) == _verified(beside.content, tmp_path) + 2 > 2
+    exports = _exports_after(gateway, before)
+    # The busy refusals are not audited; the export refused for its size is.
+    assert [(e.outcome, e.actor_type) for e in exports] == [
+        ("success", "operator"),
+        ("failure", "api_key"),
+        ("success", "api_key"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def sqlite_gateway(
+    tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Gateway]:
+    """A gateway on SQLite (the attacked deployment) with two tenants and a tenant-admin key
+    each, one of them with enough events that each export takes a while."""
+    state_dir = tmp_path_factory.mktemp("sqlite-gateway")
+    url = f"sqlite:///{state_dir / 'prefixgate.db'}"
+    upgrade(url)
+    store = Store.open(url, state_dir / "seed.spool", KEY_SECRET, SIGNING_KEY)
+    keys, admin_keys = {}, {}
+    with store.transaction() as session:
+        for slug in ("busy", "bystander"):
+            tenant = tenants.create_tenant(session, slug)
+            keys[slug] = api_keys.create_key(session, tenant, "api", KEY_SECRET).secret
+            admin_keys[slug] = api_keys.create_key(
+                session, tenant, "admin", KEY_SECRET, role="tenant-admin"
+            ).secret
+            if slug == "busy":
+                busy_id = str(tenant.id)
+    store.audit.record_many(
+        [
+            AuditRecord("api_key", "inference.chat", "success", tenant_id=busy_id)
+            for _ in range(BULK_EVENTS)
+        ]
+    )
+    store.close()
+    settings = {
+        "database_url": url,
+        "state_dir": state_dir,
+        "key_hash_secret": KEY_SECRET,
+        "audit_signing_key": SIGNING_KEY,
+        "jwt_secret": JWT_SECRET,
+        "model_dir": tiny_chat_dir,
+        "kv_cache_bytes": 16 << 20,
+    }
+    with serve(settings) as server:
+        yield Gateway(server, keys, url, admin_keys)
+
+
+BULK_EVENTS = 6000
+
+
+def test_concurrent_exports_with_key_creation_on_sqlite_get_200_or_429_never_500(
+    sqlite_gateway: Gateway, tmp_path: Path
+) -> None:
+    """The attack, smaller: one tenant's admin keys export at once while it creates keys;
+    every export is whole or refused, every key is created, the other tenant is served."""
+    gateway = sqlite_gateway
+    before = gateway.last_audit_seq()
+    attacker = gateway.tenant_admin_keys["busy"]
+    with admin_client(gateway, attacker) as client:
+        tenant_id = client.get("/usage").json()["data"][0]["tenant_id"]
+        extra_keys = [_tenant_admin_key(client, tenant_id) for _ in range(5)]
+    exporters, rounds = [attacker, *extra_keys], 3
+    start = threading.Barrier(len(exporters) + 2)
+    done = threading.Event()
+    exports: list[httpx.Response] = []
+    created: list[int] = []
+    served: list[int] = []
+
+    def export(key: str) -> None:
+        with admin_client(gateway, key) as client:
+            start.wait()
+            for _ in range(rounds):
+                exports.append(client.get("/audit/export", params={"format": "csv"}))
+
+    def create_keys() -> None:
+        with admin_client(gateway, attacker) as client:
+            start.wait()
+            while not done.is_set():
+                answer = client.post(f"/tenants/{tenant_id}/keys", json={"name": "spam"})
+                created.append(answer.status_code)
+
+    def bystander() -> None:
+        key = gateway.keys["bystander"]
+        with httpx.Client(headers={"Authorization": f"Bearer {key}"}, timeout=30) as client:
+            start.wait()
+            while not done.is_set():
+                served.append(client.get(f"{gateway.base_url}/models").status_code)
+
+    threads = [threading.Thread(target=export, args=(key,)) for key in exporters]
+    background = [threading.Thread(target=create_keys), threading.Thread(target=bystander)]
+    for thread in threads + background:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    done.set()
+    for thread in background:
+        thread.join(30)
+
+    statuses = sorted(answer.status_code for answer in exports)
+    assert len(statuses) == len(exporters) * rounds
+    assert set(statuses) == {200, 429}, statuses  # all started together: one at a time
+    for answer in exports:
+        if answer.status_code == 429:
+            _assert_busy(answer)
+        else:
+            assert _verified(answer.content, tmp_path) >= BULK_EVENTS
+    assert created and set(created) == {201}, created
+    assert served and set(served) == {200}, served
+    audited = _exports_after(gateway, before)
+    assert [event.outcome for event in audited] == ["success"] * statuses.count(200)

@@ -1,6 +1,7 @@
 """/admin/api usage: after real traffic with a tenant's own key, its usage shows cached blocks and
-the window's requests, the audit log's totals count every request and token, and a tenant-admin
-sees its own tenant's usage only."""
+the window's requests, the audit log's totals count every request and token (a range that has
+no time in UTC is a 400 naming its bound), and a tenant-admin sees its own tenant's usage
+only."""
 
 from __future__ import annotations
 
@@ -8,13 +9,16 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from gateway.admin.callers import AdminCaller
+from gateway.api.routes.admin.usage import usage_totals
+from gateway.errors import APIError
 from tests.support.admin import admin_client, login
 from tests.support.gateway import MODEL, SYSTEM_PROMPT, Gateway
 
@@ -181,3 +185,33 @@ def test_a_tenant_admin_sees_its_own_usage_and_no_other(
             assert other.json()["error"]["code"] == "not_found"
             missing = acme.get(f"/tenants/{uuid.uuid4()}/{path}")
             assert missing.json()["error"]["message"].startswith("no tenant with id")
+
+
+@pytest.mark.parametrize(
+    ("since", "until", "param"),
+    [
+        (None, datetime(1, 1, 1, tzinfo=UTC), "until"),  # no default start 30 days before
+        (datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=14))), None, "since"),  # year 0
+        (None, datetime(9999, 12, 31, 23, tzinfo=timezone(timedelta(hours=-14))), "until"),
+    ],
+)
+def test_totals_over_a_range_without_a_time_in_utc_are_a_400_naming_it(
+    gateway: Gateway,
+    admin_token: str,
+    traffic: Traffic,
+    since: datetime | None,
+    until: datetime | None,
+    param: str,
+) -> None:
+    # The HTTP edge already refuses such years; the function the console calls refuses too.
+    caller = AdminCaller("admin", None, "operator", "root")
+    state = gateway.server.gateway
+    with pytest.raises(APIError) as refused:
+        usage_totals(state, caller, uuid.UUID(traffic.tenant_id), since, until)
+    assert (refused.value.status, refused.value.param) == (400, param)
+    bounds = {"since": since, "until": until}
+    query = {name: value.isoformat() for name, value in bounds.items() if value is not None}
+    with admin_client(gateway, admin_token) as client:
+        answer = client.get(f"/tenants/{traffic.tenant_id}/usage/totals", params=query)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
