@@ -18,6 +18,7 @@ TOKENS = AdminTokens(secret=SECRET, issuer="prefixgate", ttl_s=900, leeway_s=LEE
 
 OPERATOR_ID = "5b0c2a0e-8c39-4d5e-9a7e-0f6f0d1c2b3a"
 
+
 def _claims(**changes: Any) -> dict[str, Any]:
     """Claims as `issue` writes them, valid now, with `changes` applied (None removes one)."""
     now = int(time.time())

@@ -10,10 +10,10 @@ A download is the signed export of `prefixgate audit export` (tenancy/audit_expo
 both), so `prefixgate audit verify` checks it. An export reads its whole selection, so what
 one caller can make the database do with exports is bounded:
 
-- at most `MAX_CONCURRENT_EXPORTS` are written at a time in the process, and one per holder (a
-  tenant's administrators, or one operator), so no one caller takes every slot; past that
-  the answer is at once a 429 `export_busy` with Retry-After (not audited: it read nothing,
-  and a flood of refusals must not become a flood of audit writes);
+- at most a few are written at a time in the process, and one per holder (a tenant's
+  administrators, or one operator), so no one caller takes every slot; past that the answer
+  is at once a 429 `export_busy` (gateway/admin/export_slots.py; not audited: it read
+  nothing, and a flood of refusals must not become a flood of audit writes);
 - one COUNT of the selection refuses more than `MAX_EXPORT_EVENTS` events (an audited 400
   asking for a narrower range) before a byte is written;
 - events are read a page per short transaction, up to the newest event at the start, so no
@@ -32,7 +32,6 @@ poll it. (An incremental check would miss an edit to an event it had already pas
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import tempfile
@@ -51,10 +50,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gateway.admin.callers import AdminCaller, visible_tenant
+from gateway.admin.export_slots import EXPORT_SLOTS, export_holder
 from gateway.admin.schemas import IsoTime
 from gateway.api.deps import AdminDep, StateDep
 from gateway.api.openapi import ADMIN_RESPONSES, error_response
-from gateway.errors import APIError, from_tenancy_error
+from gateway.errors import from_tenancy_error
 from gateway.state import GatewayState
 from tenancy import audit_search
 from tenancy.audit_chain import AuditRecord
@@ -68,8 +68,6 @@ from tenancy.store import Store
 router = APIRouter(prefix="/admin/api/audit", tags=["admin: audit"], responses=ADMIN_RESPONSES)
 
 MAX_EXPORT_EVENTS = 100_000
-MAX_CONCURRENT_EXPORTS = 2  # exports being written at once, in this process
-EXPORT_RETRY_AFTER_S = 5  # what a refused export is told to wait: about one large export
 VERIFICATION_TTL_S = 10.0
 _SPOOL_BYTES = 8 << 20  # an export larger than this is spooled to disk, not kept in memory
 _CHUNK_BYTES = 64 << 10
@@ -238,45 +236,6 @@ def export(
         scoped = visible_filter(session, caller, selection)
     with EXPORT_SLOTS.hold(export_holder(caller)):
         return _write_download(state, caller, scoped, file_format)
-
-
-def export_holder(caller: AdminCaller) -> str:
-    """Whose export slot a call takes: a tenant's administrators share one (however many
-    tenant-admin keys they make), an admin operator has its own."""
-    if caller.is_admin:
-        return f"{caller.actor_type}:{caller.actor_id}"
-    return f"tenant:{caller.tenant_id}"
-
-
-class ExportSlots:
-    """At most `total` exports written at once, and one per holder; no waiting in line."""
-
-    def __init__(self, total: int) -> None:
-        self._total = total
-        self._lock = threading.Lock()
-        self._holders: set[str] = set()
-
-    @contextlib.contextmanager
-    def hold(self, holder: str) -> Iterator[None]:
-        """A slot for `holder` while the block runs; a 429 (export_busy) at once if none."""
-        with self._lock:
-            if holder in self._holders:
-                raise _busy("an export of yours is still being written; retry when it is done")
-            if len(self._holders) >= self._total:
-                raise _busy(f"{self._total} exports are being written; retry shortly")
-            self._holders.add(holder)
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._holders.discard(holder)
-
-
-EXPORT_SLOTS = ExportSlots(MAX_CONCURRENT_EXPORTS)
-
-
-def _busy(message: str) -> APIError:
-    return APIError.rate_limited(message, retry_after=EXPORT_RETRY_AFTER_S, code="export_busy")
 
 
 def _write_download(

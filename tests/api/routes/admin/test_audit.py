@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.admin import export_slots
 from gateway.admin.callers import AdminCaller
 from gateway.api.routes.admin import audit as audit_api
 from gateway.local_server import serve
@@ -254,7 +255,7 @@ def _exports_after(gateway: Gateway, seq: int) -> list[AuditEvent]:
 def _assert_busy(answer: httpx.Response) -> None:
     """A 429 export_busy with Retry-After, and no file (not even a partial one)."""
     assert answer.status_code == 429, answer.text
-    assert answer.headers["retry-after"] == str(audit_api.EXPORT_RETRY_AFTER_S)
+    assert answer.headers["retry-after"] == str(export_slots.EXPORT_RETRY_AFTER_S)
     error = answer.json()["error"]
     assert (error["type"], error["code"]) == ("rate_limit_error", "export_busy")
     assert "content-disposition" not in answer.headers
@@ -276,7 +277,7 @@ def test_an_export_past_its_slots_is_a_429_at_once_that_writes_nothing(
         tenant_id, _ = _new_tenant(client)
         key = _tenant_admin_key(client, tenant_id)
     before = gateway.last_audit_seq()
-    slots = audit_api.EXPORT_SLOTS
+    slots = export_slots.EXPORT_SLOTS
     with admin_client(gateway, admin_token) as admin, admin_client(gateway, key) as own:
         # Both slots of the process are taken: everyone is told to come back.
         with slots.hold("test:first"), slots.hold("test:second"):
@@ -284,7 +285,7 @@ def test_an_export_past_its_slots_is_a_429_at_once_that_writes_nothing(
             _assert_busy(own.get("/audit/export"))
         # Another key of the same tenant is exporting: this tenant waits, an admin does not.
         sibling = AdminCaller("tenant-admin", uuid.UUID(tenant_id), "api_key", "another-key")
-        with slots.hold(audit_api.export_holder(sibling)):
+        with slots.hold(export_slots.export_holder(sibling)):
             refused = own.get("/audit/export")
             _assert_busy(refused)
             assert "an export of yours" in refused.json()["error"]["message"]

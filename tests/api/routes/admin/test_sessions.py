@@ -187,4 +187,3 @@ def test_a_tenant_admin_operator_sees_only_its_tenant(
             assert client.get(f"/tenants/{other['id']}").status_code == 404
             assert client.get(f"/tenants/{other['id']}/keys").status_code == 404
         assert client.get("/operators").status_code == 403
-
