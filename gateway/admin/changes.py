@@ -11,6 +11,7 @@ their next poll (`tenancy_poll_s`, 1 s by default).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, NoReturn, TypeVar
@@ -24,6 +25,7 @@ from tenancy.audit_chain import AuditRecord
 from tenancy.errors import TenancyError
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +74,10 @@ def apply_change(
         raise api_error from error
     details = {"before": changed.before, "after": changed.after}
     _audit(state, caller, action, "success", changed.tenant_id or action.tenant_id, details)
-    state.tenancy_sync.poll()
+    try:
+        state.tenancy_sync.poll()
+    except Exception:  # committed and audited: the background poll applies it within a second
+        logger.warning("could not apply %s to this process at once", action.name, exc_info=True)
     return changed.result
 
 
