@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,6 +24,7 @@ from typing import Annotated, Any
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from tenancy.admins import Lockout
 from tenancy.db import check_database_url
 from tenancy.deployment import SecretMismatch, mismatched_secrets
 from tenancy.store import Store
@@ -191,6 +193,10 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    def admin_lockout(self) -> Lockout:
+        """The operator account lockout these settings ask for."""
+        return Lockout(self.admin_lockout_failures, timedelta(seconds=self.admin_lockout_s))
 
     def secret(self, name: str) -> str:
         """A configured secret, or the one generated for this state directory."""

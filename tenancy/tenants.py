@@ -130,6 +130,22 @@ def create_tenant(
     return tenant
 
 
+def tenant_settings(row: Tenant) -> dict[str, object]:
+    """What an operator sets on a tenant, by field name (for listings and audit events)."""
+    return {
+        "slug": row.slug,
+        "display_name": row.display_name,
+        "status": row.status,
+        "sharing_mode": row.sharing_mode,
+        "may_use_public_prefixes": row.may_use_public_prefixes,
+        "cache_quota_blocks": row.cache_quota_blocks,
+        "cache_reservation_blocks": row.cache_reservation_blocks,
+        "requests_per_minute": row.requests_per_minute,
+        "tokens_per_minute": row.tokens_per_minute,
+        "max_concurrent": row.max_concurrent,
+    }
+
+
 def get_tenant(session: Session, slug: str, include_deleted: bool = False) -> Tenant:
     tenant = session.scalar(select(Tenant).where(Tenant.slug == slug))
     if tenant is None or (tenant.status == "deleted" and not include_deleted):

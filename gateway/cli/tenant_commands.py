@@ -29,16 +29,7 @@ tenants_app = typer.Typer(help="Create and manage tenants.", no_args_is_help=Tru
 def tenant_json(tenant: Tenant) -> dict[str, Any]:
     return {
         "id": str(tenant.id),
-        "slug": tenant.slug,
-        "display_name": tenant.display_name,
-        "status": tenant.status,
-        "sharing_mode": tenant.sharing_mode,
-        "may_use_public_prefixes": tenant.may_use_public_prefixes,
-        "cache_quota_blocks": tenant.cache_quota_blocks,
-        "cache_reservation_blocks": tenant.cache_reservation_blocks,
-        "requests_per_minute": tenant.requests_per_minute,
-        "tokens_per_minute": tenant.tokens_per_minute,
-        "max_concurrent": tenant.max_concurrent,
+        **tenants.tenant_settings(tenant),
         "created_at": tenant.created_at,
     }
 

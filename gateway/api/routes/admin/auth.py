@@ -7,7 +7,6 @@ until when. Logout revokes the session at once, in every gateway (they read it p
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Request
@@ -21,7 +20,7 @@ from gateway.errors import APIError
 from gateway.middleware import client_ip
 from gateway.state import GatewayState
 from tenancy import admins
-from tenancy.admins import Lockout, LoginRefused
+from tenancy.admins import LoginRefused
 from tenancy.audit_chain import AuditRecord
 
 router = APIRouter(prefix="/admin/api", tags=["admin: sessions"], responses=ADMIN_RESPONSES)
@@ -67,8 +66,7 @@ def create_session(
         raise APIError.rate_limited(
             "too many login attempts; try again later", wait, code="too_many_login_attempts"
         )
-    settings = state.settings
-    lockout = Lockout(settings.admin_lockout_failures, timedelta(seconds=settings.admin_lockout_s))
+    lockout = state.settings.admin_lockout()
     try:
         with state.login_throttle.password_check(), state.store.transaction() as session:
             result = admins.login(session, username, password, lockout)

@@ -10,7 +10,6 @@ Passwords go into argon2 hashes and nowhere else: not into answers, audit events
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Body
@@ -26,7 +25,6 @@ from gateway.api.openapi import ADMIN_RESPONSES
 from gateway.errors import APIError
 from gateway.state import GatewayState
 from tenancy import admins
-from tenancy.admins import Lockout
 from tenancy.models import Admin
 
 router = APIRouter(
@@ -107,8 +105,7 @@ def set_password(
 def _check_current_password(state: GatewayState, caller: AdminCaller, password: str) -> None:
     """Refuse (audited) a wrong current password; a wrong guess counts towards the lockout,
     in its own transaction so that the refusal does not roll the count back."""
-    settings = state.settings
-    lockout = Lockout(settings.admin_lockout_failures, timedelta(seconds=settings.admin_lockout_s))
+    lockout = state.settings.admin_lockout()
     try:
         with state.login_throttle.password_check(), state.store.transaction() as session:
             result = admins.login(session, caller.actor_id, password, lockout)

@@ -68,7 +68,7 @@ def create_tenant(
             limits,
             body.may_use_public_prefixes,
         )
-        return Changed(tenant.id, str(tenant.id), None, _audit_view(tenant))
+        return Changed(tenant.id, str(tenant.id), None, tenants.tenant_settings(tenant))
 
     tenant_id = apply_change(
         state, caller, Action("tenant.create", "tenant", body.slug, admin_only=True), change
@@ -162,8 +162,8 @@ def _change_tenant(
 ) -> None:
     def audited(session: Session) -> Changed[None]:
         tenant = visible_tenant(session, caller, tenant_id)
-        before = _audit_view(tenant)
-        after = _audit_view(change(session, tenant))
+        before = tenants.tenant_settings(tenant)
+        after = tenants.tenant_settings(change(session, tenant))
         return Changed(None, str(tenant_id), before, after)
 
     resource = Action(action, "tenant", str(tenant_id), str(tenant_id), admin_only=True)
@@ -184,19 +184,3 @@ def _blocks(state: GatewayState, blocks: int | None, tokens: int | None, what: s
     if tokens is not None:
         return cdiv(tokens, state.settings.block_size)
     return blocks
-
-
-def _audit_view(tenant: Tenant) -> dict[str, object]:
-    """The tenant's settings as the audit event records them (before and after a change)."""
-    return {
-        "slug": tenant.slug,
-        "display_name": tenant.display_name,
-        "status": tenant.status,
-        "sharing_mode": tenant.sharing_mode,
-        "may_use_public_prefixes": tenant.may_use_public_prefixes,
-        "cache_quota_blocks": tenant.cache_quota_blocks,
-        "cache_reservation_blocks": tenant.cache_reservation_blocks,
-        "requests_per_minute": tenant.requests_per_minute,
-        "tokens_per_minute": tenant.tokens_per_minute,
-        "max_concurrent": tenant.max_concurrent,
-    }
