@@ -6,11 +6,14 @@ projections, RoPE at the positions we pass, norms. Only the attention call is ou
 the step's packed (varlen) batch description through the model's forward kwargs, writes the new
 K/V into pool slots, and attends over each sequence's block table.
 
-Backends implement `write` and `attend`; the torch reference backend runs anywhere.
+Backends implement `write` and `attend`: `torch` (the reference, plain torch ops, runs anywhere;
+it gathers each sequence's blocks per layer) and `cpu` (`engine/kernels/cpu_attention.py`: a
+C++ kernel that reads the blocks in place). `auto` picks the fastest that works here.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -19,6 +22,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from engine.math_utils import cdiv
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "prefixgate_paged"
 
@@ -32,10 +37,12 @@ class PagedBatch:
     """
 
     kv_cache: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-    slot_mapping: torch.Tensor  # [total_tokens]: block_id * block_size + offset
+    slot_mapping: torch.Tensor  # [total_tokens] int64: block_id * block_size + offset
     query_lens: list[int]
     context_lens: list[int]
-    block_tables: torch.Tensor  # [num_sequences, max_blocks], padded with the row's own blocks
+    block_tables: torch.Tensor  # [num_sequences, max_blocks] int32, padded with own blocks
+    query_starts: torch.Tensor  # [num_sequences + 1] int32: where each sequence's tokens begin
+    context_lens_tensor: torch.Tensor  # [num_sequences] int32
     backend: AttentionBackend
     # Backends keep per-step indexing here, built by the first layer, reused by the rest.
     plans: dict[Any, Any] = field(default_factory=dict)
@@ -82,6 +89,15 @@ class _Plan:
     prefills: list[_Prefill]
 
 
+def write_kv(
+    layer_kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PagedBatch
+) -> None:
+    """Scatter the step's new K and V (`[tokens, kv_heads, dim]`) into their pool slots."""
+    heads, dim = key.shape[1], key.shape[2]
+    layer_kv[0].view(-1, heads, dim).index_copy_(0, batch.slot_mapping, key)
+    layer_kv[1].view(-1, heads, dim).index_copy_(0, batch.slot_mapping, value)
+
+
 class TorchAttention:
     """The reference backend: plain torch, CPU or GPU.
 
@@ -96,9 +112,7 @@ class TorchAttention:
     def write(
         self, layer_kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PagedBatch
     ) -> None:
-        heads, dim = key.shape[1], key.shape[2]
-        layer_kv[0].view(-1, heads, dim).index_copy_(0, batch.slot_mapping, key)
-        layer_kv[1].view(-1, heads, dim).index_copy_(0, batch.slot_mapping, value)
+        write_kv(layer_kv, key, value, batch)
 
     def attend(
         self,
@@ -239,14 +253,22 @@ def paged_attention(
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+BACKEND_NAMES = ("auto", "cpu", "torch")
 
 
-def make_backend(name: str) -> AttentionBackend:
-    """An attention backend by name."""
+def make_backend(name: str, device: torch.device, head_dim: int) -> AttentionBackend:
+    """An attention backend by name; `auto` is the C++ kernel on a CPU where it builds and
+    fits the model (head_dim a multiple of 16), else torch."""
+    from engine.kernels.cpu_attention import CpuAttention, CpuKernelUnavailable
+
+    if name == "torch":
+        return TorchAttention()
+    if name not in ("auto", "cpu"):
+        raise ValueError(f"unknown attention backend {name!r}; have {', '.join(BACKEND_NAMES)}")
     try:
-        return BACKENDS[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown attention backend {name!r}; have {', '.join(BACKENDS)}"
-        ) from None
+        return CpuAttention.create(device, head_dim)
+    except CpuKernelUnavailable as error:
+        if name == "cpu":
+            raise ValueError(f"attention backend 'cpu' is unavailable: {error}") from error
+        logger.warning("attention backend: torch (%s)", error)
+        return TorchAttention()

@@ -75,7 +75,9 @@ class Engine:
                 config.max_num_batched_tokens, config.max_num_seqs, config.queue_timeout_s
             ),
         )
-        self.runner = ModelRunner(model, self.pool.kv, make_backend(config.attention_backend))
+        backend = make_backend(config.attention_backend, self.device, loaded.head_dim)
+        self.runner = ModelRunner(model, self.pool.kv, backend)
+        logger.info("engine: %s", self.describe())
         self.max_model_len = config.max_model_len or loaded.max_model_len
         self.limits = ModelLimits(
             loaded.vocab_size, self.max_model_len, loaded.tokenizer is not None
@@ -85,6 +87,17 @@ class Engine:
         # Every request in flight, from `submit` until `_settle`, guarded by the inbox's lock.
         self._requests: dict[str, Sequence] = {}
         self._cache_stats = snapshot(self.cache)
+
+    def describe(self) -> dict[str, str | int]:
+        """What serves: model, device, dtypes, attention backend, pool size."""
+        return {
+            "model": self.loaded.name,
+            "device": str(self.device),
+            "dtype": dtype_name(self.loaded.model.dtype),
+            "kv_dtype": dtype_name(self.pool.spec.dtype),
+            "attention_backend": self.runner.backend.name,
+            "kv_blocks": self.pool.num_blocks,
+        }
 
     # -- lifecycle ----------------------------------------------------------------------------
 

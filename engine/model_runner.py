@@ -51,49 +51,12 @@ class ModelRunner:
         The logits rows follow the order of the chunks with `needs_logits`, one row each, for
         the chunk's last token.
         """
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logit_rows: list[int] = []
-        query_lens, context_lens = [], []
-        block_size = self.block_size
-        for chunk in chunks:
-            count = len(chunk.token_ids)
-            input_ids += chunk.token_ids
-            chunk_positions = range(chunk.start, chunk.start + count)
-            positions += chunk_positions
-            slots += [
-                chunk.block_ids[position // block_size] * block_size + position % block_size
-                for position in chunk_positions
-            ]
-            query_lens.append(count)
-            context_lens.append(chunk.start + count)
-            if chunk.needs_logits:
-                logit_rows.append(len(input_ids) - 1)
-        max_blocks = max(len(chunk.block_ids) for chunk in chunks)
-        # Rows are padded with the sequence's own first block, never another's: padded slots
-        # are masked out, but a masked NaN still poisons attention (NaN + -inf is NaN), so a
-        # sequence must only ever read its own memory.
-        tables = torch.tensor(
-            [
-                chunk.block_ids + chunk.block_ids[:1] * (max_blocks - len(chunk.block_ids))
-                for chunk in chunks
-            ],
-            dtype=torch.long,
-        )
-        batch = PagedBatch(
-            kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            query_lens=query_lens,
-            context_lens=context_lens,
-            block_tables=tables.to(self.device),
-            backend=self.backend,
-        )
+        batch, input_ids, positions, logit_rows = self._batch(chunks)
         output = self.model(
-            input_ids=torch.tensor([input_ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
+            input_ids=input_ids[None],
+            position_ids=positions[None],
             use_cache=False,
-            logits_to_keep=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
+            logits_to_keep=logit_rows,
             paged_batch=batch,
         )
         logits: torch.Tensor = output.logits[0]
@@ -102,6 +65,49 @@ class ModelRunner:
             self.computed_tokens += len(chunk.token_ids)
             self._mark_prompt_positions(chunk)
         return logits.float()
+
+    def _batch(
+        self, chunks: list[Chunk]
+    ) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's packed inputs and paged layout, built with a few tensor ops for the whole
+        batch: (batch, input ids, positions, rows whose logits are kept)."""
+        device, block_size = self.device, self.block_size
+        query_lens = [len(chunk.token_ids) for chunk in chunks]
+        context_lens = [
+            chunk.start + count for chunk, count in zip(chunks, query_lens, strict=True)
+        ]
+        lengths = torch.tensor(query_lens, dtype=torch.int32)
+        query_starts = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+        torch.cumsum(lengths, 0, out=query_starts[1:])
+        # Rows are padded with the sequence's own first block, never another's: a kernel or a
+        # masked gather only ever reads the sequence's own memory.
+        max_blocks = max(len(chunk.block_ids) for chunk in chunks)
+        tables = torch.tensor(
+            [
+                chunk.block_ids + chunk.block_ids[:1] * (max_blocks - len(chunk.block_ids))
+                for chunk in chunks
+            ],
+            dtype=torch.int32,
+        )
+        sequence_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
+        first_positions = torch.tensor([chunk.start for chunk in chunks]) - query_starts[:-1]
+        positions = torch.arange(int(query_starts[-1])) + first_positions[sequence_of_token]
+        blocks = tables[sequence_of_token, positions // block_size].long()
+        slots = blocks * block_size + positions % block_size
+        needs_logits = torch.tensor([chunk.needs_logits for chunk in chunks])
+        logit_rows = (query_starts[1:] - 1)[needs_logits].long()
+        input_ids = torch.tensor([token for chunk in chunks for token in chunk.token_ids])
+        batch = PagedBatch(
+            kv_cache=self.kv_cache,
+            slot_mapping=slots.to(device),
+            query_lens=query_lens,
+            context_lens=context_lens,
+            block_tables=tables.to(device),
+            query_starts=query_starts.to(device),
+            context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            backend=self.backend,
+        )
+        return batch, input_ids.to(device), positions.to(device), logit_rows.to(device)
 
     def _mark_prompt_positions(self, chunk: Chunk) -> None:
         if chunk.prompt_positions <= 0:

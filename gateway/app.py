@@ -18,6 +18,7 @@ from engine.budget import TenantBudget
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import EMBEDDED_MODEL_NAME, LoadedModel, load_model
+from engine.precision import resolve_dtype
 from gateway.admin.throttle import LoginThrottle, SlidingWindow
 from gateway.admin.tokens import AdminTokens
 from gateway.api.openapi import install_openapi
@@ -129,7 +130,7 @@ def build_state(
     policy_config = load_policy(settings.policy_file)
     store = settings.open_store()
     if loaded is None:
-        loaded = load_model(settings.model_dir)
+        loaded = load_model(settings.model_dir, dtype=resolve_dtype(settings.dtype))
     model_name = settings.served_model_name or (
         EMBEDDED_MODEL_NAME if settings.model_dir is None else Path(settings.model_dir).name
     )
@@ -145,9 +146,11 @@ def build_state(
             max_num_batched_tokens=settings.max_num_batched_tokens,
             queue_timeout_s=settings.queue_timeout_s,
             enable_prefix_caching=settings.enable_prefix_caching,
+            attention_backend=settings.attention_backend,
             public_budget=public_budget,
         ),
     ).start()
+    announce("engine: " + ", ".join(f"{key} {value}" for key, value in engine.describe().items()))
     with store.transaction() as session:  # so the CLI can check quotas against the pool
         deployment.record_pool_blocks(session, engine.pool.num_blocks)
     sharing = SharingPolicyHolder(policy_config, loaded, model_name, settings.block_size)

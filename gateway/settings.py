@@ -19,7 +19,7 @@ import secrets
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -92,6 +92,12 @@ class Settings(BaseSettings):
     """A local Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct."""
     served_model_name: str | None = None
     """The model id clients send; default: the model directory's name."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Weights and KV cache dtype; auto: bfloat16 where the CPU computes it natively
+    (AVX512_BF16 or AMX), else float32."""
+    attention_backend: Literal["auto", "cpu", "torch"] = "auto"
+    """Paged attention: cpu (C++ kernel reading KV blocks in place), torch (reference, gathers
+    blocks); auto: cpu where it builds, else torch."""
     block_size: int = Field(default=16, ge=1)
     """Tokens per KV block: the unit of caching, sharing and quotas."""
     kv_cache_bytes: int = Field(default=1 << 30, ge=1)

@@ -1,12 +1,14 @@
-"""The paged path computes what transformers' own sdpa forward computes (fp32, atol 1e-4)."""
+"""The paged path computes what transformers' own sdpa forward computes (fp32, atol 1e-4), with
+each attention backend: the torch reference and the C++ CPU kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.attention import TorchAttention
+from engine.attention import AttentionBackend, TorchAttention, make_backend
 from engine.block_pool import BlockPool
+from engine.kernels.cpu_attention import CpuAttention
 from engine.kv_spec import KVSpec
 from engine.model_runner import Chunk, ModelRunner
 from tests.engine_models.prompts import tokens as random_tokens
@@ -14,6 +16,7 @@ from tests.support.models import ARCHITECTURES, reference_copy, tiny_model
 
 BLOCK_SIZE = 16
 ATOL = 1e-4
+BACKENDS = ["torch", "cpu"]
 
 
 def reference_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -21,7 +24,7 @@ def reference_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([tokens])).logits[0].float()
 
 
-def runner_for(model: torch.nn.Module) -> ModelRunner:
+def runner_for(model: torch.nn.Module, backend: str = "torch") -> ModelRunner:
     config = model.config
     spec = KVSpec(
         config.num_hidden_layers,
@@ -30,18 +33,21 @@ def runner_for(model: torch.nn.Module) -> ModelRunner:
         torch.float32,
         BLOCK_SIZE,
     )
-    return ModelRunner(model, BlockPool(spec, 64).kv, TorchAttention())
+    attention = make_backend(backend, torch.device("cpu"), spec.head_dim)
+    assert attention.name == backend
+    return ModelRunner(model, BlockPool(spec, 64).kv, attention)
 
 
 def chunk(name: str, tokens: list[int], start: int, end: int, blocks: list[int]) -> Chunk:
     return Chunk(name, tokens[start:end], start, blocks, end - start, needs_logits=True)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_chunked_prefill_then_decode_matches_sdpa(architecture: str) -> None:
+def test_chunked_prefill_then_decode_matches_sdpa(architecture: str, backend: str) -> None:
     model = tiny_model(architecture)
     reference = reference_logits(reference_copy(model), tokens := random_tokens(0, 90))
-    runner = runner_for(model)
+    runner = runner_for(model, backend)
     blocks = [5, 2, 9, 11, 3, 7]  # deliberately scattered
     # Three prefill chunks ending mid-block, then decode steps one token at a time.
     position = 0
@@ -51,11 +57,12 @@ def test_chunked_prefill_then_decode_matches_sdpa(architecture: str) -> None:
         position = end
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_packed_varlen_batch_matches_sdpa_per_sequence(architecture: str) -> None:
+def test_packed_varlen_batch_matches_sdpa_per_sequence(architecture: str, backend: str) -> None:
     model = tiny_model(architecture)
     reference_model = reference_copy(model)
-    runner = runner_for(model)
+    runner = runner_for(model, backend)
     first, second, third = random_tokens(1, 70), random_tokens(2, 33), random_tokens(3, 52)
     tables = {"a": [0, 1, 2, 3, 4], "b": [10, 11, 12], "c": [20, 21, 22, 23]}
     # Prefill a and b partly, then one step mixing: a decode, b's prefill chunk, c's prefill.
@@ -82,10 +89,11 @@ def test_runner_counts_the_positions_it_computes() -> None:
     assert runner.pop_computed_prompt_positions("a") == 24
 
 
-def test_decode_reads_only_the_sequences_own_blocks() -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_reads_only_the_sequences_own_blocks(backend: str) -> None:
     model = tiny_model("llama")
     reference_model = reference_copy(model)
-    runner = runner_for(model)
+    runner = runner_for(model, backend)
     short, long = random_tokens(5, 10), random_tokens(6, 40)
     tables = {"short": [7], "long": [4, 5, 6]}
     runner.run([chunk("short", short, 0, 9, tables["short"])])
@@ -115,3 +123,16 @@ def test_a_forward_that_raises_records_nothing() -> None:
     hook.remove()
     assert runner.computed_tokens == 0
     assert runner.pop_computed_prompt_positions("a") == 0
+
+
+def test_auto_picks_the_cpu_kernel_and_falls_back_to_torch_where_it_cannot_serve() -> None:
+    cpu = torch.device("cpu")
+    chosen: AttentionBackend = make_backend("auto", cpu, 64)
+    assert isinstance(chosen, CpuAttention)
+    assert isinstance(make_backend("torch", cpu, 64), TorchAttention)
+    # A head size the kernel does not handle: auto falls back, an explicit "cpu" refuses.
+    assert isinstance(make_backend("auto", cpu, 24), TorchAttention)
+    with pytest.raises(ValueError, match="head_dim 24"):
+        make_backend("cpu", cpu, 24)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        make_backend("flash", cpu, 64)

@@ -49,7 +49,12 @@ async def readyz(state: StateDep) -> Response:
         checks["database"] = False
     ready = all(checks.values())
     audit = await run_in_threadpool(_audit_backlog, state)
-    body = {"status": "ready" if ready else "not_ready", "checks": checks, "audit": audit}
+    body = {
+        "status": "ready" if ready else "not_ready",
+        "checks": checks,
+        "engine": state.engine.describe(),
+        "audit": audit,
+    }
     return JSONResponse(body, status_code=200 if ready else 503)
 
 

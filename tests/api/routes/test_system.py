@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import httpx
 
+from engine.kv_spec import dtype_name
+from engine.precision import resolve_dtype
 from tests.support.gateway import METRICS_TOKEN, MODEL, Gateway, openai_client
 
 
@@ -11,11 +13,18 @@ def test_healthz_is_ok_and_readyz_reports_every_check_passing(gateway: Gateway) 
     assert httpx.get(gateway.server.url + "/healthz").json() == {"status": "ok"}
     ready = httpx.get(gateway.server.url + "/readyz")
     assert ready.status_code == 200
-    assert ready.json() == {
+    body = ready.json()
+    engine = gateway.server.gateway.engine
+    assert body == {
         "status": "ready",
         "checks": {"engine": True, "database": True},
+        "engine": engine.describe(),
         "audit": {"spooled": 0, "dead_letters": 0, "dead_letter_path": None},
     }
+    # What serves is reported as it is: the dtype the CPU computes natively, the C++ kernel.
+    assert body["engine"]["dtype"] == dtype_name(resolve_dtype("auto"))
+    assert body["engine"]["attention_backend"] == "cpu"
+    assert body["engine"]["kv_blocks"] == engine.pool.num_blocks
 
 
 def test_metrics_for_the_scraper_count_requests_tokens_and_cache_per_tenant(

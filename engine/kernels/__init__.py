@@ -1,0 +1,1 @@
+"""Attention kernels behind the backend seam in `engine/attention.py`."""

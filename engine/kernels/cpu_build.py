@@ -1,0 +1,94 @@
+"""Building and loading the C++ CPU kernels (`paged_attention.cpp`).
+
+The extension is compiled with `torch.utils.cpp_extension` for the CPU it runs on
+(`-march=native`; its threads are torch's own pool) into a directory keyed by the source,
+torch's version and the CPU's flags, so a second start loads it in well under a second.
+`make run` / `make test` build it at install time (`python -m engine.kernels.cpu_build`); a
+start that finds no build compiles it then (about 10 s), once, under a lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.resources
+import os
+import platform
+import sys
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from engine.precision import cpu_flags
+
+SOURCE = "paged_attention.cpp"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast"]
+
+
+class KernelUnavailable(RuntimeError):
+    """The C++ kernels cannot be built or loaded here (no compiler, not x86/ARM, ...)."""
+
+
+def kernels_dir() -> Path:
+    """$PREFIXGATE_KERNEL_CACHE, else ~/.cache/prefixgate/kernels."""
+    configured = os.environ.get("PREFIXGATE_KERNEL_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "prefixgate" / "kernels"
+
+
+def _source() -> Path:
+    return Path(str(importlib.resources.files("engine.kernels") / SOURCE))
+
+
+def _build_key(source: bytes) -> str:
+    hasher = hashlib.sha256(source)
+    for part in (torch.__version__, sys.version, platform.machine(), " ".join(FLAGS)):
+        hasher.update(b"\0" + part.encode())
+    hasher.update(b"\0" + " ".join(sorted(cpu_flags())).encode())
+    return hasher.hexdigest()[:16]
+
+
+@cache
+def load() -> None:
+    """Load the kernels into this process (they register `torch.ops.prefixgate.*`), building
+    them first if this machine has no build yet."""
+    from torch.utils import cpp_extension
+
+    # The ninja that pip installed lives beside this interpreter, which may not be on PATH.
+    scripts = str(Path(sys.executable).parent)
+    if scripts not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    source = _source()
+    key = _build_key(source.read_bytes())
+    directory = kernels_dir() / key
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            cpp_extension.load(
+                name=f"prefixgate_cpu_{key}",
+                sources=[str(source)],
+                extra_cflags=FLAGS,
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
+        except (OSError, RuntimeError, ImportError) as error:
+            raise KernelUnavailable(f"cannot build the CPU kernels: {error}") from error
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def main() -> None:
+    """Build the kernels now (the install step), or say why not and exit 0: serving falls back
+    to the torch backend."""
+    try:
+        load()
+    except KernelUnavailable as error:
+        print(f"warning: {error}; the torch attention backend will be used", file=sys.stderr)
+        return
+    print(f"CPU kernels built in {kernels_dir()}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

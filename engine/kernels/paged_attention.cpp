@@ -1,0 +1,387 @@
+// Paged attention on the CPU: queries attend over K/V read in place through each sequence's
+// block table; no context is ever copied out of the pool.
+//
+// One kernel serves decode (one query token per sequence), prefill and extend (many query tokens
+// whose context may begin with cached blocks). A sequence's query tokens are the last
+// `query_len` positions of its `context_len`: query token t sits at position
+// context_len - query_len + t and sees the keys at positions <= its own (and, with a sliding
+// window, > its own - window). Grouped-query attention: the `heads / kv_heads` query heads of a
+// KV head are computed together, so each K/V element read serves all of them.
+//
+// Work items are (sequence, kv head, tile of up to 16 query tokens), spread over torch's
+// threads, longest first. Keys are taken 16 positions at a time (a "chunk", whatever the block
+// size) and processed with 16-lane vectors (GCC/Clang vector extensions: AVX-512 here, split
+// into narrower registers elsewhere). Decode rows take dot products straight from the cache;
+// prefill tiles first convert the chunk's K (transposed) and V into a small fp32 tile on the
+// stack, which their many rows then share. Math is fp32 with an online softmax; the pool may
+// hold fp32 or bf16.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLanes = 16;        // keys per chunk, floats per vector
+constexpr int64_t kTileTokens = 16;   // query tokens per prefill work item
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxGroup = 16;     // query heads per KV head
+constexpr int64_t kPackRows = 8;      // from this many rows on, a chunk is packed first
+constexpr float kMasked = -1e30f;     // finite, so no infinity arithmetic is ever needed
+
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint16_t vhalf __attribute__((vector_size(32)));
+
+inline vfloat splat(float value) { return vfloat{} + value; }
+
+inline vfloat load(const float* source) {
+  vfloat out;
+  std::memcpy(&out, source, sizeof(out));
+  return out;
+}
+
+inline vfloat load(const c10::BFloat16* source) {
+  vhalf bits;
+  std::memcpy(&bits, source, sizeof(bits));
+  vint wide = __builtin_convertvector(bits, vint) << 16;
+  return reinterpret_cast<vfloat&>(wide);
+}
+
+inline void store(float* target, vfloat value) { std::memcpy(target, &value, sizeof(value)); }
+
+inline float lanes_sum(vfloat v) {
+  float total = 0.0f;
+  for (int64_t i = 0; i < kLanes; ++i) total += v[i];
+  return total;
+}
+
+inline float lanes_max(vfloat v) {
+  float best = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) best = std::max(best, v[i]);
+  return best;
+}
+
+// exp(x) for x <= 0: 2^(x log2 e) split into an integer power, built in the exponent bits, and a
+// degree-6 Taylor polynomial of 2^f on [-0.5, 0.5] (relative error below 2e-7).
+inline vfloat vexp(vfloat x) {
+  vfloat y = x * 1.4426950408889634f;
+  y = y < -126.0f ? splat(-126.0f) : y;
+  const vfloat n = (y + 12582912.0f) - 12582912.0f;  // round to nearest
+  const vfloat f = y - n;
+  vfloat p = splat(1.5403530e-4f);
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  return p * reinterpret_cast<vfloat&>(bits);
+}
+
+inline float to_float(float value) { return value; }
+inline float to_float(c10::BFloat16 value) { return static_cast<float>(value); }
+
+struct Geometry {
+  int64_t heads, group, head_dim, block_size;
+  int64_t q_stride_token, q_stride_head;     // query [tokens, heads, dim]
+  int64_t kv_stride_block, kv_stride_token;  // cache [blocks, slots, kv_heads, dim]
+  int64_t table_stride;
+  float scale;
+  int64_t window;  // 0: none
+};
+
+struct WorkItem {
+  int32_t sequence, kv_head, first_token, tokens;
+  int64_t cost;  // keys x rows, for ordering
+};
+
+// One item's rows: query (pre-scaled), running max and sum, and the output accumulator.
+struct Rows {
+  int64_t count, dim;
+  std::vector<float> q, acc, max, sum;
+  std::vector<int64_t> position;
+  Rows(int64_t rows, int64_t dim_)
+      : count(rows), dim(dim_), q(rows * dim_), acc(rows * dim_, 0.0f), max(rows, kMasked),
+        sum(rows, 0.0f), position(rows) {}
+};
+
+// Scores of a chunk for one row -> probabilities, with the running max and sum updated and the
+// accumulator rescaled. Returns false when the row sees no key of the chunk.
+inline bool softmax_chunk(Rows& rows, int64_t r, vfloat& scores, int64_t chunk_start,
+                          int64_t context_len, int64_t window) {
+  const int64_t position = rows.position[r];
+  vfloat key_position = splat(static_cast<float>(chunk_start));
+  for (int64_t j = 0; j < kLanes; ++j) key_position[j] += static_cast<float>(j);
+  const float last = static_cast<float>(std::min(position, context_len - 1));
+  const float first = window > 0 ? static_cast<float>(position - window + 1) : -1.0f;
+  const auto visible = (key_position <= last) & (key_position >= first);
+  scores = visible ? scores : splat(kMasked);
+  const float chunk_max = lanes_max(scores);
+  if (chunk_max <= kMasked) return false;
+  const float new_max = std::max(rows.max[r], chunk_max);
+  const float correction = vexp(splat(rows.max[r] - new_max))[0];
+  rows.max[r] = new_max;
+  scores = visible ? vexp(scores - new_max) : splat(0.0f);
+  rows.sum[r] = rows.sum[r] * correction + lanes_sum(scores);
+  if (correction != 1.0f) {
+    float* acc = rows.acc.data() + r * rows.dim;
+    for (int64_t d = 0; d < rows.dim; d += kLanes) store(acc + d, load(acc + d) * correction);
+  }
+  return true;
+}
+
+template <typename scalar_t>
+struct Chunk {
+  const scalar_t* key[kLanes];
+  const scalar_t* value[kLanes];
+  int64_t start, count;
+};
+
+// Decode and short tiles: dot products straight from the cache, V rows read in place.
+template <typename scalar_t>
+void attend_direct(Rows& rows, const Chunk<scalar_t>& chunk, int64_t context_len,
+                   int64_t window) {
+  const int64_t dim = rows.dim;
+  for (int64_t r = 0; r < rows.count; ++r) {
+    if (rows.position[r] < chunk.start) continue;
+    const float* q = rows.q.data() + r * dim;
+    vfloat scores = splat(0.0f);
+    for (int64_t j = 0; j < chunk.count; ++j) {
+      vfloat partial = splat(0.0f);
+      for (int64_t d = 0; d < dim; d += kLanes) partial += load(q + d) * load(chunk.key[j] + d);
+      scores[j] = lanes_sum(partial);
+    }
+    if (!softmax_chunk(rows, r, scores, chunk.start, context_len, window)) continue;
+    float* acc = rows.acc.data() + r * dim;
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      vfloat total = load(acc + d);
+      for (int64_t j = 0; j < chunk.count; ++j) total += scores[j] * load(chunk.value[j] + d);
+      store(acc + d, total);
+    }
+  }
+}
+
+// Prefill tiles: the chunk converted once (K transposed), then shared by 4 rows at a time.
+template <typename scalar_t>
+void attend_packed(Rows& rows, const Chunk<scalar_t>& chunk, int64_t context_len,
+                   int64_t window, float* key_t, float* value) {
+  const int64_t dim = rows.dim;
+  for (int64_t j = 0; j < kLanes; ++j) {
+    for (int64_t d = 0; d < dim; ++d) {
+      const bool present = j < chunk.count;
+      key_t[d * kLanes + j] = present ? to_float(chunk.key[j][d]) : 0.0f;
+      value[j * dim + d] = present ? to_float(chunk.value[j][d]) : 0.0f;
+    }
+  }
+  for (int64_t first = 0; first < rows.count; first += 4) {
+    const int64_t n = std::min<int64_t>(4, rows.count - first);
+    vfloat scores[4] = {splat(0.0f), splat(0.0f), splat(0.0f), splat(0.0f)};
+    const float* q = rows.q.data() + first * dim;
+    for (int64_t d = 0; d < dim; ++d) {
+      const vfloat k = load(key_t + d * kLanes);
+      for (int64_t i = 0; i < 4; ++i) scores[i] += q[(i < n ? i : 0) * dim + d] * k;
+    }
+    bool any[4] = {false, false, false, false};
+    for (int64_t i = 0; i < n; ++i) {
+      any[i] = rows.position[first + i] >= chunk.start &&
+               softmax_chunk(rows, first + i, scores[i], chunk.start, context_len, window);
+      if (!any[i]) scores[i] = splat(0.0f);
+    }
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      vfloat total[4];
+      for (int64_t i = 0; i < 4; ++i) total[i] = load(rows.acc.data() + (first + (i < n ? i : 0)) * dim + d);
+      for (int64_t j = 0; j < kLanes; ++j) {
+        const vfloat v = load(value + j * dim + d);
+        for (int64_t i = 0; i < 4; ++i) total[i] += scores[i][j] * v;
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        if (any[i]) store(rows.acc.data() + (first + i) * dim + d, total[i]);
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
+                 const scalar_t* key_cache, const scalar_t* value_cache,
+                 const int32_t* block_table, int64_t query_start, int64_t query_len,
+                 int64_t context_len, scalar_t* out) {
+  const int64_t dim = g.head_dim, group = g.group;
+  Rows rows(item.tokens * group, dim);
+  const int64_t first_position = context_len - query_len + item.first_token;
+  // Row r is token r / group of the tile, head kv_head * group + r % group.
+  for (int64_t r = 0; r < rows.count; ++r) {
+    const int64_t token = query_start + item.first_token + r / group;
+    const int64_t head = item.kv_head * group + r % group;
+    const scalar_t* source = query + token * g.q_stride_token + head * g.q_stride_head;
+    for (int64_t d = 0; d < dim; ++d) rows.q[r * dim + d] = to_float(source[d]) * g.scale;
+    rows.position[r] = first_position + r / group;
+  }
+  const int64_t last_position = first_position + item.tokens - 1;
+  int64_t lowest = 0;
+  if (g.window > 0) lowest = std::max<int64_t>(0, first_position - g.window + 1);
+
+  alignas(64) float key_t[kMaxHeadDim * kLanes];
+  alignas(64) float value[kLanes * kMaxHeadDim];
+  const bool packed = rows.count >= kPackRows;
+  const int64_t kv_offset = static_cast<int64_t>(item.kv_head) * dim;
+  Chunk<scalar_t> chunk;
+  for (int64_t start = lowest - lowest % kLanes; start <= last_position; start += kLanes) {
+    chunk.start = start;
+    chunk.count = std::min<int64_t>(kLanes, context_len - start);
+    for (int64_t j = 0; j < chunk.count; ++j) {
+      const int64_t position = start + j;
+      const int64_t block = block_table[position / g.block_size];
+      const int64_t offset = block * g.kv_stride_block +
+                             (position % g.block_size) * g.kv_stride_token + kv_offset;
+      chunk.key[j] = key_cache + offset;
+      chunk.value[j] = value_cache + offset;
+    }
+    if (packed) {
+      attend_packed(rows, chunk, context_len, g.window, key_t, value);
+    } else {
+      attend_direct(rows, chunk, context_len, g.window);
+    }
+  }
+
+  for (int64_t r = 0; r < rows.count; ++r) {
+    const int64_t token = query_start + item.first_token + r / group;
+    const int64_t head = item.kv_head * group + r % group;
+    scalar_t* target = out + (token * g.heads + head) * dim;
+    const float inverse = rows.sum[r] > 0.0f ? 1.0f / rows.sum[r] : 0.0f;
+    for (int64_t d = 0; d < dim; ++d) {
+      target[d] = static_cast<scalar_t>(rows.acc[r * dim + d] * inverse);
+    }
+  }
+}
+
+// Items dealt to threads so that they finish together: largest first, each to the thread with
+// the least work so far.
+std::vector<std::vector<WorkItem>> balance(std::vector<WorkItem> items, int64_t threads) {
+  std::stable_sort(items.begin(), items.end(),
+                   [](const WorkItem& a, const WorkItem& b) { return a.cost > b.cost; });
+  threads = std::max<int64_t>(1, std::min<int64_t>(threads, items.size()));
+  std::vector<std::vector<WorkItem>> lanes(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (const WorkItem& item : items) {
+    const int64_t lightest = std::min_element(load.begin(), load.end()) - load.begin();
+    lanes[lightest].push_back(item);
+    load[lightest] += item.cost;
+  }
+  return lanes;
+}
+
+template <typename scalar_t>
+void run_items(const Geometry& g, const std::vector<std::vector<WorkItem>>& lanes,
+               const at::Tensor& query, const at::Tensor& key_cache,
+               const at::Tensor& value_cache, const int32_t* tables, const int32_t* starts,
+               const int32_t* contexts, const at::Tensor& out) {
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const scalar_t* k = key_cache.data_ptr<scalar_t>();
+  const scalar_t* v = value_cache.data_ptr<scalar_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  at::parallel_for(0, static_cast<int64_t>(lanes.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t lane = begin; lane < end; ++lane) {
+      for (const WorkItem& item : lanes[lane]) {
+        const int32_t s = item.sequence;
+        attend_item<scalar_t>(g, item, q, k, v, tables + s * g.table_stride, starts[s],
+                              starts[s + 1] - starts[s], contexts[s], o);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// out [tokens, heads, dim] (contiguous); query [tokens, heads, dim] (dim contiguous, any other
+// strides); key_cache / value_cache [blocks, block_size, kv_heads, dim] (one layer, each block
+// contiguous); all four of one dtype, fp32 or bf16. block_tables [sequences, max_blocks],
+// query_starts [sequences + 1] and context_lens [sequences] are contiguous int32; window 0 is none.
+void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_starts, const at::Tensor& context_lens, double scale,
+                     int64_t window) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
+              "query and out are [tokens, heads, dim]");
+  TORCH_CHECK(out.is_contiguous() && query.stride(2) == 1,
+              "out must be contiguous and query's last dimension too");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.sizes() == key_cache.sizes(),
+              "key_cache and value_cache are [blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(2) == key_cache.size(3) &&
+                  key_cache.stride(1) == key_cache.size(2) * key_cache.size(3) &&
+                  value_cache.strides() == key_cache.strides(),
+              "each block of the cache must be contiguous");
+  const auto dtype = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == dtype && query.scalar_type() == dtype &&
+                  out.scalar_type() == dtype,
+              "query, out, K and V must share one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() &&
+                  query_starts.scalar_type() == at::kInt && query_starts.is_contiguous() &&
+                  context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(),
+              "block_tables, query_starts and context_lens are contiguous int32");
+  const int64_t heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = key_cache.size(2), block_size = key_cache.size(1);
+  TORCH_CHECK(key_cache.size(3) == dim, "query and cache head_dim differ");
+  TORCH_CHECK(dim % kLanes == 0 && dim <= kMaxHeadDim, "head_dim must be a multiple of 16, <= 256");
+  TORCH_CHECK(heads % kv_heads == 0 && heads / kv_heads <= kMaxGroup, "unsupported GQA ratio");
+  TORCH_CHECK(window >= 0, "window must not be negative");
+  const int64_t sequences = context_lens.size(0);
+  TORCH_CHECK(query_starts.size(0) == sequences + 1 && block_tables.size(0) == sequences,
+              "one block table and context length per sequence");
+
+  const Geometry g{heads, heads / kv_heads, dim, block_size, query.stride(0), query.stride(1),
+                   key_cache.stride(0), key_cache.stride(1), block_tables.stride(0),
+                   static_cast<float>(scale), window};
+  const int32_t* starts = query_starts.data_ptr<int32_t>();
+  const int32_t* contexts = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t num_blocks = key_cache.size(0);
+  TORCH_CHECK(sequences == 0 || starts[0] == 0, "query_starts must begin at 0");
+  std::vector<WorkItem> items;
+  for (int32_t s = 0; s < sequences; ++s) {
+    const int64_t query_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(query_len >= 0 && query_len <= contexts[s] && starts[s + 1] <= query.size(0),
+                "a sequence's queries must fit its context and the batch");
+    const int64_t used_blocks = (contexts[s] + block_size - 1) / block_size;
+    TORCH_CHECK(used_blocks <= block_tables.size(1), "block table shorter than the context");
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      const int32_t block = tables[s * g.table_stride + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
+    }
+    for (int64_t first = 0; first < query_len; first += kTileTokens) {
+      const int64_t tokens = std::min(kTileTokens, query_len - first);
+      int64_t keys = contexts[s] - query_len + first + tokens;
+      if (window > 0) keys = std::min(keys, window + tokens);
+      for (int32_t h = 0; h < kv_heads; ++h) {
+        items.push_back({s, h, static_cast<int32_t>(first), static_cast<int32_t>(tokens),
+                         keys * (tokens * g.group + 4)});
+      }
+    }
+  }
+  const auto lanes = balance(std::move(items), at::get_num_threads());
+  AT_DISPATCH_SWITCH(dtype, "paged_attention",
+    AT_DISPATCH_CASE(at::kFloat, [&] {
+      run_items<scalar_t>(g, lanes, query, key_cache, value_cache, tables, starts, contexts, out);
+    })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      run_items<scalar_t>(g, lanes, query, key_cache, value_cache, tables, starts, contexts, out);
+    }));
+}
+
+TORCH_LIBRARY(prefixgate, m) {
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor query_starts, Tensor context_lens, float scale, "
+      "int window) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(prefixgate, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -1,0 +1,47 @@
+"""Which dtype the model and its KV cache compute in.
+
+`auto` is bf16 where the CPU computes bf16 natively (AVX512_BF16 or AMX-BF16: about twice the
+fp32 rate for the same weights, half the memory traffic) or on a CUDA device that supports it,
+and fp32 elsewhere, where bf16 would be emulated and slower. A setting overrides it.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+
+DTYPE_SETTINGS = ("auto", "bfloat16", "float32")
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith(("flags", "Features")):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def native_bf16_flags() -> list[str]:
+    """The CPU flags that make bf16 native here (empty: none)."""
+    return sorted(_NATIVE_BF16_FLAGS & cpu_flags())
+
+
+def resolve_dtype(setting: str, device: str | torch.device = "cpu") -> torch.dtype:
+    """The dtype for `setting` (auto, bfloat16 or float32) on `device`."""
+    if setting == "bfloat16":
+        return torch.bfloat16
+    if setting == "float32":
+        return torch.float32
+    if setting != "auto":
+        raise ValueError(f"unknown dtype {setting!r}; use one of {', '.join(DTYPE_SETTINGS)}")
+    if torch.device(device).type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    return torch.bfloat16 if native_bf16_flags() else torch.float32
