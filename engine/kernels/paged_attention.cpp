@@ -25,7 +25,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -67,6 +72,40 @@ inline float lanes_max(vfloat v) {
   float best = v[0];
   for (int64_t i = 1; i < kLanes; ++i) best = std::max(best, v[i]);
   return best;
+}
+
+// Sixteen vectors into one: lane j of the result is the sum of the lanes of parts[j]. A tree
+// of shuffles (15 steps) instead of sixteen 15-add horizontal sums.
+inline vfloat transpose_sum(const vfloat* parts) {
+#if defined(__GNUC__) && !defined(__clang__)
+  typedef int32_t vmask __attribute__((vector_size(64)));
+  const vmask low8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vmask high8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+  const vmask low4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vmask high4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+  const vmask low2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vmask high2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+  const vmask even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vmask odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+  vfloat level[8];
+  for (int i = 0; i < 8; ++i) {
+    level[i] = __builtin_shuffle(parts[2 * i], parts[2 * i + 1], low8) +
+               __builtin_shuffle(parts[2 * i], parts[2 * i + 1], high8);
+  }
+  for (int i = 0; i < 4; ++i) {
+    level[i] = __builtin_shuffle(level[2 * i], level[2 * i + 1], low4) +
+               __builtin_shuffle(level[2 * i], level[2 * i + 1], high4);
+  }
+  for (int i = 0; i < 2; ++i) {
+    level[i] = __builtin_shuffle(level[2 * i], level[2 * i + 1], low2) +
+               __builtin_shuffle(level[2 * i], level[2 * i + 1], high2);
+  }
+  return __builtin_shuffle(level[0], level[1], even) + __builtin_shuffle(level[0], level[1], odd);
+#else
+  vfloat out;
+  for (int64_t j = 0; j < kLanes; ++j) out[j] = lanes_sum(parts[j]);
+  return out;
+#endif
 }
 
 // exp(x) for x <= 0: 2^(x log2 e) split into an integer power, built in the exponent bits, and a
@@ -146,27 +185,40 @@ struct Chunk {
   int64_t start, count;
 };
 
-// Decode and short tiles: dot products straight from the cache, V rows read in place.
+// Decode and short tiles: dot products straight from the cache, each K and V row loaded once
+// for all rows of the item (the query heads of one KV head).
 template <typename scalar_t>
 void attend_direct(Rows& rows, const Chunk<scalar_t>& chunk, int64_t context_len,
                    int64_t window) {
-  const int64_t dim = rows.dim;
-  for (int64_t r = 0; r < rows.count; ++r) {
-    if (rows.position[r] < chunk.start) continue;
-    const float* q = rows.q.data() + r * dim;
-    vfloat scores = splat(0.0f);
-    for (int64_t j = 0; j < chunk.count; ++j) {
-      vfloat partial = splat(0.0f);
-      for (int64_t d = 0; d < dim; d += kLanes) partial += load(q + d) * load(chunk.key[j] + d);
-      scores[j] = lanes_sum(partial);
-    }
-    if (!softmax_chunk(rows, r, scores, chunk.start, context_len, window)) continue;
-    float* acc = rows.acc.data() + r * dim;
+  const int64_t dim = rows.dim, count = rows.count;
+  vfloat partial[kPackRows][kLanes];
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t j = 0; j < kLanes; ++j) partial[r][j] = splat(0.0f);
+  }
+  for (int64_t j = 0; j < chunk.count; ++j) {
     for (int64_t d = 0; d < dim; d += kLanes) {
-      vfloat total = load(acc + d);
-      for (int64_t j = 0; j < chunk.count; ++j) total += scores[j] * load(chunk.value[j] + d);
-      store(acc + d, total);
+      const vfloat k = load(chunk.key[j] + d);
+      for (int64_t r = 0; r < count; ++r) partial[r][j] += load(rows.q.data() + r * dim + d) * k;
     }
+  }
+  vfloat probabilities[kPackRows];
+  bool any = false;
+  for (int64_t r = 0; r < count; ++r) {
+    probabilities[r] = transpose_sum(partial[r]);
+    const bool seen = rows.position[r] >= chunk.start &&
+                      softmax_chunk(rows, r, probabilities[r], chunk.start, context_len, window);
+    if (!seen) probabilities[r] = splat(0.0f);
+    any = any || seen;
+  }
+  if (!any) return;
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    vfloat total[kPackRows];
+    for (int64_t r = 0; r < count; ++r) total[r] = load(rows.acc.data() + r * dim + d);
+    for (int64_t j = 0; j < chunk.count; ++j) {
+      const vfloat v = load(chunk.value[j] + d);
+      for (int64_t r = 0; r < count; ++r) total[r] += probabilities[r][j] * v;
+    }
+    for (int64_t r = 0; r < count; ++r) store(rows.acc.data() + r * dim + d, total[r]);
   }
 }
 
@@ -210,6 +262,79 @@ void attend_packed(Rows& rows, const Chunk<scalar_t>& chunk, int64_t context_len
   }
 }
 
+#if defined(__AVX512BF16__)
+// Prefill tiles over a bf16 pool on a CPU with AVX512_BF16: `vdpbf16ps` multiplies pairs of
+// bf16 and accumulates in fp32, twice the work of an fp32 FMA per instruction. K is packed as
+// [dim / 2][16 keys] pairs of dims, V as [8 key pairs][dim] pairs of keys; queries stay exact
+// bf16 (the scale is applied to the fp32 scores) and the probabilities are rounded to bf16 for
+// P x V, as GPU flash attention does.
+void attend_packed_bf16(Rows& rows, const uint32_t* query_pairs, const Chunk<c10::BFloat16>& chunk,
+                        int64_t context_len, int64_t window, float scale, uint32_t* key_pairs,
+                        uint32_t* value_pairs) {
+  const int64_t dim = rows.dim, pairs = dim / 2;
+  for (int64_t j = 0; j < kLanes; ++j) {
+    const auto* source = reinterpret_cast<const uint32_t*>(chunk.key[j < chunk.count ? j : 0]);
+    for (int64_t p = 0; p < pairs; ++p) key_pairs[p * kLanes + j] = j < chunk.count ? source[p] : 0;
+  }
+  for (int64_t pair = 0; pair < kLanes / 2; ++pair) {
+    const int64_t first = 2 * pair, second = 2 * pair + 1;
+    const auto* a = reinterpret_cast<const uint16_t*>(chunk.value[first < chunk.count ? first : 0]);
+    const auto* b = reinterpret_cast<const uint16_t*>(chunk.value[second < chunk.count ? second : 0]);
+    for (int64_t d = 0; d < dim; ++d) {
+      const uint32_t low = first < chunk.count ? a[d] : 0, high = second < chunk.count ? b[d] : 0;
+      value_pairs[pair * dim + d] = low | (high << 16);
+    }
+  }
+  for (int64_t first = 0; first < rows.count; first += 4) {
+    const int64_t n = std::min<int64_t>(4, rows.count - first);
+    __m512 dots[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                      _mm512_setzero_ps()};
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(key_pairs + p * kLanes);
+      for (int64_t i = 0; i < 4; ++i) {
+        const int64_t row = first + (i < n ? i : 0);
+        const __m512bh q = (__m512bh)_mm512_set1_epi32(query_pairs[row * pairs + p]);
+        dots[i] = _mm512_dpbf16_ps(dots[i], q, k);
+      }
+    }
+    uint32_t probability_pairs[4][kLanes / 2];
+    bool any[4] = {false, false, false, false};
+    for (int64_t i = 0; i < n; ++i) {
+      vfloat scores;
+      std::memcpy(&scores, &dots[i], sizeof(scores));
+      scores *= scale;
+      any[i] = rows.position[first + i] >= chunk.start &&
+               softmax_chunk(rows, first + i, scores, chunk.start, context_len, window);
+      if (!any[i]) scores = splat(0.0f);
+      __m512 wide;
+      std::memcpy(&wide, &scores, sizeof(wide));
+      const __m256bh narrow = _mm512_cvtneps_pbh(wide);
+      std::memcpy(probability_pairs[i], &narrow, sizeof(narrow));
+    }
+    for (int64_t i = n; i < 4; ++i) std::memcpy(probability_pairs[i], probability_pairs[0], 32);
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      __m512 total[4];
+      for (int64_t i = 0; i < 4; ++i) {
+        total[i] = _mm512_loadu_ps(rows.acc.data() + (first + (i < n ? i : 0)) * dim + d);
+      }
+      for (int64_t pair = 0; pair < kLanes / 2; ++pair) {
+        const __m512bh v = (__m512bh)_mm512_loadu_si512(value_pairs + pair * dim + d);
+        for (int64_t i = 0; i < 4; ++i) {
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(probability_pairs[i][pair]);
+          total[i] = _mm512_dpbf16_ps(total[i], p, v);
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        if (any[i]) _mm512_storeu_ps(rows.acc.data() + (first + i) * dim + d, total[i]);
+      }
+    }
+  }
+}
+constexpr bool kNativeBf16 = true;
+#else
+constexpr bool kNativeBf16 = false;
+#endif
+
 template <typename scalar_t>
 void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
                  const scalar_t* key_cache, const scalar_t* value_cache,
@@ -233,6 +358,17 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
   alignas(64) float key_t[kMaxHeadDim * kLanes];
   alignas(64) float value[kLanes * kMaxHeadDim];
   const bool packed = rows.count >= kPackRows;
+  constexpr bool dot_bf16 = kNativeBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
+  std::vector<uint32_t> query_pairs;
+  if (dot_bf16 && packed) {  // the queries as they came, in pairs of bf16
+    query_pairs.resize(rows.count * dim / 2);
+    for (int64_t r = 0; r < rows.count; ++r) {
+      const int64_t token = query_start + item.first_token + r / group;
+      const int64_t head = item.kv_head * group + r % group;
+      std::memcpy(query_pairs.data() + r * dim / 2,
+                  query + token * g.q_stride_token + head * g.q_stride_head, dim * 2);
+    }
+  }
   const int64_t kv_offset = static_cast<int64_t>(item.kv_head) * dim;
   Chunk<scalar_t> chunk;
   for (int64_t start = lowest - lowest % kLanes; start <= last_position; start += kLanes) {
@@ -245,6 +381,13 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
                              (position % g.block_size) * g.kv_stride_token + kv_offset;
       chunk.key[j] = key_cache + offset;
       chunk.value[j] = value_cache + offset;
+    }
+    if constexpr (dot_bf16) {
+      if (packed) {
+        attend_packed_bf16(rows, query_pairs.data(), chunk, context_len, g.window, g.scale,
+                           reinterpret_cast<uint32_t*>(key_t), reinterpret_cast<uint32_t*>(value));
+        continue;
+      }
     }
     if (packed) {
       attend_packed(rows, chunk, context_len, g.window, key_t, value);
