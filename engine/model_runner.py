@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.attention import ATTENTION_NAME, AttentionBackend, PagedBatch
+from engine.kernels.cpu_linear import pack_linears
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +36,7 @@ class ModelRunner:
         self, model: PreTrainedModel, kv_cache: torch.Tensor, backend: AttentionBackend
     ) -> None:
         model.config._attn_implementation = ATTENTION_NAME
+        pack_linears(model)
         self.model = model.eval()  # type: ignore[no-untyped-call]
         self.kv_cache = kv_cache
         self.backend = backend

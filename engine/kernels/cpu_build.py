@@ -23,7 +23,8 @@ import torch
 from engine.precision import cpu_flags
 
 SOURCE = "paged_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=fast"]
+# -fopenmp: at::parallel_for is inline and runs its threads with `omp parallel` in this file.
+FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 
 
 class KernelUnavailable(RuntimeError):
@@ -69,6 +70,7 @@ def load() -> None:
                 name=f"prefixgate_cpu_{key}",
                 sources=[str(source)],
                 extra_cflags=FLAGS,
+                extra_ldflags=["-fopenmp"],
                 build_directory=str(directory),
                 is_python_module=False,
                 verbose=False,
