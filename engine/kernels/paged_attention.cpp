@@ -23,12 +23,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -63,15 +64,27 @@ inline vfloat load(const c10::BFloat16* source) {
 inline void store(float* target, vfloat value) { std::memcpy(target, &value, sizeof(value)); }
 
 inline float lanes_sum(vfloat v) {
+#if defined(__AVX512F__)
+  __m512 wide;
+  std::memcpy(&wide, &v, sizeof(wide));
+  return _mm512_reduce_add_ps(wide);
+#else
   float total = 0.0f;
   for (int64_t i = 0; i < kLanes; ++i) total += v[i];
   return total;
+#endif
 }
 
 inline float lanes_max(vfloat v) {
+#if defined(__AVX512F__)
+  __m512 wide;
+  std::memcpy(&wide, &v, sizeof(wide));
+  return _mm512_reduce_max_ps(wide);
+#else
   float best = v[0];
   for (int64_t i = 1; i < kLanes; ++i) best = std::max(best, v[i]);
   return best;
+#endif
 }
 
 // Sixteen vectors into one: lane j of the result is the sum of the lanes of parts[j]. A tree
@@ -158,8 +171,8 @@ struct Rows {
 inline bool softmax_chunk(Rows& rows, int64_t r, vfloat& scores, int64_t chunk_start,
                           int64_t context_len, int64_t window) {
   const int64_t position = rows.position[r];
-  vfloat key_position = splat(static_cast<float>(chunk_start));
-  for (int64_t j = 0; j < kLanes; ++j) key_position[j] += static_cast<float>(j);
+  const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vfloat key_position = lane + static_cast<float>(chunk_start);
   const float last = static_cast<float>(std::min(position, context_len - 1));
   const float first = window > 0 ? static_cast<float>(position - window + 1) : -1.0f;
   const auto visible = (key_position <= last) & (key_position >= first);
@@ -167,7 +180,7 @@ inline bool softmax_chunk(Rows& rows, int64_t r, vfloat& scores, int64_t chunk_s
   const float chunk_max = lanes_max(scores);
   if (chunk_max <= kMasked) return false;
   const float new_max = std::max(rows.max[r], chunk_max);
-  const float correction = vexp(splat(rows.max[r] - new_max))[0];
+  const float correction = new_max == rows.max[r] ? 1.0f : std::exp(rows.max[r] - new_max);
   rows.max[r] = new_max;
   scores = visible ? vexp(scores - new_max) : splat(0.0f);
   rows.sum[r] = rows.sum[r] * correction + lanes_sum(scores);
@@ -330,6 +343,65 @@ void attend_packed_bf16(Rows& rows, const uint32_t* query_pairs, const Chunk<c10
     }
   }
 }
+// Decode over a bf16 pool on a CPU with AVX512_BF16: attend_direct with vdpbf16ps for both
+// products (q.k over pairs of dims, p.v over pairs of keys).
+void attend_direct_bf16(Rows& rows, const uint32_t* query_pairs,
+                        const Chunk<c10::BFloat16>& chunk, int64_t context_len, int64_t window,
+                        float scale) {
+  const int64_t dim = rows.dim, count = rows.count, pairs = dim / 2;
+  __m512 partial[kPackRows][kLanes];
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t j = 0; j < kLanes; ++j) partial[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t j = 0; j < chunk.count; ++j) {
+    const auto* key = reinterpret_cast<const uint32_t*>(chunk.key[j]);
+    for (int64_t p = 0; p < pairs; p += kLanes) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(key + p);
+      for (int64_t r = 0; r < count; ++r) {
+        const __m512bh q = (__m512bh)_mm512_loadu_si512(query_pairs + r * pairs + p);
+        partial[r][j] = _mm512_dpbf16_ps(partial[r][j], q, k);
+      }
+    }
+  }
+  uint32_t probability_pairs[kPackRows][kLanes / 2];
+  bool any = false;
+  for (int64_t r = 0; r < count; ++r) {
+    vfloat parts[kLanes];
+    std::memcpy(parts, partial[r], sizeof(parts));
+    vfloat scores = transpose_sum(parts) * scale;
+    const bool seen = rows.position[r] >= chunk.start &&
+                      softmax_chunk(rows, r, scores, chunk.start, context_len, window);
+    if (!seen) scores = splat(0.0f);
+    any = any || seen;
+    __m512 wide;
+    std::memcpy(&wide, &scores, sizeof(wide));
+    const __m256bh narrow = _mm512_cvtneps_pbh(wide);
+    std::memcpy(probability_pairs[r], &narrow, sizeof(narrow));
+  }
+  if (!any) return;
+  const int64_t key_pairs = (chunk.count + 1) / 2;
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    __m512 total[kPackRows];
+    for (int64_t r = 0; r < count; ++r) total[r] = _mm512_loadu_ps(rows.acc.data() + r * dim + d);
+    for (int64_t pair = 0; pair < key_pairs; ++pair) {
+      const int64_t first = 2 * pair, second = 2 * pair + 1;
+      const __m512i low = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk.value[first] + d)));
+      __m512i high = _mm512_setzero_si512();
+      if (second < chunk.count) {
+        high = _mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk.value[second] + d)));
+      }
+      const __m512bh v = (__m512bh)_mm512_or_si512(low, _mm512_slli_epi32(high, 16));
+      for (int64_t r = 0; r < count; ++r) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(probability_pairs[r][pair]);
+        total[r] = _mm512_dpbf16_ps(total[r], p, v);
+      }
+    }
+    for (int64_t r = 0; r < count; ++r) _mm512_storeu_ps(rows.acc.data() + r * dim + d, total[r]);
+  }
+}
+
 constexpr bool kNativeBf16 = true;
 #else
 constexpr bool kNativeBf16 = false;
@@ -360,7 +432,7 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
   const bool packed = rows.count >= kPackRows;
   constexpr bool dot_bf16 = kNativeBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
   std::vector<uint32_t> query_pairs;
-  if (dot_bf16 && packed) {  // the queries as they came, in pairs of bf16
+  if (dot_bf16) {  // the queries as they came, in pairs of bf16
     query_pairs.resize(rows.count * dim / 2);
     for (int64_t r = 0; r < rows.count; ++r) {
       const int64_t token = query_start + item.first_token + r / group;
@@ -374,20 +446,25 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
   for (int64_t start = lowest - lowest % kLanes; start <= last_position; start += kLanes) {
     chunk.start = start;
     chunk.count = std::min<int64_t>(kLanes, context_len - start);
+    int64_t block_index = start / g.block_size, slot = start % g.block_size;
     for (int64_t j = 0; j < chunk.count; ++j) {
-      const int64_t position = start + j;
-      const int64_t block = block_table[position / g.block_size];
-      const int64_t offset = block * g.kv_stride_block +
-                             (position % g.block_size) * g.kv_stride_token + kv_offset;
+      const int64_t offset = block_table[block_index] * g.kv_stride_block +
+                             slot * g.kv_stride_token + kv_offset;
       chunk.key[j] = key_cache + offset;
       chunk.value[j] = value_cache + offset;
+      if (++slot == g.block_size) {
+        slot = 0;
+        ++block_index;
+      }
     }
     if constexpr (dot_bf16) {
       if (packed) {
         attend_packed_bf16(rows, query_pairs.data(), chunk, context_len, g.window, g.scale,
                            reinterpret_cast<uint32_t*>(key_t), reinterpret_cast<uint32_t*>(value));
-        continue;
+      } else {
+        attend_direct_bf16(rows, query_pairs.data(), chunk, context_len, g.window, g.scale);
       }
+      continue;
     }
     if (packed) {
       attend_packed(rows, chunk, context_len, g.window, key_t, value);
