@@ -18,6 +18,7 @@ from engine.budget import TenantBudget
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import EMBEDDED_MODEL_NAME, LoadedModel, load_model
+from engine.openmp import on_passing_thread
 from engine.precision import resolve_dtype
 from gateway.admin.throttle import LoginThrottle, SlidingWindow
 from gateway.admin.tokens import AdminTokens
@@ -123,17 +124,10 @@ def prepare_database(
         engine.dispose()
 
 
-def build_state(
-    settings: Settings, loaded: LoadedModel | None, announce: Callable[[str], None]
-) -> GatewayState:
-    prepare_database(settings, announce)
-    policy_config = load_policy(settings.policy_file)
-    store = settings.open_store()
+def start_engine(settings: Settings, loaded: LoadedModel | None) -> tuple[LoadedModel, Engine]:
+    """The model (loaded unless given) and a started engine over it, as the settings say."""
     if loaded is None:
         loaded = load_model(settings.model_dir, dtype=resolve_dtype(settings.dtype))
-    model_name = settings.served_model_name or (
-        EMBEDDED_MODEL_NAME if settings.model_dir is None else Path(settings.model_dir).name
-    )
     public_budget = None
     if settings.public_cache_blocks is not None:
         public_budget = TenantBudget(settings.public_cache_blocks)
@@ -149,7 +143,22 @@ def build_state(
             attention_backend=settings.attention_backend,
             public_budget=public_budget,
         ),
-    ).start()
+    )
+    return loaded, engine.start()
+
+
+def build_state(
+    settings: Settings, loaded: LoadedModel | None, announce: Callable[[str], None]
+) -> GatewayState:
+    prepare_database(settings, announce)
+    policy_config = load_policy(settings.policy_file)
+    store = settings.open_store()
+    model_name = settings.served_model_name or (
+        EMBEDDED_MODEL_NAME if settings.model_dir is None else Path(settings.model_dir).name
+    )
+    # Loaded and built on a thread that then ends: the engine thread's OpenMP pool stays the
+    # only one (engine/openmp.py).
+    loaded, engine = on_passing_thread(lambda: start_engine(settings, loaded))
     announce("engine: " + ", ".join(f"{key} {value}" for key, value in engine.describe().items()))
     with store.transaction() as session:  # so the CLI can check quotas against the pool
         deployment.record_pool_blocks(session, engine.pool.num_blocks)
