@@ -356,9 +356,11 @@ void attend_direct_bf16(Rows& rows, const uint32_t* query_pairs,
   for (int64_t j = 0; j < chunk.count; ++j) {
     const auto* key = reinterpret_cast<const uint32_t*>(chunk.key[j]);
     for (int64_t p = 0; p < pairs; p += kLanes) {
-      const __m512bh k = (__m512bh)_mm512_loadu_si512(key + p);
+      // A head of 16 or 48 dims ends half-way through a vector of 16 pairs.
+      const __mmask16 lanes = pairs - p >= kLanes ? 0xFFFF : (1u << (pairs - p)) - 1;
+      const __m512bh k = (__m512bh)_mm512_maskz_loadu_epi32(lanes, key + p);
       for (int64_t r = 0; r < count; ++r) {
-        const __m512bh q = (__m512bh)_mm512_loadu_si512(query_pairs + r * pairs + p);
+        const __m512bh q = (__m512bh)_mm512_maskz_loadu_epi32(lanes, query_pairs + r * pairs + p);
         partial[r][j] = _mm512_dpbf16_ps(partial[r][j], q, k);
       }
     }

@@ -112,6 +112,9 @@ CASES = {
         [(1, 70), (30, 70)], heads=9, kv_heads=3, head_dim=64, block_size=8
     ),
     "block-32": Case([(1, 70), (30, 100)], block_size=32),
+    # Heads of 16 and 48 dims end half-way through a 32-element bf16 vector.
+    "head-dim-16": Case([(1, 40), (1, 17), (20, 60)], heads=4, kv_heads=2, head_dim=16),
+    "head-dim-48": Case([(1, 40), (1, 33), (20, 60)], heads=6, kv_heads=3, head_dim=48),
     "sliding-window": Case([(1, 90), (40, 90), (5, 30)], window=24),
     "window-of-one": Case([(3, 20)], window=1),
     "long-tile-boundaries": Case([(70, 200), (1, 300)], num_blocks=64),
