@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from gateway.cli.common import app, fail
+from gateway.cli.common import app, fail, load_settings
 
 
 def human_bytes(count: float) -> str:
@@ -97,9 +97,10 @@ def demo(
     from engine.budget import describe_owner
     from engine.demo import run_demo
     from engine.model_loader import ModelLoadError, load_model
+    from engine.precision import resolve_dtype
 
     try:
-        loaded = load_model(model)
+        loaded = load_model(model, dtype=resolve_dtype(load_settings().dtype))
     except ModelLoadError as error:
         fail(str(error))
     if loaded.tokenizer is None:
@@ -147,6 +148,7 @@ def generate(
     from engine.engine import Engine
     from engine.errors import EngineError
     from engine.model_loader import ModelLoadError, load_model
+    from engine.precision import resolve_dtype
     from engine.request import GenerationRequest
     from engine.sampler import InvalidSampling, SamplingParams
     from engine.scope import User
@@ -154,7 +156,7 @@ def generate(
 
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        loaded = load_model(model)
+        loaded = load_model(model, dtype=resolve_dtype(load_settings().dtype))
     except InvalidSampling as error:
         fail(f"--{error.param.replace('_', '-')}: {error}")
     except ModelLoadError as error:
