@@ -40,6 +40,7 @@ constexpr int64_t kTileTokens = 16;   // query tokens per prefill work item
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;     // query heads per KV head
 constexpr int64_t kPackRows = 8;      // from this many rows on, a chunk is packed first
+constexpr int64_t kAhead = 1;        // chunks prefetched ahead of the one computed (2 measured the same)
 constexpr float kMasked = -1e30f;     // finite, so no infinity arithmetic is ever needed
 
 typedef float vfloat __attribute__((vector_size(64)));
@@ -444,8 +445,8 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
     }
   }
   const int64_t kv_offset = static_cast<int64_t>(item.kv_head) * dim;
-  Chunk<scalar_t> chunk;
-  for (int64_t start = lowest - lowest % kLanes; start <= last_position; start += kLanes) {
+  // Where the K and V rows of the chunk starting at `start` are.
+  const auto locate = [&](Chunk<scalar_t>& chunk, int64_t start) {
     chunk.start = start;
     chunk.count = std::min<int64_t>(kLanes, context_len - start);
     int64_t block_index = start / g.block_size, slot = start % g.block_size;
@@ -458,6 +459,31 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
         slot = 0;
         ++block_index;
       }
+    }
+  };
+  // The next chunk usually sits in another block, somewhere else in the pool: its rows are
+  // prefetched while this one is computed, so decode is not a chain of cache misses.
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
+  const auto prefetch = [&](const Chunk<scalar_t>& chunk) {
+    for (int64_t j = 0; j < chunk.count; ++j) {
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(chunk.key[j]) + byte);
+        __builtin_prefetch(reinterpret_cast<const char*>(chunk.value[j]) + byte);
+      }
+    }
+  };
+  const int64_t first_start = lowest - lowest % kLanes;
+  Chunk<scalar_t> chunk, ahead;
+  for (int64_t start = first_start;
+       start <= last_position && start < first_start + kAhead * kLanes; start += kLanes) {
+    locate(ahead, start);
+    prefetch(ahead);
+  }
+  for (int64_t start = first_start; start <= last_position; start += kLanes) {
+    locate(chunk, start);
+    if (start + kAhead * kLanes <= last_position) {
+      locate(ahead, start + kAhead * kLanes);
+      prefetch(ahead);
     }
     if constexpr (dot_bf16) {
       if (packed) {
