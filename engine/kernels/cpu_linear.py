@@ -1,9 +1,10 @@
-"""bf16 linear layers on the CPU with weights packed once for oneDNN.
+"""Linear layers on the CPU with weights packed once for oneDNN.
 
-torch's plain `linear` hands oneDNN a row-major bf16 weight on every call; oneDNN's own
-blocked layout, made once at start, reads it faster: a decode step's projections (one row per
-sequence, bound by reading the weights) took about 25% less time in
-`bench/peers.py`'s workload, prefill-sized products the same. The results are bit-identical.
+torch's plain `linear` hands the weight over row-major on every call; oneDNN's own blocked
+layout, made once at start, is read faster. Measured on SmolLM2's 30 layers of projections:
+bf16, one row (decode) 11.2 -> 8.6 ms, prefill-sized products unchanged, results bit-identical;
+fp32, one row 26 -> 17 ms, 16 rows 46 -> 18 ms, 1,536 rows 2.2x faster, results equal up to
+summation order (relative 1e-5).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 
 class PackedLinear(torch.nn.Module):
-    """An `nn.Linear` whose bf16 weight is also kept in oneDNN's packed layout.
+    """An `nn.Linear` whose weight is also kept in oneDNN's packed layout.
 
     The original `weight` stays a parameter (same tensor, no copy), so `state_dict` and
     copies of the model see the model they loaded.
@@ -36,19 +37,20 @@ class PackedLinear(torch.nn.Module):
 
 
 def pack_linears(model: torch.nn.Module) -> int:
-    """Swap every bf16 CPU `nn.Linear` of `model` for a `PackedLinear`; returns how many.
-
-    Nothing changes where oneDNN has no bf16 support, on other devices or in fp32.
-    """
-    mkldnn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-    if not (mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    """Swap every fp32 or bf16 CPU `nn.Linear` of `model` for a `PackedLinear`; returns how
+    many. Nothing changes without oneDNN, on other devices, or in bf16 where oneDNN has no bf16
+    support."""
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return 0
+    dtypes = {torch.float32}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        dtypes.add(torch.bfloat16)
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if type(child) is torch.nn.Linear
-        and child.weight.dtype == torch.bfloat16
+        and child.weight.dtype in dtypes
         and child.weight.device.type == "cpu"
     ]
     for parent, name, child in targets:
