@@ -8,13 +8,14 @@
 // window, > its own - window). Grouped-query attention: the `heads / kv_heads` query heads of a
 // KV head are computed together, so each K/V element read serves all of them.
 //
-// Work items are (sequence, kv head, tile of up to 16 query tokens), spread over torch's
-// threads, longest first. Keys are taken 16 positions at a time (a "chunk", whatever the block
-// size) and processed with 16-lane vectors (GCC/Clang vector extensions: AVX-512 here, split
-// into narrower registers elsewhere). Decode rows take dot products straight from the cache;
-// prefill tiles first convert the chunk's K (transposed) and V into a small fp32 tile on the
-// stack, which their many rows then share. Math is fp32 with an online softmax; the pool may
-// hold fp32 or bf16.
+// Work items are (sequence, kv head, tile of up to 16 query tokens), dealt to torch's threads
+// so that they finish together. Keys are taken 16 positions at a time (a "chunk", whatever the
+// block size) and processed with 16-lane vectors (GCC/Clang vector extensions: AVX-512 here,
+// narrower registers elsewhere); the next chunk's rows are prefetched, as they usually sit in
+// another block. Decode rows take dot products straight from the cache and sum 16 keys at once
+// with a shuffle tree; prefill tiles first convert the chunk into a small tile on the stack
+// (K transposed), which their many rows then share. Math is fp32 with an online softmax; the
+// pool may hold fp32 or bf16, and bf16 on a CPU with AVX512_BF16 multiplies with vdpbf16ps.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -40,7 +41,7 @@ constexpr int64_t kTileTokens = 16;   // query tokens per prefill work item
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;     // query heads per KV head
 constexpr int64_t kPackRows = 8;      // from this many rows on, a chunk is packed first
-constexpr int64_t kAhead = 1;        // chunks prefetched ahead of the one computed (2 measured the same)
+constexpr int64_t kAhead = 1;         // chunks prefetched ahead (2 measured the same)
 constexpr float kMasked = -1e30f;     // finite, so no infinity arithmetic is ever needed
 
 typedef float vfloat __attribute__((vector_size(64)));
