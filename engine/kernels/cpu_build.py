@@ -31,6 +31,9 @@ class KernelUnavailable(RuntimeError):
     """The C++ kernels cannot be built or loaded here (no compiler, not x86/ARM, ...)."""
 
 
+_failures: list[KernelUnavailable] = []  # the first failure, raised again by later calls
+
+
 def kernels_dir() -> Path:
     """$PREFIXGATE_KERNEL_CACHE, else ~/.cache/prefixgate/kernels."""
     configured = os.environ.get("PREFIXGATE_KERNEL_CACHE")
@@ -52,9 +55,10 @@ def _build_key(source: bytes) -> str:
 @cache
 def load() -> None:
     """Load the kernels into this process (they register `torch.ops.prefixgate.*`), building
-    them first if this machine has no build yet."""
-    from torch.utils import cpp_extension
-
+    them first if this machine has no build yet. A failure is remembered: the next call raises
+    it again at once instead of compiling again."""
+    if _failures:
+        raise _failures[0]
     # The ninja that pip installed lives beside this interpreter, which may not be on PATH.
     scripts = str(Path(sys.executable).parent)
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
@@ -62,23 +66,34 @@ def load() -> None:
     source = _source()
     key = _build_key(source.read_bytes())
     directory = kernels_dir() / key
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            cpp_extension.load(
-                name=f"prefixgate_cpu_{key}",
-                sources=[str(source)],
-                extra_cflags=FLAGS,
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=False,
-            )
-        except (OSError, RuntimeError, ImportError) as error:
-            raise KernelUnavailable(f"cannot build the CPU kernels: {error}") from error
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                _build_and_load(source, key, directory)
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+    except (OSError, RuntimeError, ImportError) as error:
+        # The compiler's whole output stays in the chained exception; the message is its gist.
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        failure = KernelUnavailable(f"cannot build the CPU kernels: {first_line}")
+        _failures.append(failure)
+        raise failure from error
+
+
+def _build_and_load(source: Path, key: str, directory: Path) -> None:
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(
+        name=f"prefixgate_cpu_{key}",
+        sources=[str(source)],
+        extra_cflags=FLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def main() -> None:

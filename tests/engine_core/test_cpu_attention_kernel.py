@@ -8,7 +8,11 @@ and sums run in a different order); bf16 pools to 1.6e-2, bf16's own rounding of
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +195,38 @@ def test_bad_input_is_an_error_not_a_crash(message: str) -> None:
     arguments = _valid_arguments() | BAD_INPUTS[message]
     with pytest.raises(RuntimeError, match=message):
         paged_attention(**arguments)
+
+
+FALLBACK_PROBE = """
+import time, torch
+from engine.attention import make_backend
+cpu = torch.device("cpu")
+print(make_backend("auto", cpu, 64).name)
+started = time.perf_counter()
+print(make_backend("auto", cpu, 64).name, time.perf_counter() - started < 1.0)
+try:
+    make_backend("cpu", cpu, 64)
+except ValueError as error:
+    print("refused:", str(error).splitlines()[0][:60])
+"""
+
+
+def test_without_a_compiler_auto_serves_with_torch_and_cpu_refuses(tmp_path: Path) -> None:
+    # A fresh process (this one has the kernel loaded), an empty kernel cache, no compiler.
+    environment = os.environ | {"CXX": str(tmp_path / "no-compiler"),
+                                "PREFIXGATE_KERNEL_CACHE": str(tmp_path / "kernels")}  # fmt: skip
+    probe = subprocess.run(
+        [sys.executable, "-c", FALLBACK_PROBE],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    # The first failure is remembered: the second engine does not try to compile again.
+    assert probe.stdout.splitlines() == [
+        "torch",
+        "torch True",
+        "refused: attention backend 'cpu' is unavailable: cannot build the CPU",
+    ]
+    assert "attention backend: torch (cannot build the CPU kernels" in probe.stderr
