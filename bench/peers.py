@@ -54,14 +54,11 @@ import copy
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +76,7 @@ from transformers import (
 )
 
 from bench.common import emit, machine, plot_bars
+from bench.served_gateway import served_gateway
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_spec import dtype_name
@@ -285,7 +283,12 @@ def run_transformers(workload: Workload, dtype: str) -> EngineRun:
 
 def run_api(workload: Workload, dtype: str) -> EngineRun:
     """PrefixGate's HTTP API in a subprocess: streamed `/v1/completions` with token ids."""
-    with gateway_server(workload, dtype) as (url, key):
+    pool = workload.kv_cache_gib * GIB
+    quota = pool // (16 * fp32_kv_bytes_per_token(workload.model_dir))  # the pool, even fp32
+    server = served_gateway(
+        workload.model_dir, pool, dtype, quota, max(64, workload.concurrency), TENANT
+    )
+    with server as (url, key):
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
             ready = client.get("/readyz").json()
@@ -295,82 +298,6 @@ def run_api(workload: Workload, dtype: str) -> EngineRun:
     serving = ready.get("engine", {})  # what /readyz says serves: dtype, attention backend
     notes = {**serving, "stopped_early": stopped_early}
     return EngineRun("prefixgate_api", serving.get("dtype", "not reported"), traces, notes)
-
-
-@contextmanager
-def gateway_server(workload: Workload, dtype: str) -> Iterator[tuple[str, str]]:
-    """`prefixgate serve` on a free port with fresh SQLite state; yields its URL and a key."""
-    cli = str(Path(sys.executable).with_name("prefixgate"))
-    pool = workload.kv_cache_gib * GIB
-    quota = pool // (16 * fp32_kv_bytes_per_token(workload.model_dir))  # the pool, even fp32
-    with tempfile.TemporaryDirectory(prefix="peers-api-") as scratch:
-        state, port = Path(scratch), free_port()
-        env = {
-            **os.environ,
-            "PREFIXGATE_STATE_DIR": scratch,
-            "PREFIXGATE_DATABASE_URL": f"sqlite:///{state / 'bench.db'}",
-            "PREFIXGATE_MODEL_DIR": str(workload.model_dir),
-            "PREFIXGATE_KV_CACHE_BYTES": str(pool),
-            "PREFIXGATE_DTYPE": dtype,
-            "PREFIXGATE_MAX_NUM_SEQS": str(max(64, workload.concurrency)),
-        }
-
-        def cli_json(arguments: str) -> Any:
-            done = subprocess.run(
-                [cli, *arguments.split(), "--json"],
-                env=env,
-                cwd=scratch,
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            return json.loads(done.stdout)
-
-        subprocess.run(
-            [cli, "db", "upgrade"], env=env, cwd=scratch, check=True, capture_output=True
-        )
-        cli_json(
-            f"tenants create {TENANT} --quota {quota} --rpm 100000 --tpm {10**9} --concurrent 1000"
-        )
-        key = cli_json(f"keys create --tenant {TENANT}")["key"]
-        log = state / "serve.log"
-        with open(log, "w") as log_file:
-            server = subprocess.Popen(
-                [cli, "serve", "--port", str(port)],
-                env=env,
-                cwd=scratch,
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_ready(url, server, log)
-            yield url, key
-        finally:
-            server.terminate()
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def wait_ready(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"prefixgate serve did not get ready:\n{log.read_text()[-3000:]}")
 
 
 async def stream_phases(
