@@ -59,7 +59,7 @@ def test_a_dripping_body_is_answered_408_within_the_deadline(uploads: Gateway) -
         elapsed = time.monotonic() - started
     assert response.startswith(b"HTTP/1.1 408"), response[:100]
     assert elapsed < DEADLINE_S + 2
-    (event,) = uploads.audit_events(before)
+    (event,) = uploads.wait_for_audit_events(before, 1)
     assert (event.outcome, event.details["status"]) == ("rejected", 408)
 
 
@@ -105,5 +105,5 @@ def test_a_silent_body_is_answered_408_and_audited_as_such(uploads: Gateway) -> 
     deadline = time.monotonic() + 5
     while not uploads.audit_events(before) and time.monotonic() < deadline:
         time.sleep(0.05)
-    (event,) = uploads.audit_events(before)
+    (event,) = uploads.wait_for_audit_events(before, 1)
     assert (event.outcome, event.details["status"]) == ("rejected", 408)

@@ -57,7 +57,8 @@ def prompts(smollm2_tokenizer: Any) -> list[list[int]]:
 def last_logits(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
     dtype = loaded.model.dtype
     spec = KVSpec(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, dtype, 16)
-    runner = ModelRunner(loaded.model, BlockPool(spec, 16).kv, make_backend("cpu", CPU, 64))
+    backend = make_backend("cpu", CPU, loaded.head_dim)
+    runner = ModelRunner(loaded.model, BlockPool(spec, 16).kv, backend)
     chunk = Chunk("probe", prompt, 0, list(range(16)), len(prompt), needs_logits=True)
     return runner.run([chunk])[0]
 

@@ -6,6 +6,7 @@ with `start_gateway`; tests that need other settings start their own.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,6 +62,19 @@ class Gateway:
         with store.transaction() as session:
             query = select(AuditEvent).where(AuditEvent.seq > after_seq).order_by(AuditEvent.seq)
             return list(session.scalars(query))
+
+    def wait_for_audit_events(
+        self, after_seq: int, count: int, timeout_s: float = 10.0
+    ) -> list[AuditEvent]:
+        """`audit_events`, polled until `count` have arrived: a request the connection layer
+        answers itself (a 408, say) is settled just after its response leaves, so its event
+        can still be on its way when the client has read the response."""
+        deadline = time.monotonic() + timeout_s
+        events = self.audit_events(after_seq)
+        while len(events) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+            events = self.audit_events(after_seq)
+        return events
 
     def last_audit_seq(self) -> int:
         self.server.gateway.audit.join()
