@@ -81,7 +81,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_spec import dtype_name
 from engine.model_loader import embedded_model_dir, load_model
-from engine.precision import resolve_dtype
+from engine.precision import cpu_flags, resolve_dtype
 from engine.request import GenerationDelta, GenerationRequest
 from engine.sampler import SamplingParams
 from engine.scope import Tenant
@@ -479,7 +479,7 @@ def machine_info() -> dict[str, Any]:
     with open("/proc/cpuinfo") as cpuinfo:
         fields = dict(line.split(":", 1) for line in cpuinfo if ":" in line)  # the last CPU's
     info = {key.strip(): value.strip() for key, value in fields.items()}
-    flags = set(info.get("flags", "").split())
+    flags = cpu_flags()
     return {
         **machine(),
         "cpu_model": info.get("model name", "unknown"),

@@ -259,7 +259,8 @@ BACKEND_NAMES = ("auto", "cpu", "torch")
 def make_backend(name: str, device: torch.device, head_dim: int) -> AttentionBackend:
     """An attention backend by name; `auto` is the C++ kernel on a CPU where it builds and
     fits the model (head_dim a multiple of 16), else torch."""
-    from engine.kernels.cpu_attention import CpuAttention, CpuKernelUnavailable
+    from engine.kernels.cpu_attention import CpuAttention
+    from engine.kernels.cpu_build import KernelUnavailable
 
     if name == "torch":
         return TorchAttention()
@@ -267,7 +268,7 @@ def make_backend(name: str, device: torch.device, head_dim: int) -> AttentionBac
         raise ValueError(f"unknown attention backend {name!r}; have {', '.join(BACKEND_NAMES)}")
     try:
         return CpuAttention.create(device, head_dim)
-    except CpuKernelUnavailable as error:
+    except KernelUnavailable as error:
         if name == "cpu":
             raise ValueError(f"attention backend 'cpu' is unavailable: {error}") from error
         logger.warning("attention backend: torch (%s)", error)

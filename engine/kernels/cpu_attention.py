@@ -11,10 +11,7 @@ import torch
 
 from engine.attention import PagedBatch, write_kv
 from engine.kernels import cpu_build
-
-
-class CpuKernelUnavailable(RuntimeError):
-    """The kernel cannot serve here: not a CPU device, an unsupported head size, no build."""
+from engine.kernels.cpu_build import KernelUnavailable
 
 
 class CpuAttention:
@@ -24,15 +21,13 @@ class CpuAttention:
 
     @classmethod
     def create(cls, device: torch.device, head_dim: int) -> CpuAttention:
-        """The backend, once it is known to work for this device and head size."""
+        """The backend, once it is known to work for this device and head size; else
+        `KernelUnavailable` says why."""
         if device.type != "cpu":
-            raise CpuKernelUnavailable(f"the C++ kernel runs on the CPU, not {device.type}")
+            raise KernelUnavailable(f"the C++ kernel runs on the CPU, not {device.type}")
         if head_dim % 16 or head_dim > 256:
-            raise CpuKernelUnavailable(f"head_dim {head_dim} is not a multiple of 16 up to 256")
-        try:
-            cpu_build.load()
-        except cpu_build.KernelUnavailable as error:
-            raise CpuKernelUnavailable(str(error)) from error
+            raise KernelUnavailable(f"head_dim {head_dim} is not a multiple of 16 up to 256")
+        cpu_build.load()
         return cls()
 
     def write(

@@ -28,7 +28,8 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 
 
 class KernelUnavailable(RuntimeError):
-    """The C++ kernels cannot be built or loaded here (no compiler, not x86/ARM, ...)."""
+    """The C++ kernels cannot serve here: no build (no compiler, ...), not a CPU device, or a
+    head size they do not handle."""
 
 
 _failures: list[KernelUnavailable] = []  # the first failure, raised again by later calls

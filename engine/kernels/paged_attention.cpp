@@ -419,12 +419,20 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
   const int64_t dim = g.head_dim, group = g.group;
   Rows rows(item.tokens * group, dim);
   const int64_t first_position = context_len - query_len + item.first_token;
+  // bf16 on a CPU with AVX512_BF16 multiplies the queries as they came, in pairs of bf16;
+  // everything else takes them as fp32 with the scale folded in.
+  constexpr bool dot_bf16 = kNativeBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
+  std::vector<uint32_t> query_pairs(dot_bf16 ? rows.count * dim / 2 : 0);
   // Row r is token r / group of the tile, head kv_head * group + r % group.
   for (int64_t r = 0; r < rows.count; ++r) {
     const int64_t token = query_start + item.first_token + r / group;
     const int64_t head = item.kv_head * group + r % group;
     const scalar_t* source = query + token * g.q_stride_token + head * g.q_stride_head;
-    for (int64_t d = 0; d < dim; ++d) rows.q[r * dim + d] = to_float(source[d]) * g.scale;
+    if (dot_bf16) {
+      std::memcpy(query_pairs.data() + r * dim / 2, source, dim * sizeof(scalar_t));
+    } else {
+      for (int64_t d = 0; d < dim; ++d) rows.q[r * dim + d] = to_float(source[d]) * g.scale;
+    }
     rows.position[r] = first_position + r / group;
   }
   const int64_t last_position = first_position + item.tokens - 1;
@@ -434,17 +442,6 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
   alignas(64) float key_t[kMaxHeadDim * kLanes];
   alignas(64) float value[kLanes * kMaxHeadDim];
   const bool packed = rows.count >= kPackRows;
-  constexpr bool dot_bf16 = kNativeBf16 && std::is_same_v<scalar_t, c10::BFloat16>;
-  std::vector<uint32_t> query_pairs;
-  if (dot_bf16) {  // the queries as they came, in pairs of bf16
-    query_pairs.resize(rows.count * dim / 2);
-    for (int64_t r = 0; r < rows.count; ++r) {
-      const int64_t token = query_start + item.first_token + r / group;
-      const int64_t head = item.kv_head * group + r % group;
-      std::memcpy(query_pairs.data() + r * dim / 2,
-                  query + token * g.q_stride_token + head * g.q_stride_head, dim * 2);
-    }
-  }
   const int64_t kv_offset = static_cast<int64_t>(item.kv_head) * dim;
   // Where the K and V rows of the chunk starting at `start` are.
   const auto locate = [&](Chunk<scalar_t>& chunk, int64_t start) {
