@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+import torch
 
 if TYPE_CHECKING:
     from tests.support.gateway import Gateway
 
 # Helpers there assert for many test modules: show their failures as pytest shows a test's.
 pytest.register_assert_rewrite("tests.support")
+
+# Without a GPU the Triton kernels run in Triton's interpreter, on CPU tensors. It is chosen
+# when a kernel is defined, so before any test module imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -7,17 +7,16 @@ and sums run in a different order); bf16 pools to 1.6e-2, bf16's own rounding of
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.kernels import cpu_build
+from tests.support.attention_cases import CASES, Case, make_inputs, reference
 
 cpu_build.load()
 paged_attention = torch.ops.prefixgate.paged_attention
@@ -25,104 +24,21 @@ paged_attention = torch.ops.prefixgate.paged_attention
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 
 
-@dataclass
-class Case:
-    """Sequences given as (query_len, context_len), over a pool of `num_blocks` blocks."""
-
-    lengths: list[tuple[int, int]]
-    heads: int = 6
-    kv_heads: int = 2
-    head_dim: int = 32
-    block_size: int = 16
-    window: int = 0
-    num_blocks: int = 64
-
-
-def reference(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    tables: torch.Tensor,
-    lengths: list[tuple[int, int]],
-    window: int,
-) -> torch.Tensor:
-    """Gather each sequence's context and attend in float64 with an explicit mask."""
-    block_size, kv_heads, dim = key_cache.shape[1:]
-    group = query.shape[1] // kv_heads
-    outputs, start = [], 0
-    for row, (query_len, context_len) in enumerate(lengths):
-        blocks = tables[row, : math.ceil(context_len / block_size)].long()
-        keys = key_cache[blocks].reshape(-1, kv_heads, dim)[:context_len].double()
-        values = value_cache[blocks].reshape(-1, kv_heads, dim)[:context_len].double()
-        queries = query[start : start + query_len].double()
-        start += query_len
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", queries, keys) * dim**-0.5
-        query_positions = torch.arange(context_len - query_len, context_len)[:, None]
-        key_positions = torch.arange(context_len)[None, :]
-        visible = key_positions <= query_positions
-        if window:
-            visible &= key_positions > query_positions - window
-        scores = scores.masked_fill(~visible, float("-inf"))
-        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
-    return torch.cat(outputs)
-
-
 def run_case(case: Case, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    shape = (case.num_blocks, case.block_size, case.kv_heads, case.head_dim)
-    key_cache = torch.randn(shape, generator=generator).to(dtype)
-    value_cache = torch.randn(shape, generator=generator).to(dtype)
-    most_blocks = max(math.ceil(context / case.block_size) for _, context in case.lengths)
-    # Scattered, non-contiguous blocks; every row shares its first block with row 0 (a shared
-    # prefix is the same physical block in several tables).
-    tables = torch.stack(
-        [torch.randperm(case.num_blocks, generator=generator)[:most_blocks] for _ in case.lengths]
-    )
-    tables[:, 0] = tables[0, 0]
-    tokens = sum(query_len for query_len, _ in case.lengths)
-    # Queries as transformers hands them over: [heads, tokens, dim] transposed (not contiguous).
-    query = torch.randn(case.heads, tokens, case.head_dim, generator=generator).to(dtype)
-    query = query.transpose(0, 1)
-    starts = [0]
-    for query_len, _ in case.lengths:
-        starts.append(starts[-1] + query_len)
-    output = torch.empty(tokens, case.heads, case.head_dim, dtype=dtype)
+    inputs = make_inputs(case, dtype, seed)
+    output = torch.empty(inputs.query.shape, dtype=dtype)
     paged_attention(
         output,
-        query,
-        key_cache,
-        value_cache,
-        tables.int(),
-        torch.tensor(starts, dtype=torch.int32),
-        torch.tensor([context for _, context in case.lengths], dtype=torch.int32),
+        inputs.query,
+        inputs.key_cache,
+        inputs.value_cache,
+        inputs.tables,
+        inputs.starts,
+        inputs.contexts,
         case.head_dim**-0.5,
         case.window,
     )
-    expected = reference(query, key_cache, value_cache, tables, case.lengths, case.window)
-    return output.double(), expected
-
-
-CASES = {
-    "single-token": Case([(1, 1)]),
-    "decode-batch-odd-lengths": Case([(1, 1), (1, 17), (1, 33), (1, 100), (1, 16)]),
-    "prefill-odd-length": Case([(37, 37)]),
-    "extend-over-prefix-ending-mid-block": Case([(11, 50), (23, 40)]),
-    "mixed-decode-prefill-extend": Case([(1, 77), (45, 45), (9, 120), (1, 2)]),
-    "gqa-1": Case([(1, 40), (20, 60)], heads=4, kv_heads=4),
-    "gqa-4": Case([(1, 40), (20, 60)], heads=8, kv_heads=2),
-    "head-dim-64-block-8": Case(
-        [(1, 70), (30, 70)], heads=9, kv_heads=3, head_dim=64, block_size=8
-    ),
-    "block-32": Case([(1, 70), (30, 100)], block_size=32),
-    # Heads of 16 and 48 dims end half-way through a 32-element bf16 vector.
-    "head-dim-16": Case([(1, 40), (1, 17), (20, 60)], heads=4, kv_heads=2, head_dim=16),
-    "head-dim-48": Case([(1, 40), (1, 33), (20, 60)], heads=6, kv_heads=3, head_dim=48),
-    "sliding-window": Case([(1, 90), (40, 90), (5, 30)], window=24),
-    "window-of-one": Case([(3, 20)], window=1),
-    "long-tile-boundaries": Case([(70, 200), (1, 300)], num_blocks=64),
-}
+    return output.double(), reference(inputs, case.lengths, case.window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
