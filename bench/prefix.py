@@ -1,7 +1,7 @@
 """Prefix-cache benchmark: what a shared prefix saves in prefill, TTFT and memory.
 
     python -m bench.prefix --workload sysprompt [--model DIR] [--requests 100] [--json]
-        [--out F] [--plot F] [--baseline hf]
+        [--out F] [--plot F] [--baseline hf] [--device auto|cpu|cuda] [--dtype ...]
     python -m bench.prefix --workload gsp [--groups 8 --prompts-per-group 8 ...]
     python -m bench.prefix --workload unique     # 0% hits: caching on vs off
 
@@ -29,6 +29,7 @@ from bench.hf_baseline import run_hf
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model_loader import LoadedModel, load_model
+from engine.precision import DEVICE_SETTINGS, DTYPE_SETTINGS, resolve_device, resolve_dtype
 from engine.request import GenerationRequest, Usage
 from engine.sampler import SamplingParams
 from engine.scope import Public, Segment, Tenant, User
@@ -222,12 +223,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.prefix_tokens + args.suffix_tokens, args.system_tokens + args.question_tokens
     )
     max_len = 2 * longest + args.output_tokens + 1024  # room for the peak probes
-    loaded = load_model(args.model) if args.model else tiny_llama(max_len)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if args.model:
+        loaded = load_model(args.model, dtype=dtype, device=device)
+    else:
+        loaded = tiny_llama(max_len)
+        loaded.model.to(device=device, dtype=dtype)  # type: ignore[call-arg]
     workload = build(args, loaded.vocab_size)
     result: dict[str, Any] = {
         "benchmark": "prefix",
         "workload": workload.name,
         "model": loaded.name,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
         "requests": len(workload.requests),
         "output_tokens_per_request": args.output_tokens,
     }
@@ -288,6 +297,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", choices=["sysprompt", "gsp", "unique"], default="sysprompt")
     parser.add_argument("--model", type=Path, help="a local model directory (default: tiny Llama)")
+    parser.add_argument("--device", choices=DEVICE_SETTINGS, default="cpu")
+    parser.add_argument("--dtype", choices=DTYPE_SETTINGS, default="float32")
     parser.add_argument("--requests", type=int, default=100)
     parser.add_argument("--prefix-tokens", type=int, default=4096)
     parser.add_argument("--suffix-tokens", type=int, default=2048)

@@ -6,9 +6,11 @@ projections, RoPE at the positions we pass, norms. Only the attention call is ou
 the step's packed (varlen) batch description through the model's forward kwargs, writes the new
 K/V into pool slots, and attends over each sequence's block table.
 
-Backends implement `write` and `attend`: `torch` (the reference, plain torch ops, runs anywhere;
-it gathers each sequence's blocks per layer) and `cpu` (`engine/kernels/cpu_attention.py`: a
-C++ kernel that reads the blocks in place). `auto` picks the fastest that works here.
+Backends implement `write`, `attend` and `zero_blocks`: `torch` (the reference, plain torch
+ops, runs anywhere; it gathers each sequence's blocks per layer), `cpu`
+(`engine/kernels/cpu_attention.py`: a C++ kernel that reads the blocks in place) and `triton`
+(`engine/kernels/triton_attention.py`: Triton kernels for CUDA). `auto` picks the fastest that
+works here: triton on CUDA, cpu on a CPU where the kernel builds, else torch.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from engine.block_pool import fill_zero
 from engine.math_utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -53,7 +56,8 @@ class PagedBatch:
 
 
 class AttentionBackend(Protocol):
-    """How K/V gets into the paged cache and how queries attend over it."""
+    """How K/V gets into the paged cache, how queries attend over it, and how freed blocks
+    are wiped."""
 
     name: str
 
@@ -68,6 +72,8 @@ class AttentionBackend(Protocol):
         scaling: float,
         sliding_window: int | None,
     ) -> torch.Tensor: ...
+
+    def zero_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> None: ...
 
 
 @dataclass(slots=True)
@@ -113,6 +119,9 @@ class TorchAttention:
         self, layer_kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PagedBatch
     ) -> None:
         write_kv(layer_kv, key, value, batch)
+
+    def zero_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> None:
+        fill_zero(kv, block_ids)
 
     def attend(
         self,
@@ -253,23 +262,47 @@ def paged_attention(
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)
 
-BACKEND_NAMES = ("auto", "cpu", "torch")
+BACKEND_NAMES = ("auto", "cpu", "torch", "triton")
 
 
 def make_backend(name: str, device: torch.device, head_dim: int) -> AttentionBackend:
-    """An attention backend by name; `auto` is the C++ kernel on a CPU where it builds and
-    fits the model (head_dim a multiple of 16), else torch."""
+    """An attention backend by name. `auto`: triton on a CUDA device; on a CPU the C++ kernel
+    where it builds and fits the model (head_dim a multiple of 16), else torch. A backend
+    named explicitly that cannot serve here is a `ValueError` saying why."""
+    from engine.kernels import KernelUnavailable
     from engine.kernels.cpu_attention import CpuAttention
-    from engine.kernels.cpu_build import KernelUnavailable
 
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; have {', '.join(BACKEND_NAMES)}")
     if name == "torch":
         return TorchAttention()
-    if name not in ("auto", "cpu"):
-        raise ValueError(f"unknown attention backend {name!r}; have {', '.join(BACKEND_NAMES)}")
     try:
+        if name == "triton" or (name == "auto" and device.type == "cuda"):
+            from engine.kernels.triton_attention import TritonAttention
+
+            return TritonAttention.create(device)
         return CpuAttention.create(device, head_dim)
     except KernelUnavailable as error:
-        if name == "cpu":
-            raise ValueError(f"attention backend 'cpu' is unavailable: {error}") from error
+        if name != "auto":
+            raise ValueError(f"attention backend {name!r} is unavailable: {error}") from error
         logger.warning("attention backend: torch (%s)", error)
         return TorchAttention()
+
+
+def check_backend(name: str, device: torch.device) -> None:
+    """Refuse, before a model loads, a backend named explicitly that cannot run on `device`
+    (ValueError saying why); head-size limits are checked once the model is known."""
+    from engine.kernels import KernelUnavailable
+    from engine.kernels.cpu_attention import CpuAttention
+
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; have {', '.join(BACKEND_NAMES)}")
+    try:
+        if name == "cpu":
+            CpuAttention.check(device)
+        elif name == "triton":
+            from engine.kernels.triton_attention import TritonAttention
+
+            TritonAttention.check(device)
+    except KernelUnavailable as error:
+        raise ValueError(f"attention backend {name!r} is unavailable: {error}") from error

@@ -16,7 +16,7 @@ A block is in exactly one of four states:
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,13 +47,32 @@ class Block:
     last_released: int = 0
 
 
-class BlockPool:
-    """A fixed number of KV blocks, handed out zeroed and taken back by ref count."""
+ZeroBlocks = Callable[[torch.Tensor, torch.Tensor], None]
 
-    def __init__(self, spec: KVSpec, num_blocks: int, device: str | torch.device = "cpu") -> None:
+
+def fill_zero(kv: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Zero blocks `block_ids` of the pool in every layer, K and V: one `index_fill_`."""
+    kv.index_fill_(2, block_ids, 0)
+
+
+class BlockPool:
+    """A fixed number of KV blocks, handed out zeroed and taken back by ref count.
+
+    `zero_blocks` wipes a list of blocks (`fill_zero` unless the attention backend brings a
+    kernel for it).
+    """
+
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_blocks: int,
+        device: str | torch.device = "cpu",
+        zero_blocks: ZeroBlocks = fill_zero,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         self.spec = spec
+        self.zero_blocks = zero_blocks
         self.num_blocks = num_blocks
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
@@ -173,7 +192,7 @@ class BlockPool:
         if not self._dirty:
             return 0
         index = torch.tensor(self._dirty, dtype=torch.long, device=self.kv.device)
-        self.kv.index_fill_(2, index, 0)
+        self.zero_blocks(self.kv, index)
         count = len(self._dirty)
         self._free.extend(self._dirty)
         self._dirty.clear()

@@ -13,12 +13,15 @@ from engine.budget import TenantBudget
 class EngineConfig:
     """How big the KV pool is and how the scheduler batches.
 
-    The pool holds `num_blocks` blocks if given, else as many as fit in `kv_cache_bytes`.
+    The pool holds `num_blocks` blocks if given, else as many as fit in `kv_cache_bytes`;
+    without either, 1 GiB on a CPU, and on a CUDA device what `gpu_memory_fraction` of its
+    memory leaves after the weights and the activations (`engine/gpu_memory.py`).
     """
 
     block_size: int = 16
     num_blocks: int | None = None
-    kv_cache_bytes: int = 1 << 30
+    kv_cache_bytes: int | None = None
+    gpu_memory_fraction: float = 0.9
     kv_dtype: torch.dtype | None = None  # default: the model's dtype
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -26,7 +29,7 @@ class EngineConfig:
     max_waiting: int = 4096
     queue_timeout_s: float = 30.0
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto, cpu or torch: see engine/attention.py
+    attention_backend: str = "auto"  # auto, cpu, torch or triton: see engine/attention.py
     adapter_id: str = ""
     public_budget: TenantBudget | None = None
     default_budget: TenantBudget | None = None

@@ -60,10 +60,13 @@ def script() -> Iterator[tuple[str, str, list[str]]]:
     yield "globex", "carol", ["What is the capital of France?"]
 
 
-def run_demo(loaded: LoadedModel) -> tuple[list[DemoTurn], CacheStats]:
+def run_demo(
+    loaded: LoadedModel, attention_backend: str = "auto"
+) -> tuple[list[DemoTurn], CacheStats]:
     """Serve the scripted conversations one turn at a time; returns the turns and the cache."""
     tokenizer = loaded.tokenizer
-    engine = Engine(loaded, EngineConfig(num_blocks=512, max_num_seqs=4)).start()
+    config = EngineConfig(num_blocks=512, max_num_seqs=4, attention_backend=attention_backend)
+    engine = Engine(loaded, config).start()
     turns: list[DemoTurn] = []
     for tenant, user, questions in script():
         messages = [{"role": "system", "content": SYSTEM_PROMPT}]

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import torch
 
-from engine.attention import make_backend
+from engine.attention import AttentionBackend, make_backend
 from engine.block_hash import BlockHasher
 from engine.block_pool import BlockPool
 from engine.budget import Owner, TenantBudget
@@ -31,9 +31,11 @@ from engine.errors import (
     RequestFailed,
 )
 from engine.fault_isolation import run_isolated
+from engine.gpu_memory import kv_cache_budget, peak_bytes
 from engine.inbox import Inbox
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_spec import KVSpec, dtype_name
+from engine.math_utils import cdiv
 from engine.metrics import EngineMetrics
 from engine.model_loader import LoadedModel
 from engine.model_runner import Chunk, ModelRunner
@@ -44,6 +46,8 @@ from engine.sequence import Sequence, Sink, Status
 from engine.validation import ModelLimits, validate
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # on a CPU
 
 
 class Engine:
@@ -58,8 +62,12 @@ class Engine:
         spec = KVSpec(
             loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, kv_dtype, config.block_size
         )
-        num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // spec.bytes_per_block)
-        self.pool = BlockPool(spec, num_blocks, self.device)
+        self.max_model_len = config.max_model_len or loaded.max_model_len
+        backend = make_backend(config.attention_backend, self.device, loaded.head_dim)
+        num_blocks = config.num_blocks or max(
+            1, self._kv_cache_bytes(spec, backend) // spec.bytes_per_block
+        )
+        self.pool = BlockPool(spec, num_blocks, self.device, backend.zero_blocks)
         hasher = BlockHasher(config.block_size)
         self.cache = KVCacheManager(
             self.pool,
@@ -75,10 +83,8 @@ class Engine:
                 config.max_num_batched_tokens, config.max_num_seqs, config.queue_timeout_s
             ),
         )
-        backend = make_backend(config.attention_backend, self.device, loaded.head_dim)
         self.runner = ModelRunner(model, self.pool.kv, backend)
         logger.info("engine: %s", self.describe())
-        self.max_model_len = config.max_model_len or loaded.max_model_len
         self.limits = ModelLimits(
             loaded.vocab_size, self.max_model_len, loaded.tokenizer is not None
         )
@@ -87,6 +93,27 @@ class Engine:
         # Every request in flight, from `submit` until `_settle`, guarded by the inbox's lock.
         self._requests: dict[str, Sequence] = {}
         self._cache_stats = snapshot(self.cache)
+
+    def _kv_cache_bytes(self, spec: KVSpec, backend: AttentionBackend) -> int:
+        """The pool's size when no block count is configured (see `EngineConfig`)."""
+        config = self.config
+        if config.kv_cache_bytes is not None:
+            return config.kv_cache_bytes
+        if self.device.type != "cuda":
+            return DEFAULT_KV_CACHE_BYTES
+        # The sampler's logits and probabilities for a full batch, in fp32.
+        logits = 2 * 4 * config.max_num_seqs * self.loaded.vocab_size
+        activations = self._profile_activations(spec, backend) + logits
+        return kv_cache_budget(self.device, config.gpu_memory_fraction, activations)
+
+    def _profile_activations(self, spec: KVSpec, backend: AttentionBackend) -> int:
+        """Peak memory of the largest step: a full token budget of prefill, run on a scratch
+        pool of its own (freed on return)."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        blocks = cdiv(tokens, spec.block_size)
+        runner = ModelRunner(self.loaded.model, BlockPool(spec, blocks, self.device).kv, backend)
+        chunk = Chunk("memory-profile", [0] * tokens, 0, list(range(blocks)), 0, True)
+        return peak_bytes(self.device, lambda: runner.run([chunk]))
 
     def describe(self) -> dict[str, str | int]:
         """What serves: model, device, dtypes, attention backend, pool size."""

@@ -71,15 +71,16 @@ class ModelRunner:
     def _batch(
         self, chunks: list[Chunk]
     ) -> tuple[PagedBatch, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step's packed inputs and paged layout, built with a few tensor ops for the whole
-        batch: (batch, input ids, positions, rows whose logits are kept)."""
-        device, block_size = self.device, self.block_size
+        """The step's packed inputs and paged layout, built on the host with a few tensor ops
+        for the whole batch and copied to the device in one transfer: (batch, input ids,
+        positions, rows whose logits are kept)."""
+        block_size = self.block_size
         query_lens = [len(chunk.token_ids) for chunk in chunks]
         context_lens = [
             chunk.start + count for chunk, count in zip(chunks, query_lens, strict=True)
         ]
-        lengths = torch.tensor(query_lens, dtype=torch.int32)
-        query_starts = torch.zeros(len(chunks) + 1, dtype=torch.int32)
+        lengths = torch.tensor(query_lens)
+        query_starts = torch.zeros(len(chunks) + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=query_starts[1:])
         # Rows are padded with the sequence's own first block, never another's: a kernel or a
         # masked gather only ever reads the sequence's own memory.
@@ -88,28 +89,37 @@ class ModelRunner:
             [
                 chunk.block_ids + chunk.block_ids[:1] * (max_blocks - len(chunk.block_ids))
                 for chunk in chunks
-            ],
-            dtype=torch.int32,
+            ]
         )
         sequence_of_token = torch.repeat_interleave(torch.arange(len(chunks)), lengths)
         first_positions = torch.tensor([chunk.start for chunk in chunks]) - query_starts[:-1]
         positions = torch.arange(int(query_starts[-1])) + first_positions[sequence_of_token]
-        blocks = tables[sequence_of_token, positions // block_size].long()
+        blocks = tables[sequence_of_token, positions // block_size]
         slots = blocks * block_size + positions % block_size
         needs_logits = torch.tensor([chunk.needs_logits for chunk in chunks])
-        logit_rows = (query_starts[1:] - 1)[needs_logits].long()
+        logit_rows = (query_starts[1:] - 1)[needs_logits]
         input_ids = torch.tensor([token for chunk in chunks for token in chunk.token_ids])
+        parts = (
+            slots, input_ids, positions, logit_rows, query_starts, torch.tensor(context_lens),
+            tables.view(-1),
+        )  # fmt: skip
+        staged = torch.cat(parts)
+        if self.device.type == "cuda":
+            staged = staged.pin_memory()
+        on_device = torch.split(staged.to(self.device, non_blocking=True), [len(p) for p in parts])
+        slots, input_ids, positions, logit_rows = on_device[:4]
+        starts, contexts, table = (part.to(torch.int32) for part in on_device[4:])
         batch = PagedBatch(
             kv_cache=self.kv_cache,
-            slot_mapping=slots.to(device),
+            slot_mapping=slots,
             query_lens=query_lens,
             context_lens=context_lens,
-            block_tables=tables.to(device),
-            query_starts=query_starts.to(device),
-            context_lens_tensor=torch.tensor(context_lens, dtype=torch.int32, device=device),
+            block_tables=table.view(len(chunks), max_blocks),
+            query_starts=starts,
+            context_lens_tensor=contexts,
             backend=self.backend,
         )
-        return batch, input_ids.to(device), positions.to(device), logit_rows.to(device)
+        return batch, input_ids, positions, logit_rows
 
     def _mark_prompt_positions(self, chunk: Chunk) -> None:
         if chunk.prompt_positions <= 0:

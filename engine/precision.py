@@ -1,4 +1,4 @@
-"""Which dtype the model and its KV cache compute in.
+"""Where the model computes (`resolve_device`) and in which dtype (`resolve_dtype`).
 
 `auto` is bf16 where the CPU computes bf16 natively (AVX512_BF16 or AMX-BF16: about twice the
 fp32 rate for the same weights, half the memory traffic) or on a CUDA device that supports it,
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 DTYPE_SETTINGS = ("auto", "bfloat16", "float32")
+DEVICE_SETTINGS = ("auto", "cpu", "cuda")
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
@@ -45,3 +46,15 @@ def resolve_dtype(setting: str, device: str | torch.device = "cpu") -> torch.dty
     if torch.device(device).type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     return torch.bfloat16 if native_bf16_flags() else torch.float32
+
+
+def resolve_device(setting: str) -> torch.device:
+    """The device for `setting`: auto is the first CUDA GPU if there is one, else the CPU;
+    cuda where there is none is a ValueError."""
+    if setting not in DEVICE_SETTINGS:
+        raise ValueError(f"unknown device {setting!r}; use one of {', '.join(DEVICE_SETTINGS)}")
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device cuda: no CUDA GPU is visible to torch here")
+    return torch.device("cuda", torch.cuda.current_device())

@@ -17,9 +17,8 @@ from starlette.concurrency import run_in_threadpool
 from engine.budget import TenantBudget
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model_loader import EMBEDDED_MODEL_NAME, LoadedModel, load_model
+from engine.model_loader import EMBEDDED_MODEL_NAME, LoadedModel
 from engine.openmp import on_passing_thread
-from engine.precision import resolve_dtype
 from gateway.admin.throttle import LoginThrottle, SlidingWindow
 from gateway.admin.tokens import AdminTokens
 from gateway.api.openapi import install_openapi
@@ -127,7 +126,7 @@ def prepare_database(
 def start_engine(settings: Settings, loaded: LoadedModel | None) -> tuple[LoadedModel, Engine]:
     """The model (loaded unless given) and a started engine over it, as the settings say."""
     if loaded is None:
-        loaded = load_model(settings.model_dir, dtype=resolve_dtype(settings.dtype))
+        loaded = settings.load_model()
     public_budget = None
     if settings.public_cache_blocks is not None:
         public_budget = TenantBudget(settings.public_cache_blocks)
@@ -136,6 +135,7 @@ def start_engine(settings: Settings, loaded: LoadedModel | None) -> tuple[Loaded
         EngineConfig(
             block_size=settings.block_size,
             kv_cache_bytes=settings.kv_cache_bytes,
+            gpu_memory_fraction=settings.gpu_memory_fraction,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
             queue_timeout_s=settings.queue_timeout_s,

@@ -19,7 +19,7 @@ import secrets
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -28,6 +28,9 @@ from tenancy.admins import Lockout
 from tenancy.db import check_database_url
 from tenancy.deployment import SecretMismatch, mismatched_secrets
 from tenancy.store import Store
+
+if TYPE_CHECKING:
+    from engine.model_loader import LoadedModel
 
 _GENERATED_SECRETS = ("key_hash_secret", "audit_signing_key", "jwt_secret")
 # The secrets the store works with: keys hashed or checkpoints signed under another value
@@ -92,16 +95,23 @@ class Settings(BaseSettings):
     """A local Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct."""
     served_model_name: str | None = None
     """The model id clients send; default: the model directory's name."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the model runs; auto: the first CUDA GPU if there is one, else the CPU."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Weights and KV cache dtype; auto: bfloat16 where the CPU computes it natively
-    (AVX512_BF16 or AMX), else float32."""
-    attention_backend: Literal["auto", "cpu", "torch"] = "auto"
-    """Paged attention: cpu (C++ kernel reading KV blocks in place), torch (reference, gathers
-    blocks); auto: cpu where it builds, else torch."""
+    """Weights and KV cache dtype; auto: bfloat16 on a CUDA GPU that has it and on a CPU that
+    computes it natively (AVX512_BF16 or AMX), else float32."""
+    attention_backend: Literal["auto", "cpu", "torch", "triton"] = "auto"
+    """Paged attention: triton (Triton kernels, CUDA), cpu (C++ kernel reading KV blocks in
+    place), torch (reference, gathers blocks); auto: triton on CUDA, else cpu where it builds,
+    else torch."""
     block_size: int = Field(default=16, ge=1)
     """Tokens per KV block: the unit of caching, sharing and quotas."""
-    kv_cache_bytes: int = Field(default=1 << 30, ge=1)
-    """Memory for the KV block pool, in bytes."""
+    kv_cache_bytes: int | None = Field(default=None, ge=1)
+    """Memory for the KV block pool, in bytes; default: 1 GiB on a CPU, on CUDA what
+    gpu_memory_fraction leaves."""
+    gpu_memory_fraction: float = Field(default=0.9, gt=0, le=1)
+    """On CUDA without kv_cache_bytes: the share of the GPU's memory the server may use; the KV
+    pool gets what the weights and the largest step's activations leave of it."""
     max_num_seqs: int = Field(default=64, ge=1)
     """Most sequences running in one engine step."""
     max_num_batched_tokens: int = Field(default=2048, ge=1)
@@ -222,6 +232,28 @@ class Settings(BaseSettings):
     def checkpoint_path(self) -> Path:
         """The append-only file that keeps signed audit checkpoints outside the database."""
         return self.audit_checkpoint_path or self.state_dir / "audit-checkpoints.jsonl"
+
+    def check_engine(self) -> None:
+        """Refuse, before a model loads, a device or an attention backend named explicitly
+        that cannot serve on this machine: ValueError saying why, in one line."""
+        from engine.attention import check_backend
+        from engine.precision import resolve_device
+
+        check_backend(self.attention_backend, resolve_device(self.device))
+
+    def load_model(self, model_dir: Path | None = None) -> LoadedModel:
+        """The model (`model_dir`, else the configured one, else the embedded one) on the
+        configured device, in the configured dtype. Raises `ModelLoadError` (also for a device
+        that is not there)."""
+        from engine.model_loader import ModelLoadError, load_model
+        from engine.precision import resolve_device, resolve_dtype
+
+        try:
+            device = resolve_device(self.device)
+        except ValueError as error:
+            raise ModelLoadError(str(error)) from error
+        dtype = resolve_dtype(self.dtype, device)
+        return load_model(model_dir or self.model_dir, dtype=dtype, device=device)
 
     def open_store(self, check_schema: bool = True) -> Store:
         """The tenancy store these settings describe, opened the same way by every process.

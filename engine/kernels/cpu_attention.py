@@ -2,7 +2,8 @@
 
 Decode, prefill and extend over cached blocks all go through one call per layer; nothing is
 gathered out of the pool. The new K/V are written with the same `index_copy_` as the torch
-backend, one call per layer for the whole batch.
+backend, one call per layer for the whole batch, and freed blocks zeroed with its
+`index_fill_`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from engine.attention import PagedBatch, write_kv
-from engine.kernels import cpu_build
-from engine.kernels.cpu_build import KernelUnavailable
+from engine.block_pool import fill_zero
+from engine.kernels import KernelUnavailable, cpu_build
 
 
 class CpuAttention:
@@ -19,21 +20,29 @@ class CpuAttention:
 
     name = "cpu"
 
+    @staticmethod
+    def check(device: torch.device) -> None:
+        """Raise `KernelUnavailable` unless the kernel is built and runs on `device`."""
+        if device.type != "cpu":
+            raise KernelUnavailable(f"the C++ kernel runs on the CPU, not {device.type}")
+        cpu_build.load()
+
     @classmethod
     def create(cls, device: torch.device, head_dim: int) -> CpuAttention:
         """The backend, once it is known to work for this device and head size; else
         `KernelUnavailable` says why."""
-        if device.type != "cpu":
-            raise KernelUnavailable(f"the C++ kernel runs on the CPU, not {device.type}")
         if head_dim % 16 or head_dim > 256:
             raise KernelUnavailable(f"head_dim {head_dim} is not a multiple of 16 up to 256")
-        cpu_build.load()
+        cls.check(device)
         return cls()
 
     def write(
         self, layer_kv: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: PagedBatch
     ) -> None:
         write_kv(layer_kv, key, value, batch)
+
+    def zero_blocks(self, kv: torch.Tensor, block_ids: torch.Tensor) -> None:
+        fill_zero(kv, block_ids)
 
     def attend(
         self,

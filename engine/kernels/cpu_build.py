@@ -20,16 +20,12 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels import KernelUnavailable
 from engine.precision import cpu_flags
 
 SOURCE = "paged_attention.cpp"
 # -fopenmp: at::parallel_for is inline and runs its threads with `omp parallel` in this file.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
-
-
-class KernelUnavailable(RuntimeError):
-    """The C++ kernels cannot serve here: no build (no compiler, ...), not a CPU device, or a
-    head size they do not handle."""
 
 
 _failures: list[KernelUnavailable] = []  # the first failure, raised again by later calls

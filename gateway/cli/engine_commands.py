@@ -96,16 +96,20 @@ def demo(
 
     from engine.budget import describe_owner
     from engine.demo import run_demo
-    from engine.model_loader import ModelLoadError, load_model
-    from engine.precision import resolve_dtype
+    from engine.model_loader import ModelLoadError
 
+    settings = load_settings()
     try:
-        loaded = load_model(model, dtype=resolve_dtype(load_settings().dtype))
-    except ModelLoadError as error:
+        settings.check_engine()
+        loaded = settings.load_model(model)
+    except (ValueError, ModelLoadError) as error:
         fail(str(error))
     if loaded.tokenizer is None:
         fail(f"{loaded.name} has no tokenizer")
-    turns, stats = run_demo(loaded)
+    try:
+        turns, stats = run_demo(loaded, settings.attention_backend)
+    except ValueError as error:  # a backend that does not fit the model (its head size)
+        fail(str(error))
     console = Console()
     table = Table(title=f"{loaded.name} on the paged engine: a public system prompt, private chats")
     for column in ("tenant/user", "question", "answer", "prompt", "cached", "TTFT"):
@@ -147,19 +151,20 @@ def generate(
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.errors import EngineError
-    from engine.model_loader import ModelLoadError, load_model
-    from engine.precision import resolve_dtype
+    from engine.model_loader import ModelLoadError
     from engine.request import GenerationRequest
     from engine.sampler import InvalidSampling, SamplingParams
     from engine.scope import User
     from policies.templates import TemplateRejected, render
 
+    settings = load_settings()
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        loaded = load_model(model, dtype=resolve_dtype(load_settings().dtype))
+        settings.check_engine()
+        loaded = settings.load_model(model)
     except InvalidSampling as error:
         fail(f"--{error.param.replace('_', '-')}: {error}")
-    except ModelLoadError as error:
+    except (ValueError, ModelLoadError) as error:
         fail(str(error))
     if loaded.tokenizer is None or not getattr(loaded.tokenizer, "chat_template", None):
         fail(f"{loaded.name} has no tokenizer with a chat template")
@@ -169,7 +174,11 @@ def generate(
         token_ids = render(loaded.tokenizer, messages, generation_prompt=True)
     except TemplateRejected as error:
         fail(str(error))
-    engine = Engine(loaded, EngineConfig(max_num_seqs=1)).start()
+    try:
+        config = EngineConfig(max_num_seqs=1, attention_backend=settings.attention_backend)
+        engine = Engine(loaded, config).start()
+    except ValueError as error:  # a backend that does not fit the model (its head size)
+        fail(str(error))
     request = GenerationRequest(
         "cli", "local", token_ids, sampling, tail_scope=User("local", "cli")
     )

@@ -54,13 +54,10 @@ def serve(
         fail(str(error))
     if model is not None and not (model / "config.json").is_file():
         fail(f"{model} is not a model directory (no config.json)")
-    if settings.attention_backend == "cpu":  # asked for by name: refuse now, in one line
-        from engine.kernels.cpu_build import KernelUnavailable, load
-
-        try:
-            load()
-        except KernelUnavailable as error:
-            fail(f"attention backend cpu: {error}")
+    try:
+        settings.check_engine()
+    except ValueError as error:
+        fail(str(error))
     from sqlalchemy.exc import OperationalError
 
     from tenancy.migrate import SchemaOutOfDate

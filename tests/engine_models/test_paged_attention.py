@@ -1,5 +1,5 @@
 """The paged path computes what transformers' own sdpa forward computes (fp32, atol 1e-4), with
-each attention backend: the torch reference and the C++ CPU kernel."""
+each attention backend: the torch reference, the C++ CPU kernel and the Triton kernels."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from engine.kernels.cpu_attention import CpuAttention
 from engine.kv_spec import KVSpec
 from engine.model_runner import Chunk, ModelRunner
 from tests.engine_models.prompts import tokens as random_tokens
-from tests.support.models import ARCHITECTURES, reference_copy, tiny_model
+from tests.support.models import ARCHITECTURES, TRITON_DEVICE, reference_copy, tiny_model
 
 BLOCK_SIZE = 16
 ATOL = 1e-4
-BACKENDS = ["torch", "cpu"]
+BACKENDS = ["torch", "cpu", "triton"]  # triton: in the interpreter without a GPU
 
 
 def reference_logits(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
@@ -33,9 +33,10 @@ def runner_for(model: torch.nn.Module, backend: str = "torch") -> ModelRunner:
         torch.float32,
         BLOCK_SIZE,
     )
-    attention = make_backend(backend, torch.device("cpu"), spec.head_dim)
+    device = TRITON_DEVICE if backend == "triton" else torch.device("cpu")
+    attention = make_backend(backend, device, spec.head_dim)
     assert attention.name == backend
-    return ModelRunner(model, BlockPool(spec, 64).kv, attention)
+    return ModelRunner(model.to(device), BlockPool(spec, 64, device).kv, attention)
 
 
 def chunk(name: str, tokens: list[int], start: int, end: int, blocks: list[int]) -> Chunk:
@@ -53,7 +54,7 @@ def test_chunked_prefill_then_decode_matches_sdpa(architecture: str, backend: st
     position = 0
     for end in (23, 50, 80, *range(81, 91)):
         logits = runner.run([chunk("a", tokens, position, end, blocks)])
-        torch.testing.assert_close(logits[0], reference[end - 1], atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[0].cpu(), reference[end - 1], atol=ATOL, rtol=0)
         position = end
 
 
@@ -76,7 +77,7 @@ def test_packed_varlen_batch_matches_sdpa_per_sequence(architecture: str, backen
     )
     for row, tokens in enumerate((first, second, third)):
         expected = reference_logits(reference_model, tokens)[-1]
-        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[row].cpu(), expected, atol=ATOL, rtol=0)
 
 
 def test_runner_counts_the_positions_it_computes() -> None:
@@ -106,7 +107,7 @@ def test_decode_reads_only_the_sequences_own_blocks(backend: str) -> None:
     )
     for row, tokens in enumerate((short, long)):
         expected = reference_logits(reference_model, tokens)[-1]
-        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[row].cpu(), expected, atol=ATOL, rtol=0)
 
 
 def test_a_forward_that_raises_records_nothing() -> None:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.cli import Cli
 
@@ -44,6 +45,19 @@ CASES: list[tuple[str, dict[str, str], list[str], int, str]] = [
     ("unknown command", {}, ["tenant", "list"], 2, "No such command 'tenant'"),
     ("missing argument", {}, ["tenants", "create"], 2, "Missing argument"),
 ]  # fmt: skip
+
+TRITON_OUTSIDE_INTERPRETER = {"PREFIXGATE_ATTENTION_BACKEND": "triton", "TRITON_INTERPRET": "0"}
+if not torch.cuda.is_available():  # where there is a GPU, these settings are fine
+    CASES += [
+        ("serve on cuda without a GPU", {"PREFIXGATE_DEVICE": "cuda"}, ["serve"], 2,
+         "device cuda: no CUDA GPU is visible"),
+        ("serve with triton on a CPU", TRITON_OUTSIDE_INTERPRETER, ["serve"], 2,
+         "attention backend 'triton' is unavailable: the Triton kernels need a CUDA device"),
+        ("generate on cuda without a GPU", {"PREFIXGATE_DEVICE": "cuda"},
+         ["generate", "--prompt", "hi"], 2, "device cuda: no CUDA GPU is visible"),
+        ("generate with triton on a CPU", TRITON_OUTSIDE_INTERPRETER,
+         ["generate", "--prompt", "hi"], 2, "attention backend 'triton' is unavailable"),
+    ]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,11 @@ ARCHITECTURES: dict[str, Callable[[], PreTrainedModel]] = {
 }
 
 
+# Where tests run the Triton backend: the GPU when torch sees one, else the CPU in Triton's
+# interpreter (tests/conftest.py sets TRITON_INTERPRET=1 then).
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def tiny_model(architecture: str, seed: int = 0) -> PreTrainedModel:
     """A small random model; the same seed gives the same weights."""
     torch.manual_seed(seed)
@@ -74,11 +79,14 @@ def loaded(model: PreTrainedModel, name: str = "tiny") -> LoadedModel:
     return LoadedModel(model, None, name, f"fingerprint-{name}", (), 2048)
 
 
-def engine_for(architecture: str, seed: int = 0, **config: object) -> Engine:
-    """An engine (not started: tests drive `step()`) over a fresh tiny model."""
+def engine_for(
+    architecture: str, seed: int = 0, device: torch.device | str = "cpu", **config: object
+) -> Engine:
+    """An engine (not started: tests drive `step()`) over a fresh tiny model on `device`."""
     options: dict[str, object] = {"block_size": 16, "num_blocks": 256}
     options.update(config)
-    return Engine(loaded(tiny_model(architecture, seed), architecture), EngineConfig(**options))  # type: ignore[arg-type]
+    model = tiny_model(architecture, seed).to(device)  # type: ignore[arg-type]
+    return Engine(loaded(model, architecture), EngineConfig(**options))  # type: ignore[arg-type]
 
 
 def greedy(max_tokens: int) -> SamplingParams:
