@@ -190,8 +190,9 @@ def _make_plan(batch: PagedBatch, sliding_window: int | None) -> _Plan:
     decode_mask: torch.Tensor | None = None
     if decode:
         decode_rows = torch.tensor([starts[i] for i in decode], device=device)
-        contexts = torch.tensor([batch.context_lens[i] for i in decode], device=device)
-        max_blocks = cdiv(int(contexts.max()), block_size)
+        decode_contexts = [batch.context_lens[i] for i in decode]
+        contexts = torch.tensor(decode_contexts, device=device)
+        max_blocks = cdiv(max(decode_contexts), block_size)  # from the host: no device read
         decode_blocks = batch.block_tables[decode, :max_blocks].reshape(-1)
         positions = torch.arange(max_blocks * block_size, device=device)
         mask = positions[None, :] < contexts[:, None]

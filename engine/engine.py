@@ -107,13 +107,20 @@ class Engine:
         return kv_cache_budget(self.device, config.gpu_memory_fraction, activations)
 
     def _profile_activations(self, spec: KVSpec, backend: AttentionBackend) -> int:
-        """Peak memory of the largest step: a full token budget of prefill, run on a scratch
-        pool of its own (freed on return)."""
-        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-        blocks = cdiv(tokens, spec.block_size)
-        runner = ModelRunner(self.loaded.model, BlockPool(spec, blocks, self.device).kv, backend)
-        chunk = Chunk("memory-profile", [0] * tokens, 0, list(range(blocks)), 0, True)
-        return peak_bytes(self.device, lambda: runner.run([chunk]))
+        """Peak memory of the largest step: a full token budget of prefill, in as many
+        sequences as `max_model_len` requires, on a scratch pool of its own (freed on return)."""
+        budget, longest = self.config.max_num_batched_tokens, self.max_model_len
+        lengths = [min(longest, budget - start) for start in range(0, budget, longest)]
+        tables, first = [], 0
+        for length in lengths:
+            tables.append(list(range(first, first + cdiv(length, spec.block_size))))
+            first += len(tables[-1])
+        runner = ModelRunner(self.loaded.model, BlockPool(spec, first, self.device).kv, backend)
+        chunks = [
+            Chunk(f"memory-profile-{index}", [0] * length, 0, table, 0, True)
+            for index, (length, table) in enumerate(zip(lengths, tables, strict=True))
+        ]
+        return peak_bytes(self.device, lambda: runner.run(chunks))
 
     def describe(self) -> dict[str, str | int]:
         """What serves: model, device, dtypes, attention backend, pool size."""

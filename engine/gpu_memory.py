@@ -16,13 +16,15 @@ GIB = 1 << 30
 
 
 def peak_bytes(device: torch.device, run: Callable[[], object]) -> int:
-    """How far `run` raises torch's allocated memory on `device` above where it started."""
+    """How far `run` raises the memory torch's allocator reserves on `device` (what it holds
+    from CUDA, rounding and fragmentation included) above where it started."""
     torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    start = torch.cuda.memory_allocated(device)
+    start = torch.cuda.memory_reserved(device)
     run()
     torch.cuda.synchronize(device)
-    return int(torch.cuda.max_memory_allocated(device)) - start
+    return int(torch.cuda.max_memory_reserved(device)) - start
 
 
 def kv_cache_budget(device: torch.device, fraction: float, activation_bytes: int) -> int:

@@ -69,6 +69,12 @@ def product_options(dtype: torch.dtype) -> dict[str, object]:
     return {"PRECISION": precision, "WIDEN": interpreting()}
 
 
+def key_tile(head_dim: int, dtype: torch.dtype) -> int:
+    """Key positions per iteration: 64, or 32 where one K row passes 512 bytes (fp32 heads
+    over 128), so that the tiles fit an A100's shared memory."""
+    return 64 if triton.next_power_of_2(head_dim) * dtype.itemsize <= 512 else 32
+
+
 @cache
 def multiprocessors(device: torch.device) -> int:
     """How many programs run at once on `device` (1 in the interpreter)."""

@@ -2,13 +2,14 @@
 
 One program handles one sequence, one KV head and one split of its context: the GQA group's
 query heads share every K/V tile it loads (the group is padded to 16 rows for `tl.dot`). Keys
-are read in place through the block table, `BLOCK_N` positions per iteration, each position's
-block looked up on its own, so any block size works. The softmax runs online in base 2 (the
-scale is folded into `scale * log2(e)`).
+are read in place through the block table, `key_tile` positions per iteration, each
+position's block looked up on its own, so any block size works. The softmax runs online in
+base 2 (the scale is folded into `scale * log2(e)`).
 
 Long contexts are split across programs (split-K) so that a small batch still fills the
-device; each split writes its unnormalized output and log-sum-exp, and a second kernel merges
-the splits. With one split the first kernel writes the output directly.
+device; each split writes its normalized output and log-sum-exp, and a second kernel merges
+the splits. With one split the first kernel writes the output directly. The split count is a
+run-time argument: whatever a step needs, the kernels are compiled once per model.
 
 Sequences whose step has more than one query token are left to the prefill kernel: the
 grid covers the whole batch and such programs return at once.
@@ -25,13 +26,15 @@ import triton.language as tl
 from engine.kernels.triton_common import (
     LOG2E,
     dot,
+    key_tile,
     load_positions,
     product_options,
     softmax_step,
 )
 
-BLOCK_N = 64  # positions per iteration
+SPLIT_ALIGN = 64  # splits cover whole multiples of this many positions
 MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it saves
+MAX_SPLITS = 64
 
 
 @triton.jit
@@ -48,6 +51,7 @@ def _decode_kernel(
     scale_log2,
     window,
     tokens_per_split,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -65,7 +69,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,
     HEADS: tl.constexpr,
     PRECISION: tl.constexpr,
     WIDEN: tl.constexpr,
@@ -119,7 +123,7 @@ def _decode_kernel(
     store_mask = row_mask[:, None] & dim_mask[None, :]
     safe_total = tl.where(total == 0.0, 1.0, total)
     output = acc / safe_total[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(
             out_ptr
             + query_start.to(tl.int64) * stride_ot
@@ -130,7 +134,7 @@ def _decode_kernel(
         )
     else:
         # Partials are [sequence, head, split, dim] and [sequence, head, split], contiguous.
-        part = (sequence.to(tl.int64) * HEADS + heads) * NUM_SPLITS + split
+        part = (sequence.to(tl.int64) * HEADS + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], output, mask=store_mask)
         lse = tl.where(total == 0.0, float("-inf"), best + tl.log2(safe_total))
         tl.store(part_lse_ptr + part, lse, mask=row_mask)
@@ -142,12 +146,12 @@ def _merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
     query_starts_ptr,
+    num_splits,
     stride_ot,
     stride_oh,
     HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     sequence = tl.program_id(0)
@@ -156,10 +160,10 @@ def _merge_splits_kernel(
     if tl.load(query_starts_ptr + sequence + 1) - query_start != 1:
         return
     splits = tl.arange(0, BLOCK_S)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
-    part = (sequence.to(tl.int64) * HEADS + head) * NUM_SPLITS + splits
+    part = (sequence.to(tl.int64) * HEADS + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + part, mask=split_mask, other=float("-inf"))
     # Split 0 always holds the context's first position, so the largest lse is finite; an
     # empty split has lse -inf and weighs nothing. Each split's output is already normalized.
@@ -191,9 +195,9 @@ def plan_splits(longest_span: int, programs: int, multiprocessors: int) -> Split
     shorter than MIN_SPLIT_TOKENS."""
     count = 1
     if programs < 2 * multiprocessors:
-        count = min(triton.cdiv(2 * multiprocessors, programs), 64)
+        count = min(triton.cdiv(2 * multiprocessors, programs), MAX_SPLITS)
         count = max(1, min(count, longest_span // MIN_SPLIT_TOKENS))
-    tokens = triton.cdiv(triton.cdiv(max(longest_span, 1), count), BLOCK_N) * BLOCK_N
+    tokens = triton.cdiv(triton.cdiv(max(longest_span, 1), count), SPLIT_ALIGN) * SPLIT_ALIGN
     return Splits(triton.cdiv(max(longest_span, 1), tokens), tokens)
 
 
@@ -244,6 +248,7 @@ def decode_attention(
         scale * LOG2E,
         window,
         splits.tokens,
+        splits.count,
         query.stride(0),
         query.stride(1),
         output.stride(0),
@@ -260,8 +265,8 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=key_cache.shape[1],
-        BLOCK_N=BLOCK_N,
-        NUM_SPLITS=splits.count,
+        BLOCK_N=key_tile(head_dim, query.dtype),
+        SPLIT=splits.count > 1,
         HEADS=heads,
         **product_options(query.dtype),
     )
@@ -271,11 +276,11 @@ def decode_attention(
             parts,
             lse,
             query_starts,
+            splits.count,
             output.stride(0),
             output.stride(1),
             HEADS=heads,
             HEAD_DIM=head_dim,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            NUM_SPLITS=splits.count,
-            BLOCK_S=triton.next_power_of_2(splits.count),
+            BLOCK_S=MAX_SPLITS,
         )

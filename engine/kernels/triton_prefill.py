@@ -17,13 +17,13 @@ import triton.language as tl
 from engine.kernels.triton_common import (
     LOG2E,
     dot,
+    key_tile,
     load_positions,
     product_options,
     softmax_step,
 )
 
 BLOCK_M = 64  # query rows per program
-BLOCK_N = 64  # key positions per iteration
 
 
 @triton.jit
@@ -164,6 +164,6 @@ def prefill_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=key_tile(head_dim, query.dtype),
         **product_options(query.dtype),
     )

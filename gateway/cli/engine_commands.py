@@ -175,7 +175,12 @@ def generate(
     except TemplateRejected as error:
         fail(str(error))
     try:
-        config = EngineConfig(max_num_seqs=1, attention_backend=settings.attention_backend)
+        config = EngineConfig(
+            max_num_seqs=1,
+            attention_backend=settings.attention_backend,
+            kv_cache_bytes=settings.kv_cache_bytes,
+            gpu_memory_fraction=settings.gpu_memory_fraction,
+        )
         engine = Engine(loaded, config).start()
     except ValueError as error:  # a backend that does not fit the model (its head size)
         fail(str(error))
