@@ -354,11 +354,26 @@ class Engine:
         if logits is None or not sampled:
             return []
         params = [sequence.request.sampling for sequence in sampled]
-        return sample(logits, params, [sequence.generator for sequence in sampled])
+        counts = [self._output_counts(sequence, logits) for sequence in sampled]
+        return sample(logits, params, [sequence.generator for sequence in sampled], counts)
+
+    @staticmethod
+    def _output_counts(sequence: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
+        """A penalized request's generated-token counts, made at its first sampled token and
+        kept up to date by `_append`."""
+        if not sequence.request.sampling.penalized:
+            return None
+        if sequence.output_counts is None:
+            generated = torch.tensor(sequence.token_ids[sequence.prompt_len :], dtype=torch.long)
+            counts = torch.bincount(generated, minlength=logits.shape[-1]).float()
+            sequence.output_counts = counts.to(logits.device)
+        return sequence.output_counts
 
     def _append(self, sequence: Sequence, token: int) -> None:
         first = sequence.first_token_at is None
         delta = sequence.append(token, self.loaded.eos_token_ids, self.max_model_len)
+        if sequence.output_counts is not None:
+            sequence.output_counts[token] += 1
         self.cache.append_tokens(sequence.request_id, [token])
         if first and sequence.first_token_at is not None:
             self.metrics.record_ttft(sequence.first_token_at - sequence.arrival)

@@ -1,7 +1,10 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds.
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds,
+OpenAI's frequency and presence penalties and logit bias.
 
-The sampler judges each row alone: a row whose logits or probabilities are not finite becomes
-that request's `RequestFailed`, never an exception that would fail the whole batch.
+Penalties and biases change the logits of the whole batch in a few tensor operations (no loop
+over the vocabulary), before greedy or random choice. The sampler judges each row alone: a row
+whose logits or probabilities are not finite becomes that request's `RequestFailed`, never an
+exception that would fail the whole batch.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ MIN_TEMPERATURE = 1e-2
 MIN_TOP_P = float(torch.finfo(torch.float32).tiny)
 # What torch.Generator.manual_seed accepts: a signed or unsigned 64-bit integer.
 MIN_SEED, SEED_LIMIT = -(2**63), 2**64
+PENALTY_LIMIT = 2.0  # OpenAI's range for frequency and presence penalties: [-2, 2]
+BIAS_LIMIT = 100.0  # and for a logit bias: [-100, 100]
+MAX_LOGIT_BIAS = 1024  # entries per request
 
 
 class InvalidSampling(ValueError):
@@ -44,6 +50,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -62,10 +71,28 @@ class SamplingParams:
         seed = self.seed
         if seed is not None and not (isinstance(seed, int) and MIN_SEED <= seed < SEED_LIMIT):
             raise InvalidSampling("seed", "seed must be a 64-bit integer in [-2**63, 2**64)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -PENALTY_LIMIT <= value <= PENALTY_LIMIT):
+                raise InvalidSampling(name, f"{name} must be between -2 and 2")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            message = f"logit_bias may have at most {MAX_LOGIT_BIAS} entries"
+            raise InvalidSampling("logit_bias", message)
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise InvalidSampling("logit_bias", f"token id {token} is negative")
+            if not (math.isfinite(bias) and -BIAS_LIMIT <= bias <= BIAS_LIMIT):
+                message = f"the bias for token {token} must be between -100 and 100"
+                raise InvalidSampling("logit_bias", message)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether choices depend on how often each token was generated so far."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -80,13 +107,20 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
+@torch.inference_mode()  # the runner's logits are inference tensors, changed in place here
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    counts: list[torch.Tensor | None] | None = None,
 ) -> list[int | RequestFailed]:
-    """One token per row of `logits` ([rows, vocab], float32), or that row's own failure."""
+    """One token per row of `logits` ([rows, vocab], float32), or that row's own failure.
+
+    `counts[row]` ([vocab]) says how often the row's request generated each token so far; it
+    is needed where the row's params are `penalized`. `logits` may be changed in place.
+    """
     finite = torch.isfinite(logits).all(dim=-1).tolist()
+    adjust_logits(logits, params, counts or [None] * len(params))
     tokens: list[int | RequestFailed] = [int(token) for token in logits.argmax(dim=-1).tolist()]
     for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
         if not finite[row]:
@@ -115,3 +149,36 @@ def _sample_row(
     if not bool(torch.isfinite(probabilities).all()):
         return RequestFailed("sampling produced non-finite probabilities for this request")
     return int(torch.multinomial(probabilities, 1, generator=generator).item())
+
+
+def adjust_logits(
+    logits: torch.Tensor, params: list[SamplingParams], counts: list[torch.Tensor | None]
+) -> None:
+    """OpenAI's penalties and logit bias, in place, for every row that has them:
+    `logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty`, then
+    `logit[j] += bias[j]`."""
+    device = logits.device
+    penalized = [row for row, row_params in enumerate(params) if row_params.penalized]
+    if penalized:
+        rows = torch.tensor(penalized, device=device)
+        generated = torch.stack([_counts(counts[row], row) for row in penalized])
+        frequency = [params[row].frequency_penalty for row in penalized]
+        presence = [params[row].presence_penalty for row in penalized]
+        penalty = generated * torch.tensor(frequency, device=device)[:, None]
+        penalty += (generated > 0) * torch.tensor(presence, device=device)[:, None]
+        logits.index_put_((rows,), logits[rows] - penalty)
+    biased = [
+        (row, token, bias)
+        for row, row_params in enumerate(params)
+        for token, bias in row_params.logit_bias
+    ]
+    if biased:
+        rows_, tokens, biases = zip(*biased, strict=True)
+        index = (torch.tensor(rows_, device=device), torch.tensor(tokens, device=device))
+        logits.index_put_(index, torch.tensor(biases, device=device), accumulate=True)
+
+
+def _counts(counts: torch.Tensor | None, row: int) -> torch.Tensor:
+    if counts is None:
+        raise ValueError(f"row {row} has penalties but no token counts")
+    return counts

@@ -59,6 +59,8 @@ class Sequence:
     first_token_wall: float | None = None
     waiting_since: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
+    # How often each token was generated, kept only for requests with penalties.
+    output_counts: torch.Tensor | None = None
 
     @classmethod
     def create(

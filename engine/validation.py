@@ -36,6 +36,10 @@ def validate(request: GenerationRequest, limits: ModelLimits, cache: KVCacheMana
     vocab = limits.vocab_size
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")
+    outside = [token for token, _ in request.sampling.logit_bias if token >= vocab]
+    if outside:
+        message = f"logit_bias: token id {outside[0]} is not below the vocabulary size {vocab}"
+        raise InvalidRequest(message, param="logit_bias")
     max_tokens = request.sampling.max_tokens
     if len(prompt) + max_tokens > limits.max_model_len:
         raise ContextTooLong(

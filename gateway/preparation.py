@@ -202,9 +202,23 @@ def _sampling(
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
             stop=tuple(body.stop_list()),
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            logit_bias=_logit_bias(body.logit_bias or {}),
         )
     except InvalidSampling as error:
         raise from_engine_error(error) from error
+
+
+def _logit_bias(given: dict[str, float]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` as (id, bias) pairs; ids past the vocabulary are refused
+    by the engine's check at submit."""
+    pairs = []
+    for key, bias in given.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise APIError.invalid(f"logit_bias: {key[:40]!r} is not a token id", "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def user_scope_id(body_user: str | None, header_user: str | None, caller: Caller) -> str:

@@ -49,6 +49,18 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class TextFormat(BaseModel):
+    """`response_format` as plain text: what every completion is without one."""
+
+    model_config = _STRICT
+
+    type: Literal["text"]
+
+
+MetadataKey = Annotated[Text, Field(max_length=64)]
+MetadataValue = Annotated[Text, Field(max_length=512)]
+
+
 class TextPart(BaseModel):
     model_config = _STRICT
 
@@ -80,12 +92,25 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     stop: StopText | Annotated[list[StopText], Field(max_length=4)] | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    # Token id (a decimal string, as JSON keys are) -> bias; ids are checked in preparation.
+    logit_bias: (
+        Annotated[dict[Text, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=1024)]
+        | None
+    ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(default=None, max_length=256)
     n: int = 1
     # Accepted as a routing hint only: it never widens a cache scope.
     prompt_cache_key: Text | None = Field(default=None, max_length=256)
+    # Accepted without effect, as OpenAI allows: nothing is stored, every request is served
+    # on the one tier there is, and the text format is what every completion is anyway.
+    store: bool | None = None
+    metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    response_format: TextFormat | None = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -100,6 +125,7 @@ class SamplingFields(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: Literal[False] | None = None  # what clients send when they want none
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -117,6 +143,7 @@ class ChatCompletionRequest(SamplingFields):
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    echo: Literal[False] | None = None
 
     def text_chars(self) -> int:
         """Characters of prompt text, checked against a cap before tokenizing."""

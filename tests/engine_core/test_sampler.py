@@ -1,4 +1,5 @@
-"""The sampler: greedy, top-k, top-p, seeds, parameter checks, and failures kept to their row."""
+"""The sampler: greedy, top-k, top-p, seeds, penalties and logit bias, parameter checks, and
+failures kept to their row."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 import torch
 
 from engine.errors import RequestFailed
-from engine.sampler import MIN_TOP_P, InvalidSampling, SamplingParams, make_generator, sample
+from engine.sampler import (
+    MIN_TOP_P,
+    InvalidSampling,
+    SamplingParams,
+    adjust_logits,
+    make_generator,
+    sample,
+)
 
 
 def logits_batch(seed: int) -> torch.Tensor:
@@ -61,6 +69,13 @@ def test_top_k_never_picks_outside_the_k_best() -> None:
         ({"top_p": float("nan")}, "top_p"),
         ({"seed": 2**64}, "seed"),
         ({"seed": -(2**63) - 1}, "seed"),
+        ({"frequency_penalty": 2.01}, "frequency_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"logit_bias": ((3, 100.5),)}, "logit_bias"),
+        ({"logit_bias": ((3, float("-inf")),)}, "logit_bias"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+        ({"logit_bias": tuple((token, 1.0) for token in range(1025))}, "logit_bias"),
     ],
 )
 def test_invalid_sampling_names_the_parameter(fields: dict[str, Any], param: str) -> None:
@@ -111,3 +126,57 @@ def test_degenerate_params_that_skip_validation_fail_only_their_row(
         assert drawn[1] == logits[1].argmax().item()
     else:
         assert isinstance(drawn[1], RequestFailed)
+
+
+def test_penalties_and_bias_follow_openais_definition_row_by_row() -> None:
+    logits = logits_batch(4)
+    counts = torch.zeros(3, 50)
+    counts[0] = torch.bincount(torch.tensor([1, 2, 2, 7, 7, 7]), minlength=50).float()
+    counts[2] = torch.bincount(torch.tensor([4, 4, 9]), minlength=50).float()
+    params = [
+        SamplingParams(frequency_penalty=0.5, presence_penalty=-1.25),
+        SamplingParams(logit_bias=((3, -100.0), (8, 2.5))),  # no penalties
+        SamplingParams(frequency_penalty=-2.0, presence_penalty=2.0, logit_bias=((4, 1.0),)),
+    ]
+    adjusted = logits.clone()
+    adjust_logits(adjusted, params, [counts[0], None, counts[2]])
+    expected = logits.clone()
+    for row in (0, 2):  # mu[j] - c[j] * frequency - (c[j] > 0) * presence, per token j
+        for token in range(50):
+            c = float(counts[row, token])
+            expected[row, token] -= (
+                c * params[row].frequency_penalty + (c > 0) * params[row].presence_penalty
+            )
+    expected[1, 3] -= 100.0
+    expected[1, 8] += 2.5
+    expected[2, 4] += 1.0
+    torch.testing.assert_close(adjusted, expected, atol=1e-6, rtol=0)
+
+
+def test_bias_decides_greedy_and_excludes_tokens_from_sampling() -> None:
+    logits = logits_batch(5)[:1]
+    worst = int(logits[0].argmin())
+    greedy = SamplingParams(temperature=0.0, logit_bias=((worst, 100.0),))
+    assert sample(logits.clone(), [greedy], [None]) == [worst]
+    best = int(logits[0].argmax())
+    banned = SamplingParams(temperature=2.0, seed=1, logit_bias=((best, -100.0),))
+    generator = make_generator(banned, torch.device("cpu"))
+    drawn = [sample(logits.clone(), [banned], [generator])[0] for _ in range(300)]
+    assert best not in drawn and len(set(drawn)) > 5
+
+
+def test_presence_penalty_moves_sampling_off_repeated_tokens() -> None:
+    logits = torch.zeros(1, 10)  # uniform: every token equally likely
+    counts = torch.zeros(10)
+    counts[:5] = 1  # tokens 0-4 were generated already
+    params = SamplingParams(temperature=1.0, seed=2, presence_penalty=2.0)
+    generator = make_generator(params, torch.device("cpu"))
+    drawn = [sample(logits.clone(), [params], [generator], [counts])[0] for _ in range(2000)]
+    repeated = sum(token < 5 for token in drawn) / len(drawn)
+    # P(a repeated token) = 5 e^-2 / (5 e^-2 + 5) = 0.119
+    assert abs(repeated - 0.119) < 0.03
+
+
+def test_penalized_rows_need_their_counts() -> None:
+    with pytest.raises(ValueError, match="no token counts"):
+        sample(logits_batch(0)[:1], [SamplingParams(frequency_penalty=1.0)], [None], [None])

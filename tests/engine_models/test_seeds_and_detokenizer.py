@@ -1,12 +1,21 @@
-"""Seeded sampling through the engine, and incremental detokenization with stop strings."""
+"""Seeded sampling, penalties and logit bias through the engine, and incremental
+detokenization with stop strings."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from engine.detokenizer import Detokenizer
 from engine.sampler import SamplingParams
-from tests.support.models import engine_for, make_request, run_one
+from tests.support.models import (
+    engine_for,
+    make_request,
+    reference_copy,
+    run_one,
+    tiny_model,
+)
 
 
 def test_seeded_requests_reproduce_through_the_engine() -> None:
@@ -15,6 +24,36 @@ def test_seeded_requests_reproduce_through_the_engine() -> None:
     first = run_one(engine, make_request("a", list(range(20)), sampling=params)).token_ids
     second = run_one(engine, make_request("b", list(range(20)), sampling=params)).token_ids
     assert first == second
+
+
+def test_penalized_greedy_output_equals_a_direct_computation() -> None:
+    # The model's own forward over the whole text each step, penalties applied by hand.
+    reference = reference_copy(tiny_model("llama"))
+    # Negative penalties: a random model seldom repeats a token on its own, now it must.
+    prompt, frequency, presence = list(range(3, 23)), -1.5, -0.75
+    tokens: list[int] = []
+    with torch.inference_mode():
+        for _ in range(10):
+            logits = reference(input_ids=torch.tensor([prompt + tokens])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(tokens, dtype=torch.long), minlength=len(logits))
+            logits -= counts * frequency + (counts > 0) * presence
+            tokens.append(int(logits.argmax()))
+    params = SamplingParams(
+        max_tokens=10, temperature=0.0, frequency_penalty=frequency, presence_penalty=presence,
+        ignore_eos=True,
+    )  # fmt: skip
+    served = run_one(engine_for("llama"), make_request("p", prompt, sampling=params)).token_ids
+    assert served == tokens
+    plain = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    assert (
+        run_one(engine_for("llama"), make_request("q", prompt, sampling=plain)).token_ids != tokens
+    )
+
+
+def test_logit_bias_forces_a_token_through_the_engine() -> None:
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=1, logit_bias=((42, 100.0),))
+    served = run_one(engine_for("llama"), make_request("b", list(range(20)), sampling=params))
+    assert served.token_ids == [42] * 6
 
 
 def feed(detokenizer: Detokenizer, token_ids: list[int]) -> list[str]:

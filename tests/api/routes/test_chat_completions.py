@@ -53,6 +53,30 @@ def test_streaming_with_usage_matches_the_blocking_answer(gateway: Gateway) -> N
     assert usage_chunk.usage.prompt_tokens_details is not None
 
 
+def test_penalties_and_logit_bias_as_clients_send_them(gateway: Gateway) -> None:
+    api = openai_client(gateway)
+    messages = [{"role": "user", "content": "Say something."}]
+    # What frameworks send on every call: zero penalties, an empty bias.
+    defaults = api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, frequency_penalty=0,
+        presence_penalty=0, logit_bias={},
+    )  # fmt: skip
+    plain = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                        temperature=0)  # fmt: skip
+    assert defaults.choices[0].message.content == plain.choices[0].message.content
+    # A +100 bias on one token makes it the only choice.
+    loaded = gateway.server.gateway.loaded
+    word = loaded.tokenizer.encode(" yes", add_special_tokens=False)[0]
+    forced = api.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=1, seed=3,
+        logit_bias={str(word): 100}, frequency_penalty=0.5, presence_penalty=-0.5,
+    )  # fmt: skip
+    assert forced.choices[0].message.content == loaded.tokenizer.decode([word] * 4)
+    assert forced.usage is not None and forced.usage.completion_tokens == 4
+    past_vocabulary = chat(logit_bias={str(loaded.vocab_size): 1})
+    assert_error(post(gateway, past_vocabulary), 400, "logit_bias", None)
+
+
 CASES = [
     ("n-two", chat(n=2), 400, "n", None),
     ("unsupported-field", chat(logprobs=True), 400, "logprobs", None),
@@ -71,6 +95,13 @@ CASES = [
     ("unknown-model", chat(model="gpt-9"), 404, "model", "model_not_found"),
     ("too-long", chat(messages=[{"role": "user", "content": "word " * 2000}]), 400, "messages",
      "context_length_exceeded"),
+    ("frequency-penalty", chat(frequency_penalty=2.5), 400, "frequency_penalty", None),
+    ("presence-penalty", chat(presence_penalty="0"), 400, "presence_penalty", None),
+    ("bias-value", chat(logit_bias={"5": -101}), 400, "logit_bias", None),
+    ("bias-key", chat(logit_bias={"five": 1}), 400, "logit_bias", None),
+    ("bias-key-huge", chat(logit_bias={"9" * 5000: 1}), 400, "logit_bias", None),
+    ("bias-too-many", chat(logit_bias={str(i): 1 for i in range(1025)}), 400, "logit_bias",
+     None),
 ]  # fmt: skip
 
 
