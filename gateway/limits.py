@@ -100,6 +100,28 @@ class RateLimiter:
         state.tokens.capacity = limits.tokens_per_minute
         return state
 
+    def headers(self, caller: Caller) -> list[tuple[bytes, bytes]]:
+        """OpenAI's rate-limit headers for the tenant, as its buckets stand now: the limit,
+        what remains and how long until the bucket is full again, for requests and tokens."""
+        limits = caller.tenant
+        now = self._clock()
+        with self._lock:
+            state = self._state(caller, now)
+            pairs = []
+            for name, bucket, per_minute in (
+                ("requests", state.requests, limits.requests_per_minute),
+                ("tokens", state.tokens, limits.tokens_per_minute),
+            ):
+                bucket.take(0, per_minute, now)  # refills it to now
+                missing = bucket.capacity - bucket.level
+                reset = missing * 60.0 / per_minute if per_minute else 0.0
+                pairs += [
+                    (f"x-ratelimit-limit-{name}", str(per_minute)),
+                    (f"x-ratelimit-remaining-{name}", str(max(0, math.floor(bucket.level)))),
+                    (f"x-ratelimit-reset-{name}", _duration(reset)),
+                ]
+        return [(key.encode(), value.encode()) for key, value in pairs]
+
     def _charge(self, caller: Caller, tokens: int) -> None:
         limits = caller.tenant
         if tokens > limits.tokens_per_minute:
@@ -127,3 +149,11 @@ def _too_many(message: str, wait: float) -> APIError:
     """429 with the whole seconds until the bucket could let the request in."""
     retry_after = max(1, math.ceil(wait)) if math.isfinite(wait) else 60
     return APIError.rate_limited(message, retry_after)
+
+
+def _duration(seconds: float) -> str:
+    """A wait as OpenAI writes it in x-ratelimit-reset-*: "0s", "1.5s", "6m0s"."""
+    if seconds < 60:
+        return f"{math.ceil(seconds * 1000) / 1000:g}s"
+    minutes, rest = divmod(math.ceil(seconds), 60)
+    return f"{minutes}m{rest}s"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -42,6 +43,7 @@ class RequestGate:
             settlement = Settlement.for_request(scope["method"], path, client_ip(scope))
             scope["state"]["settlement"] = settlement
         started = False
+        request_id = f"req_{uuid.uuid4().hex}"
 
         state: GatewayState = scope["app"].state.gateway
 
@@ -49,6 +51,8 @@ class RequestGate:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                extra = _response_headers(state, scope, settlement, request_id)
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
                 if settlement is not None:
                     settlement.status = message["status"]
             elif settlement is not None and not message.get("more_body", False):
@@ -60,7 +64,9 @@ class RequestGate:
 
         try:
             if settlement is not None:
-                settlement.caller = await _authenticate(state, settlement, Headers(scope=scope))
+                headers = Headers(scope=scope)
+                settlement.caller = await _authenticate(state, settlement, headers)
+                _note_client_request_id(settlement, headers)
                 # The tenant's concurrency slot is taken before the body is read: one key's
                 # slow uploads hold at most its own share of the server.
                 settlement.admission = state.limiter.enter(settlement.caller)
@@ -84,6 +90,43 @@ class RequestGate:
                 # A response the connection layer sent itself (a stalled body's 408).
                 settlement.status = settlement.status or scope["state"].get("status_sent")
                 settle(state, settlement)
+
+
+INFERENCE_ENDPOINTS = frozenset({"chat", "completions"})
+MAX_CLIENT_REQUEST_ID = 512
+
+
+def _response_headers(
+    state: GatewayState, scope: Scope, settlement: Settlement | None, request_id: str
+) -> list[tuple[bytes, bytes]]:
+    """`x-request-id` on every response; under /v1 also `openai-processing-ms` and, for
+    inference, OpenAI's rate-limit headers from the tenant's own buckets."""
+    if settlement is None:
+        return [(b"x-request-id", request_id.encode())]
+    # The id the client sees is the one its audit event records: the completion's own id
+    # once there is one, else this request's.
+    settlement.request_id = settlement.request_id or request_id
+    elapsed_ms = round((time.perf_counter() - scope["state"]["arrived"]) * 1000)
+    headers = [
+        (b"x-request-id", settlement.request_id.encode()),
+        (b"openai-processing-ms", str(elapsed_ms).encode()),
+    ]
+    if settlement.caller is not None and settlement.endpoint in INFERENCE_ENDPOINTS:
+        headers += state.limiter.headers(settlement.caller)
+    return headers
+
+
+def _note_client_request_id(settlement: Settlement, headers: Headers) -> None:
+    """The client's own id for the request (`X-Client-Request-Id`), kept in its audit event."""
+    given = headers.get("x-client-request-id")
+    if given is None:
+        return
+    if not (0 < len(given) <= MAX_CLIENT_REQUEST_ID and given.isascii() and given.isprintable()):
+        message = (
+            f"X-Client-Request-Id must be 1 to {MAX_CLIENT_REQUEST_ID} printable ASCII characters"
+        )
+        raise APIError.invalid(message, "X-Client-Request-Id")
+    settlement.details["client_request_id"] = given
 
 
 async def _authenticate(state: GatewayState, settlement: Settlement, headers: Headers) -> Caller:

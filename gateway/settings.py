@@ -123,6 +123,10 @@ class Settings(BaseSettings):
     enable_prefix_caching: bool = True
     """Reuse cached prefixes; false computes every prompt in full."""
 
+    drop_unknown_params: bool = False
+    """Drop request fields PrefixGate does not know (logged once per field) instead of
+    answering 400 naming them."""
+
     # Limits
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     """Largest request body; a larger one is a 413."""

@@ -137,6 +137,7 @@ def _audit_record(
             resource_type="endpoint",
             resource_id=settlement.path,
             source_ip=settlement.source_ip,
+            request_id=settlement.request_id,
             details={"reason": settlement.auth_failure, "status": status},
         )
     details: dict[str, Any] = {

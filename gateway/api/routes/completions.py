@@ -13,6 +13,7 @@ when the request gate settles it).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -31,6 +32,7 @@ from gateway.serving import respond
 from gateway.settlement import Settlement
 from gateway.state import GatewayState
 
+logger = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1", tags=["inference"], responses=INFERENCE_RESPONSES)
 Body = TypeVar("Body", bound=SamplingFields)
 Preparation = Callable[[GatewayState, Body, RequestContext], Prepared]
@@ -72,6 +74,8 @@ async def _serve(
                 data = json.loads(raw)
             except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
                 raise APIError.invalid("the request body is not valid JSON") from None
+        if state.settings.drop_unknown_params and isinstance(data, dict):
+            data = _known_fields(data, model)
         try:
             body = model.model_validate(data, context=validation_context)
         except ValidationError as error:
@@ -90,3 +94,17 @@ async def _serve(
         span.set_attribute("prefixgate.prompt_tokens", len(prepared.request.prompt_token_ids))
         span.set_attribute("prefixgate.public_tokens", prepared.plan.public_tokens)
         return await respond(state, prepared, request)
+
+
+_dropped: set[str] = set()  # field names already logged as dropped
+_MAX_DROPPED_LOGGED = 100  # a client inventing names cannot fill the log
+
+
+def _known_fields(data: dict[str, object], model: type[Body]) -> dict[str, object]:
+    """`data` without the fields `model` does not know; each new name is logged once."""
+    unknown = [name for name in data if name not in model.model_fields]
+    for name in unknown:
+        if name not in _dropped and len(_dropped) < _MAX_DROPPED_LOGGED:
+            _dropped.add(name)
+            logger.warning("dropping unknown request field %r (drop_unknown_params)", name[:64])
+    return {name: value for name, value in data.items() if name in model.model_fields}

@@ -25,13 +25,27 @@ _METRICS_401 = error_response("A metrics token was presented and is wrong")
 
 @router.get("/v1/models", responses=API_RESPONSES)
 async def list_models(state: StateDep) -> dict[str, object]:
-    model = {
+    return {"object": "list", "data": [_model(state)]}
+
+
+@router.get(
+    "/v1/models/{model_id:path}",
+    responses=API_RESPONSES | {404: error_response("No model has this id")},
+)
+async def get_model(model_id: str, state: StateDep) -> dict[str, object]:
+    """One model by id (ids may hold slashes, as `org/name` does)."""
+    if model_id != state.model_name:
+        raise APIError.model_not_found(model_id[:256])
+    return _model(state)
+
+
+def _model(state: GatewayState) -> dict[str, object]:
+    return {
         "id": state.model_name,
         "object": "model",
         "created": _STARTED,
         "owned_by": "prefixgate",
     }
-    return {"object": "list", "data": [model]}
 
 
 @router.get("/healthz")
