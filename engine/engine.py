@@ -40,7 +40,7 @@ from engine.metrics import EngineMetrics
 from engine.model_loader import LoadedModel
 from engine.model_runner import Chunk, ModelRunner
 from engine.request import GenerationDelta, GenerationRequest
-from engine.sampler import sample
+from engine.sampler import TokenLogprobs, chosen_logprobs, raw_logprobs, sample
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, Sink, Status
 from engine.validation import ModelLimits, validate
@@ -318,7 +318,7 @@ class Engine:
             for index, (item, chunk) in enumerate(zip(scheduled, chunks, strict=True))
             if chunk.needs_logits and index not in step.failed
         ]
-        tokens = self._sample(step.logits(), sampled)
+        tokens, logprobs = self._sample(step.logits(), sampled)
         for sequence, token in zip(sampled, tokens, strict=True):
             if isinstance(token, EngineError):
                 failures[sequence] = token
@@ -328,10 +328,10 @@ class Engine:
             if item.sequence not in failures:
                 item.sequence.num_computed += item.num_tokens
                 self.cache.commit(item.sequence.request_id, item.sequence.num_computed)
-        for sequence, token in zip(sampled, tokens, strict=True):
+        for sequence, token, token_logprobs in zip(sampled, tokens, logprobs, strict=True):
             if isinstance(token, int):
                 try:
-                    self._append(sequence, token)
+                    self._append(sequence, token, token_logprobs)
                 except Exception:  # handling one request's output fails that request only
                     logger.exception("handling a request's output failed")
                     self._settle(sequence, RequestFailed("handling this request's output failed"))
@@ -350,12 +350,15 @@ class Engine:
 
     def _sample(
         self, logits: torch.Tensor | None, sampled: list[Sequence]
-    ) -> list[int | RequestFailed]:
+    ) -> tuple[list[int | RequestFailed], list[TokenLogprobs | None]]:
+        """Each sequence's next token (or its failure) and, where asked for, its logprobs."""
         if logits is None or not sampled:
-            return []
+            return [], []
         params = [sequence.request.sampling for sequence in sampled]
         counts = [self._output_counts(sequence, logits) for sequence in sampled]
-        return sample(logits, params, [sequence.generator for sequence in sampled], counts)
+        raw = raw_logprobs(logits, params)  # before `sample` changes the logits
+        tokens = sample(logits, params, [sequence.generator for sequence in sampled], counts)
+        return tokens, chosen_logprobs(raw, params, tokens)
 
     @staticmethod
     def _output_counts(sequence: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
@@ -369,9 +372,11 @@ class Engine:
             sequence.output_counts = counts.to(logits.device)
         return sequence.output_counts
 
-    def _append(self, sequence: Sequence, token: int) -> None:
+    def _append(
+        self, sequence: Sequence, token: int, logprobs: TokenLogprobs | None = None
+    ) -> None:
         first = sequence.first_token_at is None
-        delta = sequence.append(token, self.loaded.eos_token_ids, self.max_model_len)
+        delta = sequence.append(token, self.loaded.eos_token_ids, self.max_model_len, logprobs)
         if sequence.output_counts is not None:
             sequence.output_counts[token] += 1
         self.cache.append_tokens(sequence.request_id, [token])

@@ -6,7 +6,7 @@ from collections import abc
 from dataclasses import dataclass, field
 
 from engine.budget import TenantBudget
-from engine.sampler import SamplingParams
+from engine.sampler import SamplingParams, TokenLogprobs
 from engine.scope import NO_CACHE, CacheScope, Segment
 
 
@@ -58,5 +58,7 @@ class GenerationDelta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    # One per token of `token_ids`, when the request asked for logprobs.
+    logprobs: list[TokenLogprobs] | None = None
     usage: Usage | None = None
     timings: Timings | None = None

@@ -1,8 +1,10 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seeds,
-OpenAI's frequency and presence penalties and logit bias.
+OpenAI's frequency and presence penalties and logit bias, and log probabilities.
 
 Penalties and biases change the logits of the whole batch in a few tensor operations (no loop
-over the vocabulary), before greedy or random choice. The sampler judges each row alone: a row
+over the vocabulary), before greedy or random choice. Log probabilities are the model's own:
+`log_softmax` of its logits before penalties, bias, temperature or top-p (what vLLM calls raw
+logprobs), for the sampled token and the k likeliest. The sampler judges each row alone: a row
 whose logits or probabilities are not finite becomes that request's `RequestFailed`, never an
 exception that would fail the whole batch.
 """
@@ -28,6 +30,7 @@ MIN_SEED, SEED_LIMIT = -(2**63), 2**64
 PENALTY_LIMIT = 2.0  # OpenAI's range for frequency and presence penalties: [-2, 2]
 BIAS_LIMIT = 100.0  # and for a logit bias: [-100, 100]
 MAX_LOGIT_BIAS = 1024  # entries per request
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
 
 class InvalidSampling(ValueError):
@@ -53,6 +56,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    # None: no log probabilities; k >= 0: each sampled token's, and the k likeliest tokens'.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -84,6 +89,10 @@ class SamplingParams:
             if not (math.isfinite(bias) and -BIAS_LIMIT <= bias <= BIAS_LIMIT):
                 message = f"the bias for token {token} must be between -100 and 100"
                 raise InvalidSampling("logit_bias", message)
+
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            message = f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
+            raise InvalidSampling("top_logprobs", message)
 
     @property
     def greedy(self) -> bool:
@@ -182,3 +191,55 @@ def _counts(counts: torch.Tensor | None, row: int) -> torch.Tensor:
     if counts is None:
         raise ValueError(f"row {row} has penalties but no token counts")
     return counts
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A sampled token's log probability and the `k` likeliest tokens' (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RawLogprobs:
+    """The model's log probabilities for the rows that asked for them, taken before
+    `sample` changes the logits."""
+
+    rows: list[int]
+    values: torch.Tensor  # [len(rows), vocab]
+    top_ids: torch.Tensor  # [len(rows), k_max]
+    top_values: torch.Tensor
+
+
+def raw_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> RawLogprobs | None:
+    """`log_softmax` of the rows whose params ask for logprobs, with their top k (one topk for
+    the batch, at the largest k asked)."""
+    rows = [row for row, row_params in enumerate(params) if row_params.logprobs is not None]
+    if not rows:
+        return None
+    values = torch.log_softmax(logits[rows].float(), dim=-1)
+    k_max = max(params[row].logprobs or 0 for row in rows)
+    top_values, top_ids = torch.topk(values, k_max, dim=-1)
+    return RawLogprobs(rows, values, top_ids, top_values)
+
+
+def chosen_logprobs(
+    raw: RawLogprobs | None, params: list[SamplingParams], tokens: list[int | RequestFailed]
+) -> list[TokenLogprobs | None]:
+    """Each row's `TokenLogprobs` for the token it sampled (None where it asked for none)."""
+    chosen: list[TokenLogprobs | None] = [None] * len(tokens)
+    if raw is None:
+        return chosen
+    picked = [tokens[row] if isinstance(tokens[row], int) else 0 for row in raw.rows]
+    index = torch.tensor(picked, device=raw.values.device)[:, None]
+    sampled = raw.values.gather(1, index)[:, 0].tolist()
+    top_ids, top_values = raw.top_ids.tolist(), raw.top_values.tolist()
+    for position, row in enumerate(raw.rows):
+        token = tokens[row]
+        if isinstance(token, int):
+            k = params[row].logprobs or 0
+            top = tuple(zip(top_ids[position][:k], top_values[position][:k], strict=True))
+            chosen[row] = TokenLogprobs(token, sampled[position], top)
+    return chosen

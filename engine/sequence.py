@@ -14,7 +14,7 @@ import torch
 from engine.cache_request import CacheRequest
 from engine.detokenizer import Detokenizer
 from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
-from engine.sampler import make_generator
+from engine.sampler import TokenLogprobs, make_generator
 
 # Receives deltas, and at most one exception, from the engine thread.
 Sink = Callable[[GenerationDelta | Exception], None]
@@ -85,9 +85,14 @@ class Sequence:
         return self.token_ids[self.prompt_len :]
 
     def append(
-        self, token: int, eos_token_ids: Collection[int], max_model_len: int
+        self,
+        token: int,
+        eos_token_ids: Collection[int],
+        max_model_len: int,
+        logprobs: TokenLogprobs | None = None,
     ) -> GenerationDelta:
-        """Add a sampled token; returns its delta, with `finish_reason` set if it ends here."""
+        """Add a sampled token (and its logprobs, if asked for); returns its delta, with
+        `finish_reason` set if it ends here."""
         params = self.request.sampling
         self.token_ids.append(token)
         if self.first_token_at is None:
@@ -107,7 +112,7 @@ class Sequence:
             finish = "length"
         if finish is not None and self.detokenizer is not None and not self.detokenizer.stopped:
             text += self.detokenizer.flush()
-        return GenerationDelta(text, [token], finish)
+        return GenerationDelta(text, [token], finish, logprobs=[logprobs] if logprobs else None)
 
     def cache_request(self) -> CacheRequest:
         """The cache manager's view: everything generated so far counts as prompt on re-entry."""

@@ -205,9 +205,23 @@ def _sampling(
             frequency_penalty=body.frequency_penalty or 0.0,
             presence_penalty=body.presence_penalty or 0.0,
             logit_bias=_logit_bias(body.logit_bias or {}),
+            logprobs=_logprobs(body),
         )
     except InvalidSampling as error:
         raise from_engine_error(error) from error
+
+
+def _logprobs(body: SamplingFields) -> int | None:
+    """How many top alternatives each token's logprobs list (None: no logprobs): chat's
+    `logprobs: true` + `top_logprobs`, or completions' `logprobs: k`."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            message = "top_logprobs needs logprobs: true"
+            raise APIError.invalid(message, "top_logprobs")
+        return (body.top_logprobs or 0) if body.logprobs else None
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    return None
 
 
 def _logit_bias(given: dict[str, float]) -> tuple[tuple[int, float], ...]:

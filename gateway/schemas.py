@@ -125,7 +125,8 @@ class SamplingFields(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: Literal[False] | None = None  # what clients send when they want none
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -144,6 +145,7 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     echo: Literal[False] | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def text_chars(self) -> int:
         """Characters of prompt text, checked against a cap before tokenizing."""

@@ -20,9 +20,16 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from engine.request import GenerationDelta, Usage
+from engine.sampler import TokenLogprobs
 from gateway.errors import APIError, engine_failure
 from gateway.preparation import Prepared
-from gateway.responses import chat_chunk, chat_completion, text_completion
+from gateway.responses import (
+    chat_chunk,
+    chat_completion,
+    chat_logprobs,
+    completion_logprobs,
+    text_completion,
+)
 from gateway.state import GatewayState
 from gateway.tracing import record_engine_phases
 
@@ -144,11 +151,14 @@ async def _complete(
     http_request: Request,
 ) -> Response:
 
+    collected: list[TokenLogprobs] = list(first.logprobs or [])
+
     async def rest() -> tuple[str, GenerationDelta]:
         text, last = first.text, first
         while last.finish_reason is None:
             last = await anext(stream)
             text += last.text
+            collected.extend(last.logprobs or [])
         return text, last
 
     try:
@@ -166,15 +176,20 @@ async def _complete(
     usage = last.usage or Usage(len(prepared.request.prompt_token_ids), 0, 0)
     _conclude(state, prepared, "success", usage, last=last)
     headers = _server_timing(http_request, last)
-    model = state.model_name
+    model, tokenizer = state.model_name, state.loaded.tokenizer
+    wants_logprobs = prepared.request.sampling.logprobs is not None
     if prepared.context.endpoint == "chat":
+        logprobs = chat_logprobs(tokenizer, collected) if wants_logprobs else None
         body = chat_completion(
-            prepared.response_id, prepared.created, model, text, last.finish_reason, usage
-        )
+            prepared.response_id, prepared.created, model, text, last.finish_reason, usage,
+            logprobs,
+        )  # fmt: skip
     else:
+        logprobs = completion_logprobs(tokenizer, collected, 0) if wants_logprobs else None
         body = text_completion(
-            prepared.response_id, prepared.created, model, text, last.finish_reason, usage
-        )
+            prepared.response_id, prepared.created, model, text, last.finish_reason, usage,
+            logprobs,
+        )  # fmt: skip
     return JSONResponse(body, headers=headers)
 
 
@@ -197,12 +212,22 @@ async def _events(
 ) -> AsyncIterator[dict[str, Any]]:
     model, response_id, created = state.model_name, prepared.response_id, prepared.created
     chat = prepared.context.endpoint == "chat"
+    tokenizer = state.loaded.tokenizer
+    wants_logprobs = prepared.request.sampling.logprobs is not None
+    text_offset = 0  # where the next token's text starts, for completions' text_offset
 
-    def piece(text: str, finish_reason: str | None) -> dict[str, Any]:
+    def piece(delta: GenerationDelta) -> dict[str, Any]:
+        nonlocal text_offset
+        text, finish_reason, logprobs = delta.text, delta.finish_reason, None
         if chat:
-            delta = {"content": text} if text or not finish_reason else {}
-            return chat_chunk(response_id, created, model, delta, finish_reason)
-        return text_completion(response_id, created, model, text, finish_reason, None)
+            if wants_logprobs and delta.logprobs:
+                logprobs = chat_logprobs(tokenizer, delta.logprobs)
+            content = {"content": text} if text or not finish_reason or logprobs else {}
+            return chat_chunk(response_id, created, model, content, finish_reason, None, logprobs)
+        if wants_logprobs:
+            logprobs = completion_logprobs(tokenizer, delta.logprobs or [], text_offset)
+            text_offset += sum(len(token) for token in logprobs["tokens"])
+        return text_completion(response_id, created, model, text, finish_reason, None, logprobs)
 
     def event(payload: dict[str, Any]) -> dict[str, Any]:
         return {"data": json.dumps(payload, ensure_ascii=False)}
@@ -216,8 +241,8 @@ async def _events(
         delta = first
         deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
         while True:
-            if delta.text or delta.finish_reason:
-                yield event(piece(delta.text, delta.finish_reason))
+            if delta.text or delta.finish_reason or (wants_logprobs and delta.logprobs):
+                yield event(piece(delta))
             if delta.finish_reason is not None:
                 last = delta
                 break

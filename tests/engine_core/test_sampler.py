@@ -14,7 +14,9 @@ from engine.sampler import (
     InvalidSampling,
     SamplingParams,
     adjust_logits,
+    chosen_logprobs,
     make_generator,
+    raw_logprobs,
     sample,
 )
 
@@ -76,6 +78,8 @@ def test_top_k_never_picks_outside_the_k_best() -> None:
         ({"logit_bias": ((3, float("-inf")),)}, "logit_bias"),
         ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
         ({"logit_bias": tuple((token, 1.0) for token in range(1025))}, "logit_bias"),
+        ({"logprobs": 21}, "top_logprobs"),
+        ({"logprobs": -1}, "top_logprobs"),
     ],
 )
 def test_invalid_sampling_names_the_parameter(fields: dict[str, Any], param: str) -> None:
@@ -180,3 +184,33 @@ def test_presence_penalty_moves_sampling_off_repeated_tokens() -> None:
 def test_penalized_rows_need_their_counts() -> None:
     with pytest.raises(ValueError, match="no token counts"):
         sample(logits_batch(0)[:1], [SamplingParams(frequency_penalty=1.0)], [None], [None])
+
+
+def test_logprobs_are_taken_before_the_bias_changes_the_logits() -> None:
+    logits = logits_batch(6)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=2, logit_bias=((9, 100.0),)),
+        SamplingParams(temperature=0.0),  # asks for none
+        SamplingParams(temperature=0.0, logprobs=0),
+    ]
+    expected = torch.log_softmax(logits, -1)
+    raw = raw_logprobs(logits, params)
+    tokens = sample(logits, params, [None] * 3)
+    assert tokens[0] == 9  # the bias chose it
+    chosen = chosen_logprobs(raw, params, tokens)
+    first, second, third = chosen
+    assert first is not None and second is None and third is not None
+    assert abs(first.logprob - float(expected[0, 9])) < 1e-6  # the model's, not the biased one
+    assert [token for token, _ in first.top] == torch.topk(expected[0], 2).indices.tolist()
+    assert third.top == () and third.token == int(expected[2].argmax())
+
+
+def test_a_failed_row_gets_no_logprobs() -> None:
+    logits = logits_batch(7)[:2]
+    logits[1, 3] = float("nan")
+    params = [SamplingParams(temperature=0.0, logprobs=1)] * 2
+    raw = raw_logprobs(logits, params)
+    tokens = sample(logits, params, [None, None])
+    assert isinstance(tokens[1], RequestFailed)
+    chosen = chosen_logprobs(raw, params, tokens)
+    assert chosen[0] is not None and chosen[1] is None

@@ -77,9 +77,39 @@ def test_penalties_and_logit_bias_as_clients_send_them(gateway: Gateway) -> None
     assert_error(post(gateway, past_vocabulary), 400, "logit_bias", None)
 
 
+def test_logprobs_in_openais_shape_blocking_and_streamed_alike(gateway: Gateway) -> None:
+    api = openai_client(gateway)
+    arguments: dict[str, Any] = {
+        "model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}],
+        "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+    }  # fmt: skip
+    blocking = api.chat.completions.create(**arguments)
+    logprobs = blocking.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert blocking.usage is not None and len(logprobs.content) == blocking.usage.completion_tokens
+    for item in logprobs.content:
+        assert item.logprob <= 0 and item.bytes == list(item.token.encode())
+        assert len(item.top_logprobs) == 3
+        values = [top.logprob for top in item.top_logprobs]
+        assert values == sorted(values, reverse=True)
+        # Greedy: the chosen token is the likeliest.
+        assert (item.token, item.logprob) == (item.top_logprobs[0].token, values[0])
+    chunks = list(api.chat.completions.create(**arguments, stream=True))
+    streamed = [item for c in chunks if c.choices and c.choices[0].logprobs
+                for item in c.choices[0].logprobs.content or []]  # fmt: skip
+    assert [(i.token, round(i.logprob, 4)) for i in streamed] == [
+        (i.token, round(i.logprob, 4)) for i in logprobs.content
+    ]
+    plain = api.chat.completions.create(**(arguments | {"logprobs": False, "top_logprobs": None}))
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == blocking.choices[0].message.content
+
+
 CASES = [
     ("n-two", chat(n=2), 400, "n", None),
-    ("unsupported-field", chat(logprobs=True), 400, "logprobs", None),
+    ("unsupported-field", chat(echo=True), 400, "echo", None),
+    ("top-logprobs-alone", chat(top_logprobs=2), 400, "top_logprobs", None),
+    ("top-logprobs-21", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
     ("tools", chat(tools=[]), 400, "tools", None),
     ("temperature", chat(temperature=5), 400, "temperature", None),
     ("top-p", chat(top_p=0), 400, "top_p", None),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tests.support.gateway import MODEL, Gateway, openai_client
+from tests.support.openai_errors import assert_error, post
 
 
 def test_a_completion_takes_a_text_or_token_id_prompt_and_counts_its_tokens(
@@ -24,3 +25,28 @@ def test_a_streamed_completion_is_text_completion_chunks_ending_with_its_finish_
         model=MODEL, prompt="The sky is", max_tokens=4, temperature=0, stream=True))  # fmt: skip
     assert chunks and all(c.object == "text_completion" for c in chunks)
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_completion_logprobs_list_tokens_their_logprobs_alternatives_and_offsets(
+    gateway: Gateway,
+) -> None:
+    api = openai_client(gateway)
+    completion = api.completions.create(model=MODEL, prompt="The sky is", max_tokens=5,
+                                        temperature=0, logprobs=2)  # fmt: skip
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and completion.usage is not None
+    tokens, values = logprobs.tokens or [], logprobs.token_logprobs or []
+    assert len(tokens) == len(values) == completion.usage.completion_tokens
+    assert all(value <= 0 for value in values)
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs or [])
+    offsets = logprobs.text_offset or []
+    assert offsets[0] == 0
+    assert offsets == [sum(len(token) for token in tokens[:i]) for i in range(len(tokens))]
+    streamed = list(api.completions.create(model=MODEL, prompt="The sky is", max_tokens=5,
+                                           temperature=0, logprobs=2, stream=True))  # fmt: skip
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for piece in pieces for t in piece.tokens or []] == tokens
+    assert [o for piece in pieces for o in piece.text_offset or []] == offsets
+    refused = post(gateway, {"model": MODEL, "prompt": "x", "logprobs": 21},
+                   path="/v1/completions")  # fmt: skip
+    assert_error(refused, 400, "logprobs")

@@ -40,7 +40,7 @@ STRICT_CASES = [
     ("metadata-17-keys", chat(metadata={str(i): "v" for i in range(17)}), "metadata"),
     ("metadata-long-value", chat(metadata={"k": "v" * 513}), "metadata"),
     ("service-tier", chat(service_tier="gold"), "service_tier"),
-    ("logprobs-true", chat(logprobs=True), "logprobs"),
+    ("logprobs-not-a-bool", chat(logprobs=1), "logprobs"),
     ("unknown-field", chat(frobnicate=1), "frobnicate"),
 ]
 
