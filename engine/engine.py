@@ -32,6 +32,7 @@ from engine.errors import (
 )
 from engine.fault_isolation import run_isolated
 from engine.gpu_memory import kv_cache_budget, peak_bytes
+from engine.grammar import Grammars, mask_logits
 from engine.inbox import Inbox
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_spec import KVSpec, dtype_name
@@ -89,6 +90,8 @@ class Engine:
             loaded.vocab_size, self.max_model_len, loaded.tokenizer is not None
         )
         self.metrics = EngineMetrics()
+        # Structured outputs: callers compile a request's response format with this.
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
         self._inbox = Inbox()
         # Every request in flight, from `submit` until `_settle`, guarded by the inbox's lock.
         self._requests: dict[str, Sequence] = {}
@@ -158,7 +161,9 @@ class Engine:
         or `EngineStopped` at once for requests that can never be served.
         """
         validate(request, self.limits, self.cache)
-        sequence = Sequence.create(request, sink, self.loaded.tokenizer, self.device)
+        sequence = Sequence.create(
+            request, sink, self.loaded.tokenizer, self.device, self.loaded.eos_token_ids
+        )
         with self._inbox.lock:
             if self._inbox.stopping:
                 raise EngineStopped("the engine is shutting down")
@@ -357,7 +362,10 @@ class Engine:
         params = [sequence.request.sampling for sequence in sampled]
         counts = [self._output_counts(sequence, logits) for sequence in sampled]
         raw = raw_logprobs(logits, params)  # before `sample` changes the logits
-        tokens = sample(logits, params, [sequence.generator for sequence in sampled], counts)
+        grammars = [sequence.grammar for sequence in sampled]
+        generators = [sequence.generator for sequence in sampled]
+        constrain = (lambda rows: mask_logits(rows, grammars)) if any(grammars) else None
+        tokens = sample(logits, params, generators, counts, constrain)
         return tokens, chosen_logprobs(raw, params, tokens)
 
     @staticmethod
@@ -376,6 +384,8 @@ class Engine:
         self, sequence: Sequence, token: int, logprobs: TokenLogprobs | None = None
     ) -> None:
         first = sequence.first_token_at is None
+        if sequence.grammar is not None and not sequence.grammar.accept(token):
+            raise RuntimeError(f"token {token} is outside the request's grammar")
         delta = sequence.append(token, self.loaded.eos_token_ids, self.max_model_len, logprobs)
         if sequence.output_counts is not None:
             sequence.output_counts[token] += 1

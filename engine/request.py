@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import abc
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.budget import TenantBudget
 from engine.sampler import SamplingParams, TokenLogprobs
@@ -25,6 +26,8 @@ class GenerationRequest:
     segments: abc.Sequence[Segment] = ()
     tail_scope: CacheScope = NO_CACHE
     budget: TenantBudget | None = None
+    # The compiled grammar the output must follow (`Engine.grammars.compile`), or None.
+    grammar: Any = None
 
     def prompt_segments(self) -> list[Segment]:
         if self.segments:

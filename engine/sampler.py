@@ -12,6 +12,7 @@ exception that would fail the whole batch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -122,13 +123,17 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     counts: list[torch.Tensor | None] | None = None,
+    constrain: Callable[[torch.Tensor], None] | None = None,
 ) -> list[int | RequestFailed]:
     """One token per row of `logits` ([rows, vocab], float32), or that row's own failure.
 
     `counts[row]` ([vocab]) says how often the row's request generated each token so far; it
-    is needed where the row's params are `penalized`. `logits` may be changed in place.
+    is needed where the row's params are `penalized`. `constrain` masks, in place, the tokens
+    some rows may not take (structured outputs). `logits` may be changed in place.
     """
     finite = torch.isfinite(logits).all(dim=-1).tolist()
+    if constrain is not None:
+        constrain(logits)
     adjust_logits(logits, params, counts or [None] * len(params))
     tokens: list[int | RequestFailed] = [int(token) for token in logits.argmax(dim=-1).tolist()]
     for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):

@@ -13,6 +13,7 @@ import torch
 
 from engine.cache_request import CacheRequest
 from engine.detokenizer import Detokenizer
+from engine.grammar import GrammarState
 from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
 from engine.sampler import TokenLogprobs, make_generator
 
@@ -61,16 +62,26 @@ class Sequence:
     first_token_at: float | None = None
     # How often each token was generated, kept only for requests with penalties.
     output_counts: torch.Tensor | None = None
+    # Where the output stands in its grammar, for structured outputs.
+    grammar: GrammarState | None = None
 
     @classmethod
     def create(
-        cls, request: GenerationRequest, sink: Sink, tokenizer: Any, device: torch.device
+        cls,
+        request: GenerationRequest,
+        sink: Sink,
+        tokenizer: Any,
+        device: torch.device,
+        stop_token_ids: Collection[int] = (),
     ) -> Sequence:
         prompt = list(request.prompt_token_ids)
         stop = request.sampling.stop
         detokenizer = Detokenizer(tokenizer, prompt, stop) if tokenizer is not None else None
         generator = make_generator(request.sampling, device)
-        return cls(request, sink, prompt, len(prompt), generator, detokenizer)
+        sequence = cls(request, sink, prompt, len(prompt), generator, detokenizer)
+        if request.grammar is not None:
+            sequence.grammar = GrammarState(request.grammar, list(stop_token_ids))
+        return sequence
 
     @property
     def request_id(self) -> str:

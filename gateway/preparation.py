@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,12 +21,19 @@ from typing import Any
 from opentelemetry.trace import Span
 
 from engine.budget import TenantBudget
+from engine.errors import InvalidRequest
+from engine.grammar import ResponseFormat
 from engine.request import GenerationRequest
 from engine.sampler import InvalidSampling, SamplingParams
 from engine.scope import Public, Tenant, User
 from gateway.auth import Caller
 from gateway.errors import APIError, from_engine_error
-from gateway.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from gateway.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    JsonSchemaFormat,
+    SamplingFields,
+)
 from gateway.settlement import Settlement
 from gateway.state import GatewayState
 from policies.planner import Plan, PlanSubject, TenantPolicy
@@ -166,6 +174,10 @@ def _prepare(
             spans,
         )
     request_id = f"{'chatcmpl' if context.endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    grammar = None
+    if body.response_format is not None and body.response_format.type != "text":
+        with state.tracer.start_as_current_span("grammar"):
+            grammar = _compile_grammar(state, body)
     request = GenerationRequest(
         request_id=request_id,
         tenant_id=caller.tenant_id,
@@ -174,6 +186,7 @@ def _prepare(
         segments=plan.segments,
         tail_scope=plan.tail_scope,
         budget=TenantBudget(tenant.cache_quota_blocks, tenant.cache_reservation_blocks),
+        grammar=grammar,
     )
     settlement = context.settlement
     settlement.request_id = request_id
@@ -209,6 +222,21 @@ def _sampling(
         )
     except InvalidSampling as error:
         raise from_engine_error(error) from error
+
+
+def _compile_grammar(state: GatewayState, body: SamplingFields) -> Any:
+    """The request's response format compiled for the model (on this preparation thread,
+    never the engine's); a schema it cannot enforce is a 400 naming what."""
+    response_format = body.response_format
+    if isinstance(response_format, JsonSchemaFormat):
+        schema = json.dumps(response_format.json_schema.schema_)
+        wanted = ResponseFormat("json_schema", schema)
+    else:
+        wanted = ResponseFormat("json_object")
+    try:
+        return state.engine.grammars.compile(wanted)
+    except InvalidRequest as error:
+        raise from_engine_error(error) from None
 
 
 def _logprobs(body: SamplingFields) -> int | None:

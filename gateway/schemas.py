@@ -57,6 +57,33 @@ class TextFormat(BaseModel):
     type: Literal["text"]
 
 
+class JsonObjectFormat(BaseModel):
+    """`response_format` JSON mode: the output is one JSON object."""
+
+    model_config = _STRICT
+
+    type: Literal["json_object"]
+
+
+class JsonSchema(BaseModel):
+    model_config = _STRICT
+
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: Text | None = Field(default=None, max_length=4096)
+    # Checked and compiled by engine/grammar.py, which names a keyword it cannot enforce.
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format` structured outputs: the output follows `json_schema.schema`."""
+
+    model_config = _STRICT
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
 MetadataKey = Annotated[Text, Field(max_length=64)]
 MetadataValue = Annotated[Text, Field(max_length=512)]
 
@@ -106,11 +133,14 @@ class SamplingFields(BaseModel):
     # Accepted as a routing hint only: it never widens a cache scope.
     prompt_cache_key: Text | None = Field(default=None, max_length=256)
     # Accepted without effect, as OpenAI allows: nothing is stored, every request is served
-    # on the one tier there is, and the text format is what every completion is anyway.
+    # on the one tier there is. response_format "text" is what every completion is anyway.
     store: bool | None = None
     metadata: Annotated[dict[MetadataKey, MetadataValue], Field(max_length=16)] | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
-    response_format: TextFormat | None = None
+    response_format: (
+        Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+        | None
+    ) = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

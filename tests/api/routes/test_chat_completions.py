@@ -3,9 +3,11 @@ refused with its status and OpenAI's error shape."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
+import jsonschema
 import pytest
 
 from tests.support.gateway import MODEL, Gateway, openai_client
@@ -105,8 +107,50 @@ def test_logprobs_in_openais_shape_blocking_and_streamed_alike(gateway: Gateway)
     assert plain.choices[0].message.content == blocking.choices[0].message.content
 
 
+BOUNDED_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]},
+                   "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["ok", "colour", "count"], "additionalProperties": False,
+}  # fmt: skip
+
+
+def test_structured_output_follows_its_schema(gateway: Gateway) -> None:
+    api = openai_client(gateway)
+    response_format: Any = {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": BOUNDED_SCHEMA, "strict": True},
+    }
+    for seed in range(3):
+        completion = api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Answer."}], max_tokens=60,
+            temperature=1.0, seed=seed, response_format=response_format,
+        )  # fmt: skip
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content or ""), BOUNDED_SCHEMA)
+    refused = post(
+        gateway,
+        chat(
+            response_format={
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "x",
+                    "schema": {"type": "object", "properties": {"a": {"not": {}}}},
+                },
+            }
+        ),
+    )
+    error = assert_error(refused, 400, "response_format")
+    assert "'not' (at #/properties/a)" in error["message"]
+
+
 CASES = [
     ("n-two", chat(n=2), 400, "n", None),
+    ("schema-name", chat(response_format={"type": "json_schema",
+                                          "json_schema": {"name": "no spaces", "schema": {}}}),
+     400, "response_format", None),
+    ("format-type", chat(response_format={"type": "xml"}), 400, "response_format", None),
     ("unsupported-field", chat(echo=True), 400, "echo", None),
     ("top-logprobs-alone", chat(top_logprobs=2), 400, "top_logprobs", None),
     ("top-logprobs-21", chat(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),

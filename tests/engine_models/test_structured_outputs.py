@@ -1,0 +1,134 @@
+"""Structured outputs: every sampled output follows its JSON schema, at temperatures above 0,
+and a schema keyword the grammar would not enforce is refused by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import InvalidRequest
+from engine.grammar import GrammarState, ResponseFormat, check_schema
+from engine.model_loader import load_model
+from engine.sampler import SamplingParams
+from policies.templates import render
+from tests.support.models import make_request, run_all
+
+# Bounded on purpose: the model here has random weights, and only a bounded schema makes it
+# finish (a free string would never be closed by chance).
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "flags-and-enum": {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]},
+                       "nothing": {"type": "null"}},
+        "required": ["ok", "colour", "nothing"], "additionalProperties": False,
+    },
+    "bounded-array": {
+        "type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+        "minItems": 1, "maxItems": 4,
+    },
+    "short-strings": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 5},
+                       "tags": {"type": "array", "items": {"type": "string", "maxLength": 3},
+                                "maxItems": 2},
+                       "kind": {"anyOf": [{"const": "a"}, {"type": "boolean"}]}},
+        "required": ["name", "tags", "kind"], "additionalProperties": False,
+    },
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_dir: Path) -> Engine:
+    """A random model with SmolLM2's real tokenizer (the grammar needs a vocabulary)."""
+    return Engine(load_model(tiny_chat_dir), EngineConfig(num_blocks=512, max_num_seqs=16))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_every_sampled_output_parses_and_validates(engine: Engine, name: str) -> None:
+    schema = SCHEMAS[name]
+    grammar = engine.grammars.compile(ResponseFormat("json_schema", json.dumps(schema)))
+    requests = [
+        dataclasses.replace(
+            make_request(f"{name}-{seed}-{temperature}", list(range(100, 120)),
+                         sampling=SamplingParams(max_tokens=80, temperature=temperature,
+                                                 seed=seed)),
+            grammar=grammar,
+        )
+        for seed in range(6)
+        for temperature in (0.7, 1.5)
+    ]  # fmt: skip
+    outputs = run_all(engine, requests)
+    for output in outputs:
+        assert output.deltas[-1].finish_reason == "stop", output.text  # the grammar ended it
+        jsonschema.validate(json.loads(output.text), schema)
+    assert len({output.text for output in outputs}) > 3  # sampled, not one fixed answer
+
+
+UNSUPPORTED = [
+    ({"not": {"type": "string"}}, "'not' (at #)"),
+    ({"type": "object", "properties": {"a": {"if": {}, "then": {}}}}, "'if' (at #/properties/a)"),
+    ({"type": "array", "items": {"uniqueItems": True}}, "'uniqueItems' (at #/items)"),
+    ({"anyOf": [{"type": "string"}, {"contains": {}}]}, "'contains' (at #/anyOf/1)"),
+    ({"$ref": "#/$defs/missing"}, "cannot be compiled"),
+    ({"type": "wizard"}, "cannot be compiled"),
+]
+
+
+@pytest.mark.parametrize(("schema", "named"), UNSUPPORTED)
+def test_a_schema_the_grammar_cannot_enforce_is_refused_by_name(
+    engine: Engine, schema: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(InvalidRequest, match="response_format") as raised:
+        engine.grammars.compile(ResponseFormat("json_schema", json.dumps(schema)))
+    assert named in str(raised.value) and raised.value.param == "response_format"
+
+
+def test_a_too_deep_schema_is_refused_before_it_is_walked_further() -> None:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(40):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(InvalidRequest, match="deeper than 32"):
+        check_schema(schema)
+
+
+@pytest.mark.slow
+def test_json_mode_on_the_embedded_model_gives_a_json_object(smollm2: Any) -> None:
+    engine = Engine(smollm2, EngineConfig(num_blocks=256, max_num_seqs=4))
+    content = "Reply with a JSON object with two keys, name and age, for a cat called Tom aged 3."
+    messages = [{"role": "user", "content": content}]
+    prompt = render(smollm2.tokenizer, messages, generation_prompt=True)
+    grammar = engine.grammars.compile(ResponseFormat("json_object"))
+    requests = [
+        dataclasses.replace(
+            make_request(f"cat-{seed}", list(prompt),
+                         sampling=SamplingParams(max_tokens=200, temperature=temperature,
+                                                 seed=seed)),
+            grammar=grammar,
+        )
+        for seed, temperature in ((0, 0.0), (1, 0.7), (2, 1.0))
+    ]  # fmt: skip
+    outputs = run_all(engine, requests)
+    # Whether a small model ends its object is the model's doing (sampled, it may loop until
+    # max_tokens); every output that ends is one JSON object, and greedy ends.
+    assert outputs[0].deltas[-1].finish_reason == "stop", outputs[0].text
+    for output in outputs:
+        if output.deltas[-1].finish_reason == "stop":
+            assert json.loads(output.text)["name"] == "Tom"
+
+
+def test_bounded_strings_refuse_control_characters(engine: Engine) -> None:
+    # xgrammar's own rule for a length-bounded string lets a tab through; JSON does not.
+    schema = {"type": "string", "maxLength": 3}
+    grammar = engine.grammars.compile(ResponseFormat("json_schema", json.dumps(schema)))
+    tokenizer = engine.loaded.tokenizer
+    quote, tab, letter = (tokenizer.encode(text, add_special_tokens=False)[0]
+                          for text in ('"', "\t", "a"))  # fmt: skip
+    state = GrammarState(grammar, list(engine.loaded.eos_token_ids))
+    assert state.accept(quote) and not state.accept(tab) and state.accept(letter)
