@@ -21,7 +21,7 @@ from typing import Any
 from opentelemetry.trace import Span
 
 from engine.budget import TenantBudget
-from engine.errors import InvalidRequest
+from engine.errors import EngineOverloaded, InvalidRequest
 from engine.grammar import ResponseFormat
 from engine.request import GenerationRequest
 from engine.sampler import InvalidSampling, SamplingParams
@@ -235,7 +235,7 @@ def _compile_grammar(state: GatewayState, body: SamplingFields) -> Any:
         wanted = ResponseFormat("json_object")
     try:
         return state.engine.grammars.compile(wanted)
-    except InvalidRequest as error:
+    except (InvalidRequest, EngineOverloaded) as error:
         raise from_engine_error(error) from None
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import InvalidRequest
+from engine.errors import EngineOverloaded, InvalidRequest
 from engine.grammar import GrammarState, ResponseFormat, check_schema
 from engine.model_loader import load_model
 from engine.sampler import SamplingParams
@@ -77,6 +77,13 @@ UNSUPPORTED = [
     ({"type": "array", "items": {"uniqueItems": True}}, "'uniqueItems' (at #/items)"),
     ({"anyOf": [{"type": "string"}, {"contains": {}}]}, "'contains' (at #/anyOf/1)"),
     ({"$ref": "#/$defs/missing"}, "cannot be compiled"),
+    # Patterns whose grammars take seconds to compile.
+    ({"type": "string", "pattern": "([a-z]{1,20})+"}, "repeats a group that holds"),
+    ({"type": "string", "pattern": "([a-z]{1,20}){1,20}"}, "over 1 counted repetitions"),
+    ({"type": "string", "pattern": ".{1,32}.{1,32}"}, "over 1 counted repetitions"),
+    ({"type": "string", "pattern": "[a-z]{1,64}"}, "more than 32 times"),
+    ({"type": "object", "patternProperties": {"^(ab{2})+$": {}}}, "repeats a group"),
+    ({"type": "array", "prefixItems": [{"type": "string", "pattern": "a"}] * 5}, "over 4 patterns"),
     ({"type": "wizard"}, "cannot be compiled"),
 ]
 
@@ -132,3 +139,11 @@ def test_bounded_strings_refuse_control_characters(engine: Engine) -> None:
                           for text in ('"', "\t", "a"))  # fmt: skip
     state = GrammarState(grammar, list(engine.loaded.eos_token_ids))
     assert state.accept(quote) and not state.accept(tab) and state.accept(letter)
+
+
+def test_a_compile_waits_its_turn_for_at_most_a_second(engine: Engine) -> None:
+    schema = {"type": "string", "pattern": "^[a-z]{1,7}$"}
+    busy = engine.grammars._compiling  # held: another request's schema is compiling
+    with busy, pytest.raises(EngineOverloaded, match="retry shortly"):
+        engine.grammars.compile(ResponseFormat("json_schema", json.dumps(schema)))
+    assert engine.grammars.compile(ResponseFormat("json_schema", json.dumps(schema)))
