@@ -106,6 +106,12 @@ def _check_keywords(schema: Any, where: str, depth: int) -> None:
     for keyword, value in schema.items():
         if keyword not in SUPPORTED_KEYWORDS:
             raise unsupported(f"JSON schema keyword {keyword!r} (at {where}) is not supported")
+        # A reference may only name a definition, which is checked like the rest; never an
+        # annotation such as `examples`, which is not.
+        if keyword == "$ref" and not (
+            isinstance(value, str) and value.startswith(("#/$defs/", "#/definitions/"))
+        ):
+            raise unsupported(f"$ref (at {where}) must point into #/$defs or #/definitions")
         for child, at in _children(keyword, value, where):
             _check_keywords(child, at, depth + 1)
 
@@ -118,7 +124,9 @@ MAX_PATTERNS = 4
 MAX_PATTERN_CHARS = 256
 MAX_COUNTED_REPETITIONS = 1
 MAX_REPETITION_BOUND = 32
-_COUNTED = re.compile(r"(?<!\\)\{(\d*)(?:,(\d*))?\}")
+# Counted repetitions as xgrammar reads them, spaces included; an escaped brace counts too
+# (refusing a literal `\{1,3\}` is cheaper than telling it from `\\{1,3}`).
+_COUNTED = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
 
 
 def check_pattern(pattern: Any, where: str) -> None:
