@@ -170,6 +170,11 @@ class BlockPool:
         self._num_idle -= 1
         self._release(block)
 
+    def copy_block(self, source: Block, target: Block) -> None:
+        """Copy `source`'s K and V, in every layer, into `target` (a block just taken)."""
+        assert target.ref_count == 1 and target.key is None, "copy into a shared block"
+        self.kv[:, :, target.block_id].copy_(self.kv[:, :, source.block_id])
+
     def clear_identity(self, block: Block) -> None:
         """Strip the cache identity of an active block: it is zeroed when its last user leaves."""
         block.key = None

@@ -164,22 +164,32 @@ class Engine:
         sequence = Sequence.create(
             request, sink, self.loaded.tokenizer, self.device, self.loaded.eos_token_ids
         )
+        choices = sequence.choices or [sequence]
         with self._inbox.lock:
             if self._inbox.stopping:
                 raise EngineStopped("the engine is shutting down")
-            if request.request_id in self._requests:
+            if any(choice.request_id in self._requests for choice in choices):
                 raise InvalidRequest(f"request id {request.request_id!r} is already in flight")
-            if len(self._requests) >= self.config.max_waiting + self.config.max_num_seqs:
+            limit = self.config.max_waiting + self.config.max_num_seqs
+            if len(self._requests) + len(choices) > limit:
                 raise EngineOverloaded("too many requests in flight; retry shortly")
-            self._requests[request.request_id] = sequence
-            self._inbox.post(lambda: self.scheduler.add(sequence))
+            for choice in choices:
+                self._requests[choice.request_id] = choice
+            self._inbox.post(lambda: self._add(sequence))
+
+    def _add(self, sequence: Sequence) -> None:
+        """Hand a new request to the scheduler; its other choices wait for its prompt."""
+        self.scheduler.add(sequence)
+        for fork in sequence.forks:
+            fork.status = Status.WAITING
 
     def cancel(self, request_id: str) -> None:
-        """Stop a request and free its blocks at the next step boundary."""
+        """Stop a request (all its choices) and free its blocks at the next step boundary."""
         self._inbox.post(lambda: self._cancel(request_id))
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Stream a request's deltas; the last one carries `finish_reason` and `usage`.
+        """Stream a request's deltas; each choice's last one carries `finish_reason` and
+        `usage`, and the stream ends when every choice has ended.
 
         Closing the iterator early (a client went away) cancels the request. Starts the
         engine thread if it is not running.
@@ -193,14 +203,14 @@ class Engine:
                 loop.call_soon_threadsafe(deltas.put_nowait, item)
 
         self.submit(request, sink)
-        finished = False
+        unfinished = request.n
         try:
-            while not finished:
+            while unfinished:
                 delta = _delta_or_raise(await deltas.get())
-                finished = delta.finish_reason is not None
+                unfinished -= delta.finish_reason is not None
                 yield delta
         finally:
-            if not finished:  # abandoned (or failed: then cancelling is a no-op)
+            if unfinished:  # abandoned (or failed: then cancelling is a no-op)
                 self.cancel(request.request_id)
 
     def generate_sync(self, request: GenerationRequest) -> Iterator[GenerationDelta]:
@@ -208,14 +218,14 @@ class Engine:
         self.start()
         deltas: queue.Queue[GenerationDelta | Exception] = queue.Queue()
         self.submit(request, deltas.put)
-        finished = False
+        unfinished = request.n
         try:
-            while not finished:
+            while unfinished:
                 delta = _delta_or_raise(deltas.get())
-                finished = delta.finish_reason is not None
+                unfinished -= delta.finish_reason is not None
                 yield delta
         finally:
-            if not finished:
+            if unfinished:
                 self.cancel(request.request_id)
 
     # -- administration -----------------------------------------------------------------------
@@ -323,7 +333,13 @@ class Engine:
             for index, (item, chunk) in enumerate(zip(scheduled, chunks, strict=True))
             if chunk.needs_logits and index not in step.failed
         ]
-        tokens, logprobs = self._sample(step.logits(), sampled)
+        logits = step.logits()
+        # Rows for the choices that fork off a prompt computed in this step, copied before
+        # sampling changes the logits in place.
+        forks = [(parent, child) for parent in sampled for child in parent.forks]
+        fork_rows = [row for row, parent in enumerate(sampled) for _ in parent.forks]
+        fork_logits = logits[fork_rows] if logits is not None and fork_rows else None
+        tokens, logprobs = self._sample(logits, sampled)
         for sequence, token in zip(sampled, tokens, strict=True):
             if isinstance(token, EngineError):
                 failures[sequence] = token
@@ -333,13 +349,42 @@ class Engine:
             if item.sequence not in failures:
                 item.sequence.num_computed += item.num_tokens
                 self.cache.commit(item.sequence.request_id, item.sequence.num_computed)
-        for sequence, token, token_logprobs in zip(sampled, tokens, logprobs, strict=True):
+        forked, fork_tokens, fork_logprobs = self._fork(forks, fork_logits)
+        for sequence, token in zip(forked, fork_tokens, strict=True):
+            if isinstance(token, EngineError):
+                self._settle(sequence, token)
+        for sequence, token, token_logprobs in zip(
+            sampled + forked, tokens + fork_tokens, logprobs + fork_logprobs, strict=True
+        ):
             if isinstance(token, int):
                 try:
                     self._append(sequence, token, token_logprobs)
                 except Exception:  # handling one request's output fails that request only
                     logger.exception("handling a request's output failed")
                     self._settle(sequence, RequestFailed("handling this request's output failed"))
+
+    def _fork(
+        self, forks: list[tuple[Sequence, Sequence]], logits: torch.Tensor | None
+    ) -> tuple[list[Sequence], list[int | RequestFailed], list[TokenLogprobs | None]]:
+        """Start each (parent, child) choice on the prompt its parent computed in this step,
+        sharing its blocks, and sample its first token from the parent's logits (`logits`
+        has one row per pair).
+
+        Returns the children that run now; one that cannot fork now waits as a request of
+        its own. Children of a parent that failed were settled with it.
+        """
+        forked: list[Sequence] = []
+        rows: list[int] = []
+        for row, (parent, child) in enumerate(forks):
+            parent.forks = []
+            runs = parent.status is Status.RUNNING and child.status is Status.WAITING
+            if runs and self.scheduler.fork(parent, child):
+                forked.append(child)
+                rows.append(row)
+        if logits is None or not forked:
+            return [], [], []
+        tokens, logprobs = self._sample(logits[rows], forked)
+        return forked, tokens, logprobs
 
     def _chunk(self, scheduled: ScheduledChunk) -> Chunk:
         sequence, start = scheduled.sequence, scheduled.sequence.num_computed
@@ -402,7 +447,8 @@ class Engine:
             sequence = self._requests.get(request_id)
         # One still in the inbox was submitted after this cancel was queued: not the one meant.
         if sequence is not None and sequence.status is not Status.SUBMITTED:
-            self._settle(sequence, None)
+            for choice in sequence.choices or [sequence]:
+                self._settle(choice, None)
 
     def _scheduled(self) -> list[Sequence]:
         """The requests in flight that the scheduler has taken.
@@ -424,6 +470,11 @@ class Engine:
             if self._requests.get(sequence.request_id) is not sequence:
                 return  # already settled
             del self._requests[sequence.request_id]
+        # Choices still waiting for this one's prompt share its end (it never ends normally
+        # before they fork: they fork where it samples its first token).
+        pending, sequence.forks = sequence.forks, []
+        for fork in pending:
+            self._settle(fork, outcome if isinstance(outcome, EngineError) else None)
         # A failed request's KV may be what failed it: none of it stays cached.
         self.scheduler.remove(sequence, keep_computed=not isinstance(outcome, EngineError))
         computed_prompt_positions = self.runner.pop_computed_prompt_positions(sequence.request_id)

@@ -184,6 +184,37 @@ class KVCacheManager:
         counters.cached_tokens += hit.cached_tokens
         return None
 
+    def fork(self, parent_id: str, child: CacheRequest) -> Refusal | None:
+        """Admit `child`, whose tokens are exactly the parent's computed ones, on the parent's KV.
+
+        The parent's full blocks gain a reference each (nothing is recomputed or copied); a
+        partly filled last block is copied into a block of the child's own, since both will
+        write their next tokens into it. The prompt is counted once, on the parent. Atomic, as
+        `admit` is.
+        """
+        if child.request_id in self._sequences:
+            raise ValueError(f"request {child.request_id!r} is already admitted")
+        parent = self._sequences[parent_id]
+        num_tokens = len(child.prompt_token_ids)
+        if bytes(encode_token_ids(child.prompt_token_ids)) != bytes(parent.token_bytes):
+            raise ValueError("a fork must hold exactly its parent's tokens")
+        shared = parent.blocks[: num_tokens // self.block_size]
+        record = CacheSequence(
+            child, bytearray(parent.token_bytes), list(parent.scopes), keys=list(parent.keys)
+        )
+        refusal = self._allocate(record, num_tokens, Counter(), shared)
+        if refusal is not None:
+            return refusal
+        if len(record.blocks) > len(shared):
+            self.pool.copy_block(parent.blocks[len(shared)], record.blocks[len(shared)])
+        # Only blocks past the shared ones are the child's own computation (see `free`).
+        record.cached_tokens = len(shared) * self.block_size
+        record.committed_blocks = parent.committed_blocks
+        record.chain_parent = parent.chain_parent
+        record.commit_stopped = parent.commit_stopped
+        self._sequences[child.request_id] = record
+        return None
+
     def allocate(self, request_id: str, total_tokens: int) -> Refusal | None:
         """Make sure an admitted request has blocks for its first `total_tokens` tokens."""
         return self._allocate(self._sequences[request_id], total_tokens, Counter(), [])

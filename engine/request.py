@@ -28,6 +28,8 @@ class GenerationRequest:
     budget: TenantBudget | None = None
     # The compiled grammar the output must follow (`Engine.grammars.compile`), or None.
     grammar: Any = None
+    # How many choices to generate from the prompt; they share its KV (computed once).
+    n: int = 1
 
     def prompt_segments(self) -> list[Segment]:
         if self.segments:
@@ -56,12 +58,15 @@ class Timings:
 
 @dataclass(frozen=True, slots=True)
 class GenerationDelta:
-    """New output since the last delta; the last one has `finish_reason`, `usage`, `timings`."""
+    """New output of one choice since its last delta; a choice's last delta has
+    `finish_reason`, `usage` (the prompt counted on choice 0 only) and `timings`."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     # One per token of `token_ids`, when the request asked for logprobs.
     logprobs: list[TokenLogprobs] | None = None
+    # Which choice (0..n-1) the delta belongs to; each choice ends with a delta of its own.
+    index: int = 0
     usage: Usage | None = None
     timings: Timings | None = None

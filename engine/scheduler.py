@@ -102,6 +102,24 @@ class Scheduler:
                 budget -= count
         return output
 
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Start `child` on `parent`'s just-computed prompt, sharing its KV blocks.
+
+        Returns whether it runs now; when the batch is full or the cache refuses the fork,
+        it waits as a request of its own instead (and computes the prompt itself, from the
+        prefix cache where its scopes allow).
+        """
+        if len(self.running) < self.config.max_num_seqs:
+            refusal = self.manager.fork(parent.request_id, child.cache_request())
+            if refusal is None:
+                self.running.append(child)
+                child.status = Status.RUNNING
+                child.num_computed = parent.num_computed
+                child.admitted_wall = parent.admitted_wall
+                return True
+        self.add(child)
+        return False
+
     def _grow(self, sequence: Sequence, count: int, index: int, output: SchedulerOutput) -> bool:
         """Give a running sequence blocks for `count` more tokens, preempting if needed."""
         while True:

@@ -15,7 +15,7 @@ from engine.cache_request import CacheRequest
 from engine.detokenizer import Detokenizer
 from engine.grammar import GrammarState
 from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
-from engine.sampler import TokenLogprobs, make_generator
+from engine.sampler import MIN_SEED, SEED_LIMIT, TokenLogprobs, make_generator
 
 # Receives deltas, and at most one exception, from the engine thread.
 Sink = Callable[[GenerationDelta | Exception], None]
@@ -42,6 +42,19 @@ def cache_request(request: GenerationRequest, token_ids: list[int]) -> CacheRequ
     )
 
 
+def choice_request(request: GenerationRequest, index: int) -> GenerationRequest:
+    """Choice `index` of a request for n choices: its own id and, if seeded, its own seed."""
+    if index == 0:
+        return request
+    sampling = request.sampling
+    if sampling.seed is not None:  # seed + index, wrapped into the seed range
+        seed = (sampling.seed - MIN_SEED + index) % (SEED_LIMIT - MIN_SEED) + MIN_SEED
+        sampling = dataclasses.replace(sampling, seed=seed)
+    return dataclasses.replace(
+        request, request_id=f"{request.request_id}#{index}", sampling=sampling, n=1
+    )
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """A request being served: prompt plus generated tokens, and how much KV is computed."""
@@ -64,6 +77,12 @@ class Sequence:
     output_counts: torch.Tensor | None = None
     # Where the output stands in its grammar, for structured outputs.
     grammar: GrammarState | None = None
+    # Which of the request's n choices this is; choice 0 computes the prompt.
+    index: int = 0
+    # Choice 0 of n > 1: the other choices, until they fork off its computed prompt.
+    forks: list[Sequence] = field(default_factory=list)
+    # Every choice of the request (n > 1), so that cancelling one cancels them all.
+    choices: list[Sequence] = field(default_factory=list)
 
     @classmethod
     def create(
@@ -73,6 +92,28 @@ class Sequence:
         tokenizer: Any,
         device: torch.device,
         stop_token_ids: Collection[int] = (),
+    ) -> Sequence:
+        """The request's sequence; for n > 1 also its other choices, waiting in `forks`."""
+        sequences = [
+            cls._choice(choice_request(request, index), sink, tokenizer, device, stop_token_ids)
+            for index in range(request.n)
+        ]
+        for index, sequence in enumerate(sequences):
+            sequence.index = index
+        if request.n > 1:
+            sequences[0].forks = sequences[1:]
+            for sequence in sequences:
+                sequence.choices = sequences
+        return sequences[0]
+
+    @classmethod
+    def _choice(
+        cls,
+        request: GenerationRequest,
+        sink: Sink,
+        tokenizer: Any,
+        device: torch.device,
+        stop_token_ids: Collection[int],
     ) -> Sequence:
         prompt = list(request.prompt_token_ids)
         stop = request.sampling.stop
@@ -123,14 +164,21 @@ class Sequence:
             finish = "length"
         if finish is not None and self.detokenizer is not None and not self.detokenizer.stopped:
             text += self.detokenizer.flush()
-        return GenerationDelta(text, [token], finish, logprobs=[logprobs] if logprobs else None)
+        return GenerationDelta(
+            text, [token], finish, logprobs=[logprobs] if logprobs else None, index=self.index
+        )
 
     def cache_request(self) -> CacheRequest:
         """The cache manager's view: everything generated so far counts as prompt on re-entry."""
         return cache_request(self.request, self.token_ids)
 
     def usage(self, computed_prompt_positions: int) -> Usage:
-        """OpenAI usage; cached tokens are prompt positions the model never computed (I6)."""
+        """OpenAI usage; cached tokens are prompt positions the model never computed (I6).
+
+        Choices after the first count only their output: the prompt is counted once.
+        """
+        if self.index:
+            return Usage(0, 0, len(self.output_ids))
         cached = max(0, self.prompt_len - computed_prompt_positions)
         return Usage(self.prompt_len, cached, len(self.output_ids))
 

@@ -18,6 +18,9 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.request import GenerationRequest
 from engine.sequence import cache_request
 
+# Choices per request the engine takes; gateways set their own, lower limit.
+MAX_CHOICES = 128
+
 
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
@@ -33,6 +36,8 @@ def validate(request: GenerationRequest, limits: ModelLimits, cache: KVCacheMana
     prompt = request.prompt_token_ids
     if not prompt:
         raise InvalidRequest("the prompt is empty", param="prompt")
+    if not 1 <= request.n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}", param="n")
     vocab = limits.vocab_size
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")

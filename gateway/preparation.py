@@ -127,8 +127,8 @@ def _check_request(
     """Refuse what cannot be served before any template or tokenizer runs over its text."""
     if body.model != state.model_name:
         raise APIError.model_not_found(body.model)
-    if body.n != 1:
-        raise APIError.invalid("only n=1 is supported", "n")
+    if body.n > state.settings.max_choices:
+        raise APIError.invalid(f"n may be at most {state.settings.max_choices}", "n")
     if body.stream_options is not None and not body.stream:
         message = "stream_options is only allowed with stream=true"
         raise APIError.invalid(message, "stream_options")
@@ -155,12 +155,13 @@ def _prepare(
         raise APIError.invalid(message, context.prompt_param, "context_length_exceeded")
     caller, tenant = context.caller, context.caller.tenant
     # Without max_tokens, ask for no more than the context, the tenant's cache quota (the KV of
-    # prompt + max_tokens - 1 positions) and its tokens per minute hold, so a default never
-    # makes a request unservable; when even those leave no room, the limit itself says why.
+    # prompt + n x (max_tokens - 1) positions) and its tokens per minute hold, so a default
+    # never makes a request unservable; when even those leave no room, the limit says why.
+    n = body.n
     limits = (
         context_length - prompt_tokens,
-        tenant.cache_quota_blocks * state.settings.block_size - prompt_tokens + 1,
-        tenant.tokens_per_minute - prompt_tokens,
+        (tenant.cache_quota_blocks * state.settings.block_size - prompt_tokens) // n + 1,
+        (tenant.tokens_per_minute - prompt_tokens) // n,
     )
     room = min(limits) if min(limits) > 0 else limits[0]
     sampling = _sampling(state, body, max_tokens, room)
@@ -187,6 +188,7 @@ def _prepare(
         tail_scope=plan.tail_scope,
         budget=TenantBudget(tenant.cache_quota_blocks, tenant.cache_reservation_blocks),
         grammar=grammar,
+        n=n,
     )
     settlement = context.settlement
     settlement.request_id = request_id

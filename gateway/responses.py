@@ -22,28 +22,23 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     }
 
 
+def chat_choice(
+    index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One of a chat completion's `choices`."""
+    message = {"role": "assistant", "content": text}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
 def chat_completion(
-    response_id: str,
-    created: int,
-    model: str,
-    text: str,
-    finish: str | None,
-    usage: Usage,
-    logprobs: dict[str, Any] | None = None,
+    response_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: Usage
 ) -> dict[str, Any]:
     return {
         "id": response_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-        ],
+        "choices": choices,
         "usage": usage_json(usage),
     }
 
@@ -56,8 +51,10 @@ def chat_chunk(
     finish: str | None = None,
     usage: Usage | None = None,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A streamed chunk; `delta=None` makes the usage-only chunk with empty choices."""
+    """A streamed chunk of choice `index`; `delta=None` makes the usage-only chunk with
+    empty choices."""
     chunk: dict[str, Any] = {
         "id": response_id,
         "object": "chat.completion.chunk",
@@ -65,31 +62,34 @@ def chat_chunk(
         "model": model,
         "choices": []
         if delta is None
-        else [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        else [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
     }
     if usage is not None:
         chunk["usage"] = usage_json(usage)
     return chunk
 
 
+def text_choice(
+    index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One of a text completion's `choices`, or one streamed piece of it."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+
 def text_completion(
     response_id: str,
     created: int,
     model: str,
-    text: str | None,
-    finish: str | None,
+    choices: list[dict[str, Any]],
     usage: Usage | None,
-    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A text completion, or one streamed piece of it (`text=None`: the usage-only chunk)."""
+    """A text completion, or one streamed piece of it (no choices: the usage-only chunk)."""
     body: dict[str, Any] = {
         "id": response_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": []
-        if text is None
-        else [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        "choices": choices,
     }
     if usage is not None:
         body["usage"] = usage_json(usage)

@@ -129,7 +129,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(default=None, max_length=256)
-    n: int = 1
+    n: int = Field(default=1, ge=1)
     # Accepted as a routing hint only: it never widens a cache scope.
     prompt_cache_key: Text | None = Field(default=None, max_length=256)
     # Accepted without effect, as OpenAI allows: nothing is stored, every request is served

@@ -24,10 +24,12 @@ from engine.sampler import TokenLogprobs
 from gateway.errors import APIError, engine_failure
 from gateway.preparation import Prepared
 from gateway.responses import (
+    chat_choice,
     chat_chunk,
     chat_completion,
     chat_logprobs,
     completion_logprobs,
+    text_choice,
     text_completion,
 )
 from gateway.state import GatewayState
@@ -39,8 +41,8 @@ T = TypeVar("T")
 
 async def respond(state: GatewayState, prepared: Prepared, http_request: Request) -> Response:
     """Charge the request's tokens, run it, and answer with JSON or a stream of events."""
-    sampling = prepared.request.sampling
-    cost = len(prepared.request.prompt_token_ids) + sampling.max_tokens
+    request = prepared.request
+    cost = len(request.prompt_token_ids) + request.n * request.sampling.max_tokens
     admission = prepared.context.settlement.admission
     assert admission is not None  # the gate entered the limiter before the body was read
     try:
@@ -143,6 +145,41 @@ async def _close(stream: AsyncIterator[GenerationDelta]) -> None:
             await aclose()
 
 
+class _Choices:
+    """What has streamed so far of each of a request's n choices."""
+
+    def __init__(self, n: int) -> None:
+        self.texts = [""] * n
+        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+        self.finishes: list[str | None] = [None] * n
+        self.usages: list[Usage] = []
+        self.last: GenerationDelta | None = None  # the delta that ended the last choice
+
+    def add(self, delta: GenerationDelta) -> None:
+        self.texts[delta.index] += delta.text
+        self.logprobs[delta.index] += delta.logprobs or []
+        if delta.finish_reason is not None:
+            self.finishes[delta.index] = delta.finish_reason
+            if delta.usage is not None:
+                self.usages.append(delta.usage)
+            if self.done:
+                self.last = delta
+
+    @property
+    def done(self) -> bool:
+        return all(self.finishes)
+
+    def usage(self, prompt_tokens: int) -> Usage:
+        """The request's usage: the prompt once (choice 0 counts it), every choice's output."""
+        if not self.usages:
+            return Usage(prompt_tokens, 0, 0)
+        return Usage(
+            sum(usage.prompt_tokens for usage in self.usages),
+            sum(usage.cached_tokens for usage in self.usages),
+            sum(usage.completion_tokens for usage in self.usages),
+        )
+
+
 async def _complete(
     state: GatewayState,
     prepared: Prepared,
@@ -150,19 +187,15 @@ async def _complete(
     stream: AsyncIterator[GenerationDelta],
     http_request: Request,
 ) -> Response:
+    choices = _Choices(prepared.request.n)
+    choices.add(first)
 
-    collected: list[TokenLogprobs] = list(first.logprobs or [])
-
-    async def rest() -> tuple[str, GenerationDelta]:
-        text, last = first.text, first
-        while last.finish_reason is None:
-            last = await anext(stream)
-            text += last.text
-            collected.extend(last.logprobs or [])
-        return text, last
+    async def rest() -> None:
+        while not choices.done:
+            choices.add(await anext(stream))
 
     try:
-        text, last = await _unless_disconnected(state, rest(), stream, http_request)
+        await _unless_disconnected(state, rest(), stream, http_request)
     except asyncio.CancelledError:
         _conclude(state, prepared, "cancelled")
         raise
@@ -173,30 +206,29 @@ async def _complete(
         api_error = _engine_failure(error, prepared)
         _conclude(state, prepared, "failure", error=api_error)
         raise api_error from error
-    usage = last.usage or Usage(len(prepared.request.prompt_token_ids), 0, 0)
-    _conclude(state, prepared, "success", usage, last=last)
-    headers = _server_timing(http_request, last)
+    usage = choices.usage(len(prepared.request.prompt_token_ids))
+    _conclude(state, prepared, "success", usage, last=choices.last)
+    headers = _server_timing(http_request, choices.last)
     model, tokenizer = state.model_name, state.loaded.tokenizer
     wants_logprobs = prepared.request.sampling.logprobs is not None
-    if prepared.context.endpoint == "chat":
-        logprobs = chat_logprobs(tokenizer, collected) if wants_logprobs else None
-        body = chat_completion(
-            prepared.response_id, prepared.created, model, text, last.finish_reason, usage,
-            logprobs,
-        )  # fmt: skip
-    else:
-        logprobs = completion_logprobs(tokenizer, collected, 0) if wants_logprobs else None
-        body = text_completion(
-            prepared.response_id, prepared.created, model, text, last.finish_reason, usage,
-            logprobs,
-        )  # fmt: skip
+    chat = prepared.context.endpoint == "chat"
+    bodies = []
+    for index, (text, finish) in enumerate(zip(choices.texts, choices.finishes, strict=True)):
+        logprobs = None
+        if wants_logprobs and chat:
+            logprobs = chat_logprobs(tokenizer, choices.logprobs[index])
+        elif wants_logprobs:
+            logprobs = completion_logprobs(tokenizer, choices.logprobs[index], 0)
+        bodies.append((chat_choice if chat else text_choice)(index, text, finish, logprobs))
+    build = chat_completion if chat else text_completion
+    body = build(prepared.response_id, prepared.created, model, bodies, usage)
     return JSONResponse(body, headers=headers)
 
 
-def _server_timing(http_request: Request, last: GenerationDelta) -> dict[str, str]:
+def _server_timing(http_request: Request, last: GenerationDelta | None) -> dict[str, str]:
     """`Server-Timing`: time in the engine, and what the HTTP path added on top."""
     arrived = getattr(http_request.state, "arrived", None)
-    if arrived is None or last.timings is None:
+    if arrived is None or last is None or last.timings is None:
         return {}
     total_ms = (time.perf_counter() - arrived) * 1000
     engine_ms = (last.timings.finished - last.timings.arrived) * 1000
@@ -214,54 +246,59 @@ async def _events(
     chat = prepared.context.endpoint == "chat"
     tokenizer = state.loaded.tokenizer
     wants_logprobs = prepared.request.sampling.logprobs is not None
-    text_offset = 0  # where the next token's text starts, for completions' text_offset
+    n = prepared.request.n
+    # Per choice: where its next token's text starts, for completions' text_offset.
+    text_offsets = [0] * n
 
     def piece(delta: GenerationDelta) -> dict[str, Any]:
-        nonlocal text_offset
-        text, finish_reason, logprobs = delta.text, delta.finish_reason, None
+        text, finish_reason, logprobs, index = delta.text, delta.finish_reason, None, delta.index
         if chat:
             if wants_logprobs and delta.logprobs:
                 logprobs = chat_logprobs(tokenizer, delta.logprobs)
             content = {"content": text} if text or not finish_reason or logprobs else {}
-            return chat_chunk(response_id, created, model, content, finish_reason, None, logprobs)
+            return chat_chunk(
+                response_id, created, model, content, finish_reason, None, logprobs, index
+            )
         if wants_logprobs:
-            logprobs = completion_logprobs(tokenizer, delta.logprobs or [], text_offset)
-            text_offset += sum(len(token) for token in logprobs["tokens"])
-        return text_completion(response_id, created, model, text, finish_reason, None, logprobs)
+            logprobs = completion_logprobs(tokenizer, delta.logprobs or [], text_offsets[index])
+            text_offsets[index] += sum(len(token) for token in logprobs["tokens"])
+        choice = text_choice(index, text, finish_reason, logprobs)
+        return text_completion(response_id, created, model, [choice], None)
 
     def event(payload: dict[str, Any]) -> dict[str, Any]:
         return {"data": json.dumps(payload, ensure_ascii=False)}
 
-    outcome, failure, last = "cancelled", None, first
+    outcome, failure = "cancelled", None
+    choices = _Choices(n)
     try:
         if chat:
-            yield event(
-                chat_chunk(response_id, created, model, {"role": "assistant", "content": ""})
-            )
+            for index in range(n):
+                role = {"role": "assistant", "content": ""}
+                yield event(chat_chunk(response_id, created, model, role, index=index))
         delta = first
         deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
         while True:
+            choices.add(delta)
             if delta.text or delta.finish_reason or (wants_logprobs and delta.logprobs):
                 yield event(piece(delta))
-            if delta.finish_reason is not None:
-                last = delta
+            if choices.done:
                 break
             try:
                 async with asyncio.timeout_at(deadline):
                     delta = await anext(stream)
             except TimeoutError as error:
                 raise APIError.timeout() from error
-        usage = last.usage or Usage(len(prepared.request.prompt_token_ids), 0, 0)
+        usage = choices.usage(len(prepared.request.prompt_token_ids))
         if prepared.include_usage:
             usage_chunk = (
                 chat_chunk(response_id, created, model, None, usage=usage)
                 if chat
-                else text_completion(response_id, created, model, None, None, usage)
+                else text_completion(response_id, created, model, [], usage)
             )
             yield event(usage_chunk)
         yield {"data": "[DONE]"}
         outcome = "success"
-        _conclude(state, prepared, outcome, usage, last=last)
+        _conclude(state, prepared, outcome, usage, last=choices.last)
     except APIError as error:
         outcome, failure = "failure", error
         yield event(error.body())

@@ -134,6 +134,8 @@ class Settings(BaseSettings):
     """Longest prompt, in tokens; default: the model's context length."""
     max_output_tokens: int = Field(default=4096, ge=1)
     """Largest max_tokens a request may ask for."""
+    max_choices: int = Field(default=8, ge=1, le=128)
+    """Largest n (choices per request); the choices share the prompt's KV."""
     request_timeout_s: float = Field(default=600.0, gt=0)
     """A request still running after this long is answered 504 and cancelled."""
     shutdown_grace_s: float = Field(default=30.0, ge=0)

@@ -107,6 +107,36 @@ def test_logprobs_in_openais_shape_blocking_and_streamed_alike(gateway: Gateway)
     assert plain.choices[0].message.content == blocking.choices[0].message.content
 
 
+def test_n_choices_share_one_prompt_blocking_and_streamed_alike(gateway: Gateway) -> None:
+    api = openai_client(gateway)
+    arguments: dict[str, Any] = {
+        "model": MODEL, "messages": [{"role": "user", "content": "Name an animal."}],
+        "max_tokens": 8, "temperature": 1.0, "seed": 11, "logprobs": True,
+        "user": f"choices-{uuid.uuid4()}",
+    }  # fmt: skip
+    one = api.chat.completions.create(**arguments)
+    blocking = api.chat.completions.create(**arguments, n=3)
+    assert [choice.index for choice in blocking.choices] == [0, 1, 2]
+    assert blocking.choices[0].message.content == one.choices[0].message.content
+    assert len({choice.message.content for choice in blocking.choices}) > 1, "seeds differ"
+    assert blocking.usage is not None and one.usage is not None
+    assert blocking.usage.prompt_tokens == one.usage.prompt_tokens  # counted once
+    lengths = [len(choice.logprobs.content or []) for choice in blocking.choices if choice.logprobs]
+    assert blocking.usage.completion_tokens == sum(lengths) and len(lengths) == 3
+    chunks = list(api.chat.completions.create(**arguments, n=3, stream=True,
+                                              stream_options={"include_usage": True}))  # fmt: skip
+    texts, finishes = ["", "", ""], [None, None, None]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [choice.message.content for choice in blocking.choices]
+    assert finishes == [choice.finish_reason for choice in blocking.choices]
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == blocking.usage.completion_tokens
+    assert usage.prompt_tokens == one.usage.prompt_tokens
+
+
 BOUNDED_SCHEMA = {
     "type": "object",
     "properties": {"ok": {"type": "boolean"}, "colour": {"enum": ["red", "green"]},
@@ -146,7 +176,8 @@ def test_structured_output_follows_its_schema(gateway: Gateway) -> None:
 
 
 CASES = [
-    ("n-two", chat(n=2), 400, "n", None),
+    ("n-over-the-limit", chat(n=9), 400, "n", None),
+    ("n-zero", chat(n=0), 400, "n", None),
     ("schema-name", chat(response_format={"type": "json_schema",
                                           "json_schema": {"name": "no spaces", "schema": {}}}),
      400, "response_format", None),

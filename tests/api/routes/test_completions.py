@@ -50,3 +50,23 @@ def test_completion_logprobs_list_tokens_their_logprobs_alternatives_and_offsets
     refused = post(gateway, {"model": MODEL, "prompt": "x", "logprobs": 21},
                    path="/v1/completions")  # fmt: skip
     assert_error(refused, 400, "logprobs")
+
+
+def test_n_completions_stream_each_choice_with_its_own_offsets(gateway: Gateway) -> None:
+    api = openai_client(gateway)
+    arguments = {"model": MODEL, "prompt": "My favourite food is", "max_tokens": 6,
+                 "temperature": 1.0, "seed": 5, "logprobs": 1, "n": 2}  # fmt: skip
+    blocking = api.completions.create(**arguments)  # type: ignore[call-overload]
+    assert [choice.index for choice in blocking.choices] == [0, 1]
+    streamed = list(api.completions.create(**arguments, stream=True))  # type: ignore[call-overload]
+    for index, choice in enumerate(blocking.choices):
+        pieces = [c.choices[0] for c in streamed if c.choices and c.choices[0].index == index]
+        assert "".join(piece.text for piece in pieces) == choice.text
+        offsets = [
+            o for piece in pieces if piece.logprobs for o in piece.logprobs.text_offset or []
+        ]
+        assert choice.logprobs is not None and offsets == choice.logprobs.text_offset
+    assert blocking.usage is not None
+    assert blocking.usage.completion_tokens == sum(
+        len(choice.logprobs.tokens or []) for choice in blocking.choices if choice.logprobs
+    )
