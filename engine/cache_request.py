@@ -23,6 +23,9 @@ class CacheRequest:
     # Scope of the tokens no segment covers: the generated text.
     tail_scope: CacheScope = NO_CACHE
     budget: TenantBudget | None = None
+    # False: compute every prompt position, hitting no cached block (its blocks are still
+    # cached for others).
+    reuse: bool = True
 
 
 @dataclass(slots=True, eq=False)

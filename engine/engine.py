@@ -41,7 +41,13 @@ from engine.metrics import EngineMetrics
 from engine.model_loader import LoadedModel
 from engine.model_runner import Chunk, ModelRunner
 from engine.request import GenerationDelta, GenerationRequest
-from engine.sampler import TokenLogprobs, chosen_logprobs, raw_logprobs, sample
+from engine.sampler import (
+    TokenLogprobs,
+    chosen_logprobs,
+    raw_logprobs,
+    sample,
+    scored_logprobs,
+)
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, Sink, Status
 from engine.validation import ModelLimits, validate
@@ -334,6 +340,8 @@ class Engine:
             if chunk.needs_logits and index not in step.failed
         ]
         logits = step.logits()
+        if any(chunk.all_logits for chunk in chunks):
+            logits = self._take_prompt_logprobs(scheduled, chunks, step.failed, logits)
         # Rows for the choices that fork off a prompt computed in this step, copied before
         # sampling changes the logits in place.
         forks = [(parent, child) for parent in sampled for child in parent.forks]
@@ -362,6 +370,41 @@ class Engine:
                 except Exception:  # handling one request's output fails that request only
                     logger.exception("handling a request's output failed")
                     self._settle(sequence, RequestFailed("handling this request's output failed"))
+
+    def _take_prompt_logprobs(
+        self,
+        scheduled: list[ScheduledChunk],
+        chunks: list[Chunk],
+        failed: abc.Container[int],
+        logits: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """Record prompt logprobs from the chunks that returned logits at every position;
+        returns the rows left to sample from (each sampling chunk's last)."""
+        if logits is None:
+            return None
+        offset, sample_rows = 0, []
+        for index, (item, chunk) in enumerate(zip(scheduled, chunks, strict=True)):
+            if index in failed:
+                continue
+            rows = logits[offset : offset + chunk.num_logit_rows]
+            if chunk.all_logits:
+                self._record_prompt_logprobs(item.sequence, chunk, rows)
+            offset += chunk.num_logit_rows
+            if chunk.needs_logits:
+                sample_rows.append(offset - 1)
+        return logits[sample_rows] if sample_rows else None
+
+    @staticmethod
+    def _record_prompt_logprobs(sequence: Sequence, chunk: Chunk, rows: torch.Tensor) -> None:
+        """Row r is position `chunk.start + r`, which predicts the prompt token after it;
+        positions already recorded (before a preemption) are skipped."""
+        first = len(sequence.prompt_logprobs) - chunk.start
+        last = min(len(chunk.token_ids), sequence.prompt_len - 1 - chunk.start)
+        if first < 0 or first >= last:
+            return
+        targets = sequence.token_ids[chunk.start + first + 1 : chunk.start + last + 1]
+        k = sequence.request.prompt_logprobs or 0
+        sequence.prompt_logprobs += scored_logprobs(rows[first:last], targets, k)
 
     def _fork(
         self, forks: list[tuple[Sequence, Sequence]], logits: torch.Tensor | None
@@ -396,6 +439,7 @@ class Engine:
             block_ids=self.cache.block_ids(sequence.request_id),
             prompt_positions=max(0, min(end, sequence.prompt_len) - start),
             needs_logits=end == sequence.num_tokens,
+            all_logits=sequence.wants_prompt_logits,
         )
 
     def _sample(

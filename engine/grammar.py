@@ -63,6 +63,51 @@ def unsupported(message: str) -> InvalidRequest:
     return InvalidRequest(f"response_format: {message}", param="response_format")
 
 
+def tools_refused(message: str) -> InvalidRequest:
+    """The error for a tool (its `parameters` schema, or the grammar of its calls)."""
+    return InvalidRequest(f"tools: {message}", param="tools")
+
+
+def xgrammar_reason(error: RuntimeError) -> str:
+    """xgrammar's own words for a refusal, without its source location (at most 200 chars)."""
+    return str(error).strip().splitlines()[-1].split(": ", 1)[-1][:200]
+
+
+def json_schema_ebnf(schema_text: str) -> str:
+    """The EBNF grammar (root rule `root`) of the JSON that follows `schema_text`.
+
+    Whitespace as models write JSON, but never more than a run of MAX_WHITESPACE; strings hold
+    only what JSON allows. Raises xgrammar's RuntimeError for a schema it cannot convert.
+    """
+    grammar = xgr.Grammar.from_json_schema(
+        schema_text, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=True
+    )
+    return _json_strings(str(grammar))
+
+
+def check_tool_parameters(parameters: Any, function: str) -> None:
+    """Refuse a tool's `parameters` schema as `check_schema` refuses a response format's (and
+    one over MAX_SCHEMA_BYTES), as an `InvalidRequest` on `tools` naming the function."""
+    if len(json.dumps(parameters).encode()) > MAX_SCHEMA_BYTES:
+        raise tools_refused(f"function {function!r}: parameters are over {MAX_SCHEMA_BYTES} bytes")
+    try:
+        check_schema(parameters)
+    except InvalidRequest as error:
+        reason = str(error).removeprefix("response_format: ")
+        raise tools_refused(f"function {function!r}: {reason}") from None
+
+
+def check_tool_set(schemas: list[Any]) -> None:
+    """Bound a grammar over several tools' parameters as one schema is bounded: at most
+    MAX_SCHEMA_BYTES and MAX_PATTERNS in all, so many tools cost no more than one schema."""
+    size = sum(len(json.dumps(schema).encode()) for schema in schemas)
+    if size > MAX_SCHEMA_BYTES:
+        raise tools_refused(f"the functions' parameters are over {MAX_SCHEMA_BYTES} bytes in all")
+    patterns = sum(len(list(_patterns(schema))) for schema in schemas)
+    if patterns > MAX_PATTERNS:
+        raise tools_refused(f"the functions' parameters have over {MAX_PATTERNS} patterns in all")
+
+
 def check_schema(schema: Any, where: str = "#", depth: int = 0) -> None:
     """Raise `InvalidRequest` naming the first keyword xgrammar would not enforce, or the
     first pattern too expensive to compile."""
@@ -202,20 +247,31 @@ class Grammars:
         if len(text.encode()) > MAX_SCHEMA_BYTES:
             raise unsupported(f"the schema is over {MAX_SCHEMA_BYTES} bytes")
         check_schema(json.loads(text))
-        try:  # whitespace as models write JSON, but never more than a run of MAX_WHITESPACE
-            grammar = xgr.Grammar.from_json_schema(
-                text, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=True
-            )
-            ebnf = _json_strings(str(grammar))
-            if not self._compiling.acquire(timeout=COMPILE_WAIT_S):
-                raise EngineOverloaded("another response format is being compiled; retry shortly")
-            try:
-                return compiler.compile_grammar(ebnf)
-            finally:
-                self._compiling.release()
+        try:
+            return self._compile_in_turn(compiler, json_schema_ebnf(text))
         except RuntimeError as error:  # xgrammar's own refusal, e.g. a $ref it cannot resolve
-            reason = str(error).strip().splitlines()[-1].split(": ", 1)[-1]
-            raise unsupported(f"the schema cannot be compiled: {reason[:200]}") from None
+            raise unsupported(f"the schema cannot be compiled: {xgrammar_reason(error)}") from None
+
+    def compile_ebnf(self, ebnf: str) -> xgr.CompiledGrammar:
+        """The grammar for `ebnf` (xgrammar's EBNF, root rule `root`), for a request's tool
+        calls; `InvalidRequest` on `tools` for a grammar xgrammar refuses."""
+        if self._tokenizer is None:
+            raise tools_refused("forced tool calls need a model with a tokenizer")
+        compiler = self._ready()
+        try:
+            return self._compile_in_turn(compiler, ebnf)
+        except RuntimeError as error:
+            reason = xgrammar_reason(error)
+            raise tools_refused(f"the grammar cannot be compiled: {reason}") from None
+
+    def _compile_in_turn(self, compiler: xgr.GrammarCompiler, ebnf: str) -> xgr.CompiledGrammar:
+        """Compile once no other compile runs; `EngineOverloaded` after COMPILE_WAIT_S."""
+        if not self._compiling.acquire(timeout=COMPILE_WAIT_S):
+            raise EngineOverloaded("another grammar is being compiled; retry shortly")
+        try:
+            return compiler.compile_grammar(ebnf)
+        finally:
+            self._compiling.release()
 
 
 # xgrammar writes a length-bounded string's characters as this class, which lets control

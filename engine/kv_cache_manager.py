@@ -141,7 +141,7 @@ class KVCacheManager:
             raise ValueError(f"request {request.request_id!r} is already admitted")
         sequence = self._new_sequence(request)
         blocks: list[Block] = []
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and request.reuse:
             limit = (len(request.prompt_token_ids) - 1) // self.block_size
             self._extend_keys(sequence, limit)
             parent: Block | None = None

@@ -27,6 +27,13 @@ class Chunk:
     # Prompt positions in this chunk (the rest are generated tokens being fed back).
     prompt_positions: int
     needs_logits: bool
+    # Logits at every position of the chunk (for prompt logprobs), not only the last.
+    all_logits: bool = False
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of logits the chunk gets back from `ModelRunner.run`."""
+        return len(self.token_ids) if self.all_logits else int(self.needs_logits)
 
 
 class ModelRunner:
@@ -50,8 +57,8 @@ class ModelRunner:
     def run(self, chunks: list[Chunk]) -> torch.Tensor:
         """Compute all chunks in one forward pass; returns logits of chunks that need them.
 
-        The logits rows follow the order of the chunks with `needs_logits`, one row each, for
-        the chunk's last token.
+        The logits rows follow the order of the chunks, `num_logit_rows` each: the last
+        token's row for a chunk that `needs_logits`, every token's for one with `all_logits`.
         """
         batch, input_ids, positions, logit_rows = self._batch(chunks)
         output = self.model(
@@ -98,6 +105,13 @@ class ModelRunner:
         slots = blocks * block_size + positions % block_size
         needs_logits = torch.tensor([chunk.needs_logits for chunk in chunks])
         logit_rows = (query_starts[1:] - 1)[needs_logits]
+        if any(chunk.all_logits for chunk in chunks):
+            kept = torch.zeros(int(query_starts[-1]), dtype=torch.bool)
+            kept[logit_rows] = True
+            for index, chunk in enumerate(chunks):
+                if chunk.all_logits:
+                    kept[query_starts[index] : query_starts[index + 1]] = True
+            logit_rows = kept.nonzero()[:, 0]
         input_ids = torch.tensor([token for chunk in chunks for token in chunk.token_ids])
         parts = (
             slots, input_ids, positions, logit_rows, query_starts, torch.tensor(context_lens),

@@ -30,6 +30,9 @@ class GenerationRequest:
     grammar: Any = None
     # How many choices to generate from the prompt; they share its KV (computed once).
     n: int = 1
+    # None, or k >= 0: the log probability of each prompt token after the first, with the k
+    # likeliest tokens at its position. Every prompt position is then computed (no cache hit).
+    prompt_logprobs: int | None = None
 
     def prompt_segments(self) -> list[Segment]:
         if self.segments:
@@ -66,6 +69,9 @@ class GenerationDelta:
     finish_reason: str | None = None
     # One per token of `token_ids`, when the request asked for logprobs.
     logprobs: list[TokenLogprobs] | None = None
+    # On a choice's first delta, when the request asked for prompt logprobs: one per prompt
+    # token after the first.
+    prompt_logprobs: list[TokenLogprobs] | None = None
     # Which choice (0..n-1) the delta belongs to; each choice ends with a delta of its own.
     index: int = 0
     usage: Usage | None = None

@@ -230,6 +230,14 @@ def raw_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> RawLogpr
     return RawLogprobs(rows, values, top_ids, top_values)
 
 
+def scored_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprobs]:
+    """Each row's log probability of the given token, with the row's k likeliest tokens:
+    logprobs of tokens the model was given rather than sampled (a prompt's)."""
+    params = [SamplingParams(logprobs=k)] * len(tokens)
+    chosen = chosen_logprobs(raw_logprobs(logits, params), params, list(tokens))
+    return [item for item in chosen if item is not None]
+
+
 def chosen_logprobs(
     raw: RawLogprobs | None, params: list[SamplingParams], tokens: list[int | RequestFailed]
 ) -> list[TokenLogprobs | None]:

@@ -20,6 +20,10 @@ from engine.errors import CacheQuotaTimeout, EngineError, PoolTimeout
 from engine.kv_cache_manager import KVCacheManager
 from engine.sequence import Sequence, Status
 
+# Most tokens per chunk of a request that wants logits at every prompt position: its logits
+# take vocabulary x 4 bytes per token (about 50 MB for a 49k vocabulary).
+PROMPT_LOGITS_CHUNK = 256
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -86,7 +90,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             sequence = self.running[index]
-            count = min(sequence.num_tokens - sequence.num_computed, budget)
+            count = _chunk_size(sequence, sequence.num_computed, budget)
             if self._grow(sequence, count, index, output):
                 output.chunks.append(ScheduledChunk(sequence, count))
                 budget -= count
@@ -116,6 +120,7 @@ class Scheduler:
                 child.status = Status.RUNNING
                 child.num_computed = parent.num_computed
                 child.admitted_wall = parent.admitted_wall
+                child.prompt_logprobs = parent.prompt_logprobs
                 return True
         self.add(child)
         return False
@@ -152,7 +157,7 @@ class Scheduler:
     def _admit(self, sequence: Sequence, budget: int, output: SchedulerOutput) -> int:
         """Admit a waiting sequence for a first chunk; returns its size, 0 if it must wait."""
         hit = self.manager.match(sequence.cache_request())
-        count = min(sequence.num_tokens - hit.cached_tokens, budget)
+        count = _chunk_size(sequence, hit.cached_tokens, budget)
         refusal = self.manager.admit(hit, count)
         if refusal is not None:
             if self.clock() - sequence.waiting_since > self.config.queue_timeout_s:
@@ -167,6 +172,14 @@ class Scheduler:
         if sequence.admitted_wall is None:  # first admission (not a re-entry after preemption)
             sequence.admitted_wall = time.time()
         return count
+
+
+def _chunk_size(sequence: Sequence, num_computed: int, budget: int) -> int:
+    """Tokens to compute next for a sequence with `num_computed` computed, within `budget`."""
+    count = min(sequence.num_tokens - num_computed, budget)
+    if sequence.wants_prompt_logits:
+        count = min(count, PROMPT_LOGITS_CHUNK)
+    return count
 
 
 def _timeout_error(refusal: Refusal, config: SchedulerConfig) -> EngineError:

@@ -30,7 +30,9 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-def cache_request(request: GenerationRequest, token_ids: list[int]) -> CacheRequest:
+def cache_request(
+    request: GenerationRequest, token_ids: list[int], reuse: bool = True
+) -> CacheRequest:
     """What the cache manager sees of a request whose tokens so far are `token_ids`."""
     return CacheRequest(
         request_id=request.request_id,
@@ -39,6 +41,7 @@ def cache_request(request: GenerationRequest, token_ids: list[int]) -> CacheRequ
         segments=request.prompt_segments(),
         tail_scope=request.tail_scope,
         budget=request.budget,
+        reuse=reuse,
     )
 
 
@@ -83,6 +86,8 @@ class Sequence:
     forks: list[Sequence] = field(default_factory=list)
     # Every choice of the request (n > 1), so that cancelling one cancels them all.
     choices: list[Sequence] = field(default_factory=list)
+    # Prompt logprobs (when asked for), for prompt tokens 1.. as their positions are computed.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @classmethod
     def create(
@@ -164,13 +169,31 @@ class Sequence:
             finish = "length"
         if finish is not None and self.detokenizer is not None and not self.detokenizer.stopped:
             text += self.detokenizer.flush()
+        prompt_logprobs = None
+        if len(self.output_ids) == 1 and self.request.prompt_logprobs is not None:
+            prompt_logprobs = self.prompt_logprobs
         return GenerationDelta(
-            text, [token], finish, logprobs=[logprobs] if logprobs else None, index=self.index
+            text,
+            [token],
+            finish,
+            logprobs=[logprobs] if logprobs else None,
+            prompt_logprobs=prompt_logprobs,
+            index=self.index,
         )
 
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Whether its next chunk must return logits at every position: prompt logprobs are
+        asked for and some are still missing."""
+        wanted = self.request.prompt_logprobs is not None
+        return wanted and len(self.prompt_logprobs) < self.prompt_len - 1
+
     def cache_request(self) -> CacheRequest:
-        """The cache manager's view: everything generated so far counts as prompt on re-entry."""
-        return cache_request(self.request, self.token_ids)
+        """The cache manager's view: everything generated so far counts as prompt on re-entry.
+
+        A request for prompt logprobs reuses no cached block until it has them all.
+        """
+        return cache_request(self.request, self.token_ids, reuse=not self.wants_prompt_logits)
 
     def usage(self, computed_prompt_positions: int) -> Usage:
         """OpenAI usage; cached tokens are prompt positions the model never computed (I6).

@@ -16,6 +16,7 @@ from engine.cache_request import request_block_scopes
 from engine.errors import ContextTooLong, ExceedsCacheQuota, InvalidRequest
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import GenerationRequest
+from engine.sampler import MAX_TOP_LOGPROBS
 from engine.sequence import cache_request
 
 # Choices per request the engine takes; gateways set their own, lower limit.
@@ -38,6 +39,9 @@ def validate(request: GenerationRequest, limits: ModelLimits, cache: KVCacheMana
         raise InvalidRequest("the prompt is empty", param="prompt")
     if not 1 <= request.n <= MAX_CHOICES:
         raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}", param="n")
+    if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
+        message = f"prompt logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
+        raise InvalidRequest(message, param="logprobs")
     vocab = limits.vocab_size
     if min(prompt) < 0 or max(prompt) >= vocab:
         raise InvalidRequest(f"token ids must be in [0, {vocab})", param="prompt")

@@ -15,7 +15,7 @@ import hmac
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from opentelemetry.trace import Span
@@ -28,6 +28,7 @@ from engine.sampler import InvalidSampling, SamplingParams
 from engine.scope import Public, Tenant, User
 from gateway.auth import Caller
 from gateway.errors import APIError, from_engine_error
+from gateway.responses import token_text
 from gateway.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,6 +37,7 @@ from gateway.schemas import (
 )
 from gateway.settlement import Settlement
 from gateway.state import GatewayState
+from gateway.tool_calls import template_supports_tools, to_template_messages, tool_choice_grammar
 from policies.planner import Plan, PlanSubject, TenantPolicy
 from policies.templates import MessageSpan, TemplateRejected, render_with_spans
 
@@ -73,6 +75,10 @@ class Prepared:
     plan: Plan
     stream: bool
     include_usage: bool
+    # The prompt's text, for a completion that echoes it before its output.
+    echo: str | None = None
+    # Whether the output is read for tool calls (a chat request that gave the model tools).
+    tool_calls: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -89,14 +95,31 @@ def prepare_chat(
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         message = f"model {state.model_name} has no chat template; use /v1/completions"
         raise APIError.invalid(message)
-    messages = [{"role": _template_role(m.role), "content": m.text()} for m in body.messages]
+    tools = _tools_shown(state, body)
+    messages = [m.template_entry(_template_role(m.role)) for m in body.messages]
     try:
-        token_ids, spans = render_with_spans(tokenizer, messages)
-    except TemplateRejected as error:  # role order, special tokens it cannot keep as text
+        messages = to_template_messages(messages)
+        token_ids, spans = render_with_spans(tokenizer, messages, tools=tools)
+    except (TemplateRejected, ValueError) as error:  # role order, special tokens, arguments
         message = f"the chat template rejected these messages: {error}"
         raise APIError.invalid(message, "messages") from error
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return _prepare(state, context, body, token_ids, spans, max_tokens)
+    prepared = _prepare(state, context, body, token_ids, spans, max_tokens)
+    return replace(prepared, tool_calls=tools is not None)
+
+
+def _tools_shown(state: GatewayState, body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools the template shows the model: none without `tools` or with tool_choice
+    "none" (the answer may not call one). A template that cannot show tools is a 400, as are
+    tool turns it could not render."""
+    if body.tool_choice is not None and not body.tools:
+        raise APIError.invalid("tool_choice needs tools", "tool_choice")
+    tool_turns = any(m.tool_calls or m.role == "tool" for m in body.messages)
+    shown = bool(body.tools) and body.tool_choice != "none"
+    if (shown or tool_turns) and not template_supports_tools(state.loaded.tokenizer):
+        message = f"model {state.model_name}'s chat template does not support tools"
+        raise APIError.invalid(message, "tools" if shown else "messages")
+    return body.tool_dicts() if shown else None
 
 
 def prepare_completion(
@@ -109,16 +132,22 @@ def prepare_completion(
         if len(prompt) != 1:
             raise APIError.invalid("only one prompt per request is supported", "prompt")
         prompt = prompt[0]
+    tokenizer = state.loaded.tokenizer
     if isinstance(prompt, str):
-        if state.loaded.tokenizer is None:
+        if tokenizer is None:
             raise APIError.invalid("this model takes token ids only", "prompt")
-        token_ids = list(state.loaded.tokenizer.encode(prompt))
+        token_ids = list(tokenizer.encode(prompt))
     else:  # ids past the vocabulary are refused by the engine's own check at submit
         token_ids = list(prompt)
     if not token_ids:  # the planner cannot plan an empty prompt
         raise APIError.invalid("the prompt is empty", "prompt")
     max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-    return _prepare(state, context, body, token_ids, [], max_tokens)
+    prepared = _prepare(state, context, body, token_ids, [], max_tokens)
+    if not body.echo:
+        return prepared
+    if not isinstance(prompt, str):
+        prompt = "".join(token_text(tokenizer, token) for token in token_ids)
+    return replace(prepared, echo=prompt)
 
 
 def _check_request(
@@ -175,10 +204,10 @@ def _prepare(
             spans,
         )
     request_id = f"{'chatcmpl' if context.endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    grammar = None
-    if body.response_format is not None and body.response_format.type != "text":
+    grammar, forced = None, _forced_format(body)
+    if forced is not None:
         with state.tracer.start_as_current_span("grammar"):
-            grammar = _compile_grammar(state, body)
+            grammar = _compile_grammar(state, forced)
     request = GenerationRequest(
         request_id=request_id,
         tenant_id=caller.tenant_id,
@@ -189,6 +218,7 @@ def _prepare(
         budget=TenantBudget(tenant.cache_quota_blocks, tenant.cache_reservation_blocks),
         grammar=grammar,
         n=n,
+        prompt_logprobs=_prompt_logprobs(body),
     )
     settlement = context.settlement
     settlement.request_id = request_id
@@ -226,16 +256,37 @@ def _sampling(
         raise from_engine_error(error) from error
 
 
-def _compile_grammar(state: GatewayState, body: SamplingFields) -> Any:
-    """The request's response format compiled for the model (on this preparation thread,
-    never the engine's); a schema it cannot enforce is a 400 naming what."""
+def _forced_format(body: SamplingFields) -> ResponseFormat | str | None:
+    """What the output is held to: a response format, a tool call grammar (EBNF text) for
+    tool_choice "required" or a named function, or None. Both at once is a 400."""
     response_format = body.response_format
+    wanted: ResponseFormat | None = None
     if isinstance(response_format, JsonSchemaFormat):
-        schema = json.dumps(response_format.json_schema.schema_)
-        wanted = ResponseFormat("json_schema", schema)
-    else:
+        wanted = ResponseFormat("json_schema", json.dumps(response_format.json_schema.schema_))
+    elif response_format is not None and response_format.type == "json_object":
         wanted = ResponseFormat("json_object")
+    if not isinstance(body, ChatCompletionRequest) or body.tool_choice in (None, "auto", "none"):
+        return wanted
+    if wanted is not None:
+        message = "a tool_choice that forces a call cannot be combined with a response_format"
+        raise APIError.invalid(message, "tool_choice")
+    choice = body.tool_choice
+    named = choice if isinstance(choice, str) else choice.model_dump()
+    # A named function is called once (as vLLM does); "required" may make parallel calls
+    # unless the request says otherwise (OpenAI's default is parallel).
+    parallel = choice == "required" and body.parallel_tool_calls is not False
     try:
+        return tool_choice_grammar(body.tool_dicts(), named, parallel)
+    except InvalidRequest as error:
+        raise from_engine_error(error) from None
+
+
+def _compile_grammar(state: GatewayState, wanted: ResponseFormat | str) -> Any:
+    """A response format or a tool call grammar compiled for the model (on this preparation
+    thread, never the engine's); what it cannot enforce is a 400 naming what."""
+    try:
+        if isinstance(wanted, str):
+            return state.engine.grammars.compile_ebnf(wanted)
         return state.engine.grammars.compile(wanted)
     except (InvalidRequest, EngineOverloaded) as error:
         raise from_engine_error(error) from None
@@ -250,6 +301,13 @@ def _logprobs(body: SamplingFields) -> int | None:
             raise APIError.invalid(message, "top_logprobs")
         return (body.top_logprobs or 0) if body.logprobs else None
     if isinstance(body, CompletionRequest):
+        return body.logprobs
+    return None
+
+
+def _prompt_logprobs(body: SamplingFields) -> int | None:
+    """A completion that echoes its prompt with `logprobs: k` gets the prompt's too."""
+    if isinstance(body, CompletionRequest) and body.echo:
         return body.logprobs
     return None
 

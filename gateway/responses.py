@@ -3,6 +3,7 @@ logprobs objects of both."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,10 +24,16 @@ def usage_json(usage: Usage) -> dict[str, Any]:
 
 
 def chat_choice(
-    index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None
+    index: int,
+    text: str | None,
+    finish: str | None,
+    logprobs: dict[str, Any] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One of a chat completion's `choices`."""
-    message = {"role": "assistant", "content": text}
+    """One of a chat completion's `choices` (`text` None: an answer that only calls tools)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 
 
@@ -97,10 +104,24 @@ def text_completion(
 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
-    """A token as text (`token_id:N` for a model without a tokenizer, as vLLM writes it)."""
+    """A token as text (`token_id:N` for a model without a tokenizer, as vLLM writes it).
+
+    Remembered per tokenizer (at most one entry per vocabulary id): logprobs with 20
+    alternatives name 21 tokens per generated token, mostly the same few thousand.
+    """
     if tokenizer is None:
         return f"token_id:{token_id}"
-    return str(tokenizer.decode([token_id]))
+    texts = _token_texts.get(tokenizer)
+    if texts is None:
+        texts = _token_texts.setdefault(tokenizer, {})
+    text = texts.get(token_id)
+    if text is None:
+        text = texts[token_id] = str(tokenizer.decode([token_id]))
+    return text
+
+
+# Per tokenizer: token id -> its text. Racing threads may both decode a token; same result.
+_token_texts: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
 
 
 def _finite(logprob: float) -> float:
@@ -140,4 +161,28 @@ def completion_logprobs(
         "token_logprobs": token_logprobs,
         "top_logprobs": top,
         "text_offset": offsets,
+    }
+
+
+def echoed_logprobs(
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    scored: Sequence[TokenLogprobs],
+    output: dict[str, Any],
+    prompt_chars: int,
+) -> dict[str, Any]:
+    """A completion's `logprobs` with its echoed prompt's in front: the first prompt token
+    has none (null), as in OpenAI's API; `output` is the completion's own, whose offsets
+    are shifted past the prompt's `prompt_chars` characters."""
+    first = token_text(tokenizer, prompt_ids[0])
+    prompt = completion_logprobs(tokenizer, scored, len(first))
+    return {
+        "tokens": [first, *prompt["tokens"], *output["tokens"]],
+        "token_logprobs": [None, *prompt["token_logprobs"], *output["token_logprobs"]],
+        "top_logprobs": [None, *prompt["top_logprobs"], *output["top_logprobs"]],
+        "text_offset": [
+            0,
+            *prompt["text_offset"],
+            *(offset + prompt_chars for offset in output["text_offset"]),
+        ],
     }

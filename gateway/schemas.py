@@ -7,9 +7,18 @@ number that reaches the engine is range-checked here, so no value fails deeper d
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 _STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 # What torch.Generator.manual_seed accepts, as OpenAI's int64 seeds and unsigned ones.
@@ -95,17 +104,94 @@ class TextPart(BaseModel):
     text: Text
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class FunctionCall(BaseModel):
+    """A call an assistant made: `arguments` is a JSON object as text, as OpenAI sends it."""
+
+    model_config = _STRICT
+
+    name: FunctionName
+    arguments: Text
+
+
+class MessageToolCall(BaseModel):
+    model_config = _STRICT
+
+    id: Text = Field(max_length=256)
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only for an assistant turn that made tool calls.
+    content: Text | list[TextPart] | None = None
     name: Text | None = Field(default=None, max_length=64)
+    tool_calls: Annotated[list[MessageToolCall], Field(min_length=1, max_length=128)] | None = None
+    # The call a `tool` message answers.
+    tool_call_id: Text | None = Field(default=None, max_length=256)
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("tool messages, and only they, need a tool_call_id")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def template_entry(self, role: str) -> dict[str, Any]:
+        """The message as a chat template takes it (tool calls' arguments still as text)."""
+        entry: dict[str, Any] = {"role": role, "content": self.text()}
+        if self.tool_calls is not None:
+            entry["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            entry["tool_call_id"] = self.tool_call_id
+        return entry
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+
+    name: FunctionName
+    description: Text | None = None
+    # Checked by engine/grammar.py when a tool_choice forces a call (as response formats are).
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = _STRICT
+
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one function the answer must call."""
+
+    model_config = _STRICT
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class SamplingFields(BaseModel):
@@ -157,6 +243,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: Annotated[list[ToolDefinition], Field(min_length=1, max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -168,13 +257,23 @@ class ChatCompletionRequest(SamplingFields):
         return value
 
     def text_chars(self) -> int:
-        """Characters of message text, checked against a cap before the template runs."""
-        return sum(len(message.text()) + len(message.name or "") for message in self.messages)
+        """Characters of message text (tools and calls included, as JSON), checked against a
+        cap before the template runs."""
+        chars = sum(len(message.text()) + len(message.name or "") for message in self.messages)
+        calls = [message.tool_calls for message in self.messages if message.tool_calls]
+        if calls or self.tools:
+            chars += len(json.dumps([call.model_dump() for group in calls for call in group]))
+            chars += len(json.dumps([tool.model_dump() for tool in self.tools or []]))
+        return chars
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as JSON objects, without the fields left out."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
 
 
 class CompletionRequest(SamplingFields):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
-    echo: Literal[False] | None = None
+    echo: bool | None = None
     logprobs: int | None = Field(default=None, ge=0, le=20)
 
     def text_chars(self) -> int:

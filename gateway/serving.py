@@ -13,6 +13,7 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -20,19 +21,19 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from engine.request import GenerationDelta, Usage
-from engine.sampler import TokenLogprobs
+from gateway.choices import Choices, completion_body
 from gateway.errors import APIError, engine_failure
 from gateway.preparation import Prepared
 from gateway.responses import (
-    chat_choice,
     chat_chunk,
-    chat_completion,
     chat_logprobs,
     completion_logprobs,
+    echoed_logprobs,
     text_choice,
     text_completion,
 )
 from gateway.state import GatewayState
+from gateway.tool_calls import IndexedToolCall, ToolCallStream
 from gateway.tracing import record_engine_phases
 
 _DISCONNECT_POLL_S = 0.05
@@ -145,41 +146,6 @@ async def _close(stream: AsyncIterator[GenerationDelta]) -> None:
             await aclose()
 
 
-class _Choices:
-    """What has streamed so far of each of a request's n choices."""
-
-    def __init__(self, n: int) -> None:
-        self.texts = [""] * n
-        self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
-        self.finishes: list[str | None] = [None] * n
-        self.usages: list[Usage] = []
-        self.last: GenerationDelta | None = None  # the delta that ended the last choice
-
-    def add(self, delta: GenerationDelta) -> None:
-        self.texts[delta.index] += delta.text
-        self.logprobs[delta.index] += delta.logprobs or []
-        if delta.finish_reason is not None:
-            self.finishes[delta.index] = delta.finish_reason
-            if delta.usage is not None:
-                self.usages.append(delta.usage)
-            if self.done:
-                self.last = delta
-
-    @property
-    def done(self) -> bool:
-        return all(self.finishes)
-
-    def usage(self, prompt_tokens: int) -> Usage:
-        """The request's usage: the prompt once (choice 0 counts it), every choice's output."""
-        if not self.usages:
-            return Usage(prompt_tokens, 0, 0)
-        return Usage(
-            sum(usage.prompt_tokens for usage in self.usages),
-            sum(usage.cached_tokens for usage in self.usages),
-            sum(usage.completion_tokens for usage in self.usages),
-        )
-
-
 async def _complete(
     state: GatewayState,
     prepared: Prepared,
@@ -187,7 +153,7 @@ async def _complete(
     stream: AsyncIterator[GenerationDelta],
     http_request: Request,
 ) -> Response:
-    choices = _Choices(prepared.request.n)
+    choices = Choices(prepared.request.n)
     choices.add(first)
 
     async def rest() -> None:
@@ -209,19 +175,10 @@ async def _complete(
     usage = choices.usage(len(prepared.request.prompt_token_ids))
     _conclude(state, prepared, "success", usage, last=choices.last)
     headers = _server_timing(http_request, choices.last)
-    model, tokenizer = state.model_name, state.loaded.tokenizer
+    build = partial(completion_body, state.loaded.tokenizer, state.model_name, prepared, choices)
+    # Logprobs name up to 21 tokens per output token: their text is built off the event loop.
     wants_logprobs = prepared.request.sampling.logprobs is not None
-    chat = prepared.context.endpoint == "chat"
-    bodies = []
-    for index, (text, finish) in enumerate(zip(choices.texts, choices.finishes, strict=True)):
-        logprobs = None
-        if wants_logprobs and chat:
-            logprobs = chat_logprobs(tokenizer, choices.logprobs[index])
-        elif wants_logprobs:
-            logprobs = completion_logprobs(tokenizer, choices.logprobs[index], 0)
-        bodies.append((chat_choice if chat else text_choice)(index, text, finish, logprobs))
-    build = chat_completion if chat else text_completion
-    body = build(prepared.response_id, prepared.created, model, bodies, usage)
+    body = await asyncio.to_thread(build, usage) if wants_logprobs else build(usage)
     return JSONResponse(body, headers=headers)
 
 
@@ -249,27 +206,62 @@ async def _events(
     n = prepared.request.n
     # Per choice: where its next token's text starts, for completions' text_offset.
     text_offsets = [0] * n
+    # Per choice, for a completion that echoes its prompt: whether the prompt has been sent.
+    echoed = [prepared.echo is None] * n
+    # Per choice, for a chat that gave the model tools: its answer read for calls, and
+    # whether it made one.
+    readers = [ToolCallStream() for _ in range(n)] if prepared.tool_calls else None
+    called = [False] * n
 
-    def piece(delta: GenerationDelta) -> dict[str, Any]:
+    def chat_piece(delta: GenerationDelta) -> dict[str, Any] | None:
+        text, finish_reason, logprobs, index = delta.text, delta.finish_reason, None, delta.index
+        if wants_logprobs and delta.logprobs:
+            logprobs = chat_logprobs(tokenizer, delta.logprobs)
+        if readers is None:
+            plain = {"content": text} if text or not finish_reason or logprobs else {}
+            return chat_chunk(
+                response_id, created, model, plain, finish_reason, None, logprobs, index
+            )
+        events = readers[index].feed(text)
+        if finish_reason is not None:
+            events += readers[index].finish()
+        calls = [event.delta() for event in events if isinstance(event, IndexedToolCall)]
+        called[index] = called[index] or bool(calls)
+        if called[index] and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        content: dict[str, Any] = {}
+        if text := "".join(event for event in events if isinstance(event, str)):
+            content["content"] = text
+        if calls:
+            content["tool_calls"] = calls
+        if not content and finish_reason is None and logprobs is None:
+            return None  # held back: it may be the start of a call
+        return chat_chunk(
+            response_id, created, model, content, finish_reason, None, logprobs, index
+        )
+
+    def piece(delta: GenerationDelta) -> dict[str, Any] | None:
         text, finish_reason, logprobs, index = delta.text, delta.finish_reason, None, delta.index
         if chat:
-            if wants_logprobs and delta.logprobs:
-                logprobs = chat_logprobs(tokenizer, delta.logprobs)
-            content = {"content": text} if text or not finish_reason or logprobs else {}
-            return chat_chunk(
-                response_id, created, model, content, finish_reason, None, logprobs, index
-            )
+            return chat_piece(delta)
+        prompt = ""
+        if not echoed[index]:  # the choice's first piece starts with the prompt
+            echoed[index], prompt = True, prepared.echo or ""
         if wants_logprobs:
-            logprobs = completion_logprobs(tokenizer, delta.logprobs or [], text_offsets[index])
-            text_offsets[index] += sum(len(token) for token in logprobs["tokens"])
-        choice = text_choice(index, text, finish_reason, logprobs)
+            output = completion_logprobs(tokenizer, delta.logprobs or [], text_offsets[index])
+            text_offsets[index] += len(prompt) + sum(len(token) for token in output["tokens"])
+            logprobs = output
+            if prompt:
+                prompt_ids, scored = prepared.request.prompt_token_ids, delta.prompt_logprobs
+                logprobs = echoed_logprobs(tokenizer, prompt_ids, scored or [], output, len(prompt))
+        choice = text_choice(index, prompt + text, finish_reason, logprobs)
         return text_completion(response_id, created, model, [choice], None)
 
     def event(payload: dict[str, Any]) -> dict[str, Any]:
         return {"data": json.dumps(payload, ensure_ascii=False)}
 
     outcome, failure = "cancelled", None
-    choices = _Choices(n)
+    choices = Choices(n)
     try:
         if chat:
             for index in range(n):
@@ -279,8 +271,13 @@ async def _events(
         deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
         while True:
             choices.add(delta)
-            if delta.text or delta.finish_reason or (wants_logprobs and delta.logprobs):
-                yield event(piece(delta))
+            if (
+                delta.text
+                or delta.finish_reason
+                or (wants_logprobs and delta.logprobs)
+                or not echoed[delta.index]
+            ) and (payload := piece(delta)) is not None:
+                yield event(payload)
             if choices.done:
                 break
             try:

@@ -32,6 +32,7 @@ the others are empty at the end (the planner only asks which role comes first).
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import threading
@@ -79,19 +80,28 @@ _backends_lock = threading.Lock()
 
 
 def render_with_spans(
-    tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool = True
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[list[int], list[MessageSpan]]:
     """Token ids of a conversation and where each message lies in them (see the module doc).
 
     Costs two template renders and two batched tokenizer calls, whatever the number of
     messages. Raises TemplateRejected when the template refuses the conversation or when
     message text could pass for special tokens.
+
+    `tools` (OpenAI function definitions) and assistants' `tool_calls` are rendered by the
+    template as part of its own text, so no string in them may hold a special token.
     """
     if not messages:
         raise TemplateRejected("a conversation needs at least one message")
     backends = _backends_of(tokenizer)
-    rendering = _render_text(tokenizer, messages, generation_prompt)
-    template = _template_pieces(tokenizer, messages, generation_prompt, rendering)
+    calls = [message.get("tool_calls") for message in messages if message.get("tool_calls")]
+    _refuse_special_tokens(backends, "tools", tools)
+    _refuse_special_tokens(backends, "tool calls", calls)
+    rendering = _render_text(tokenizer, messages, generation_prompt, tools)
+    template = _template_pieces(tokenizer, messages, generation_prompt, rendering, tools)
     if template is None or not backends.piecewise:
         return _tokenize_whole(backends, messages, rendering)
     template_ids = _encode_all(backends.markers, template)
@@ -109,7 +119,7 @@ def render_with_spans(
     return token_ids, spans
 
 
-def render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+def render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
     """Token ids of a conversation rendered by the model's own chat template."""
     return render_with_spans(tokenizer, messages, generation_prompt)[0]
 
@@ -137,10 +147,28 @@ def system_prompt_tokens(tokenizer: Any, system_text: str) -> list[int]:
     return first[:common]
 
 
-def _render_text(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
+def _refuse_special_tokens(backends: _Backends, what: str, value: Any) -> None:
+    """Raise TemplateRejected if any string in `value` (JSON-like) holds a special token."""
+    if value is None or backends.specials is None:
+        return
+    found = backends.specials.search(json.dumps(value, ensure_ascii=False))
+    if found is not None:
+        raise TemplateRejected(
+            f"{what} contain the special token {found.group()!r}, which the chat template "
+            "would render as its own marker"
+        )
+
+
+def _render_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    generation_prompt: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    extra = {"tools": tools} if tools else {}
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=False
+            messages, add_generation_prompt=generation_prompt, tokenize=False, **extra
         )
     except TemplateError as error:  # the template's own raise_exception (role order, ...)
         raise TemplateRejected(f"the chat template rejected these messages: {error}") from error
@@ -150,7 +178,11 @@ def _render_text(tokenizer: Any, messages: list[dict[str, str]], generation_prom
 
 
 def _template_pieces(
-    tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool, rendering: str
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    generation_prompt: bool,
+    rendering: str,
+    tools: list[dict[str, Any]] | None,
 ) -> list[str] | None:
     """T0..Tn when the rendering is exactly template pieces and verbatim contents in turn.
 
@@ -162,7 +194,7 @@ def _template_pieces(
     marked = [
         {**message, "content": f"[[{nonce}:{index}]]"} for index, message in enumerate(messages)
     ]
-    layout = _render_text(tokenizer, marked, generation_prompt)
+    layout = _render_text(tokenizer, marked, generation_prompt, tools)
     parts = re.split(rf"\[\[{nonce}:(\d+)\]\]", layout)
     template, order = parts[0::2], parts[1::2]
     if order != [str(index) for index in range(len(messages))]:
@@ -176,7 +208,7 @@ def _template_pieces(
 
 
 def _tokenize_whole(
-    backends: _Backends, messages: list[dict[str, str]], rendering: str
+    backends: _Backends, messages: list[dict[str, Any]], rendering: str
 ) -> tuple[list[int], list[MessageSpan]]:
     """One tokenization of the whole rendering, refused if any content holds a special token."""
     if backends.specials is not None:

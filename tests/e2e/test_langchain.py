@@ -10,29 +10,16 @@ import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel
 
-from gateway.local_server import serve
-from tenancy import api_keys, tenants
-from tenancy.migrate import upgrade
-from tenancy.store import Store
-from tests.support.gateway import KEY_SECRET, SIGNING_KEY
+from tests.support.gateway import sqlite_gateway
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def chat_model(smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChatOpenAI]:
-    state_dir = tmp_path_factory.mktemp("langchain-gateway")
-    url = f"sqlite:///{state_dir / 'prefixgate.db'}"
-    upgrade(url)
-    store = Store.open(url, state_dir / "seed.spool", KEY_SECRET, SIGNING_KEY)
-    with store.transaction() as session:
-        key = api_keys.create_key(session, tenants.create_tenant(session, "lc"), "k", KEY_SECRET)
-    store.close()
-    settings = {"database_url": url, "state_dir": state_dir, "key_hash_secret": KEY_SECRET,
-                "audit_signing_key": SIGNING_KEY, "kv_cache_bytes": 64 << 20}  # fmt: skip
-    with serve(settings, loaded=smollm2) as server:
+    with sqlite_gateway(tmp_path_factory.mktemp("langchain-gateway"), smollm2) as (server, key):
         yield ChatOpenAI(
-            base_url=f"{server.url}/v1", api_key=key.secret,  # type: ignore[arg-type]
+            base_url=f"{server.url}/v1", api_key=key,  # type: ignore[arg-type]
             model="smollm2-135m-instruct", temperature=0, max_tokens=40, max_retries=0,
         )  # fmt: skip
 

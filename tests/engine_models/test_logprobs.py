@@ -3,9 +3,12 @@ each sampled token and its top k, before penalties or bias change the choice (fp
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from engine.sampler import SamplingParams
+from engine.request import GenerationDelta
+from engine.sampler import SamplingParams, TokenLogprobs
 from tests.support.models import engine_for, make_request, reference_copy, run_one, tiny_model
 
 
@@ -48,3 +51,51 @@ def test_without_logprobs_deltas_carry_none_and_zero_top_gives_the_token_alone()
     items = [item for delta in alone.deltas for item in (delta.logprobs or [])]
     assert len(items) == 3 and all(item.top == () for item in items)
     assert alone.token_ids == plain.token_ids  # asking for logprobs changes no choice
+
+
+def prompt_reference(prompt: list[int]) -> torch.Tensor:
+    """log_softmax at every prompt position, from the model's own full forward."""
+    model = reference_copy(tiny_model("llama"))
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+
+
+def check_prompt_logprobs(items: list[TokenLogprobs], prompt: list[int], k: int) -> None:
+    expected = prompt_reference(prompt)
+    assert [item.token for item in items] == prompt[1:]
+    for position, item in enumerate(items):
+        row = expected[position]
+        assert abs(item.logprob - float(row[item.token])) < 1e-4, f"position {position}"
+        assert [token for token, _ in item.top] == torch.topk(row, k).indices.tolist()
+
+
+def test_prompt_logprobs_score_every_prompt_token_even_one_cached_and_chunked() -> None:
+    # 600 tokens: three chunks of at most 256 logits rows each, and a prefix already cached.
+    prompt = [(11 * position + 5) % 500 + 1 for position in range(600)]
+    engine = engine_for("llama", num_blocks=512)
+    warm = run_one(engine, make_request("warm", prompt, max_tokens=1))
+    assert warm.usage.completion_tokens == 1
+    request = dataclasses.replace(make_request("score", prompt, max_tokens=2), prompt_logprobs=3)
+    served = run_one(engine, request)
+    firsts = [delta for delta in served.deltas if delta.prompt_logprobs is not None]
+    assert len(firsts) == 1 and firsts[0] is served.deltas[0]
+    check_prompt_logprobs(firsts[0].prompt_logprobs or [], prompt, 3)
+    # Every position was computed: no cached block was used for the scored prompt.
+    assert served.usage.cached_tokens == 0
+    # The output is what the request gives without prompt logprobs.
+    plain = run_one(engine, make_request("plain", prompt, max_tokens=2))
+    assert served.token_ids == plain.token_ids
+
+
+def test_every_choice_carries_the_prompt_logprobs() -> None:
+    prompt = list(range(3, 43))
+    engine = engine_for("llama")
+    request = dataclasses.replace(make_request("n", prompt, max_tokens=3), prompt_logprobs=0, n=2)
+    deltas: list[GenerationDelta] = []
+    engine.submit(request, deltas.append)  # type: ignore[arg-type]
+    while engine.step():
+        pass
+    firsts = {d.index: d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None}
+    assert set(firsts) == {0, 1}
+    for items in firsts.values():
+        check_prompt_logprobs(items, prompt, 0)

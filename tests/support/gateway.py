@@ -18,6 +18,7 @@ from sqlalchemy import func, select
 
 from gateway.local_server import RunningServer, serve
 from tenancy import admins, api_keys, prefixes, tenants
+from tenancy.migrate import upgrade
 from tenancy.models import AuditEvent
 from tenancy.store import Store
 from tenancy.tenants import TenantLimits
@@ -155,3 +156,24 @@ def start_gateway(
             yield Gateway(server, keys, url, admin_keys)
     finally:
         drop_database(name)
+
+
+@contextmanager
+def sqlite_gateway(
+    state_dir: Path, loaded: Any = None, **settings: Any
+) -> Iterator[tuple[RunningServer, str]]:
+    """A gateway on a fresh SQLite database in `state_dir`, one tenant and its API key:
+    (server, key). `loaded` serves that model (else `settings` name one)."""
+    url = f"sqlite:///{state_dir / 'prefixgate.db'}"
+    upgrade(url)
+    store = Store.open(url, state_dir / "seed.spool", KEY_SECRET, SIGNING_KEY)
+    with store.transaction() as session:
+        tenant = tenants.create_tenant(session, "t")
+        key = api_keys.create_key(session, tenant, "k", KEY_SECRET).secret
+    store.close()
+    overrides = {
+        "database_url": url, "state_dir": state_dir, "key_hash_secret": KEY_SECRET,
+        "audit_signing_key": SIGNING_KEY, "kv_cache_bytes": 64 << 20, **settings,
+    }  # fmt: skip
+    with serve(overrides, loaded=loaded) as server:
+        yield server, key

@@ -70,3 +70,32 @@ def test_n_completions_stream_each_choice_with_its_own_offsets(gateway: Gateway)
     assert blocking.usage.completion_tokens == sum(
         len(choice.logprobs.tokens or []) for choice in blocking.choices if choice.logprobs
     )
+
+
+def test_echo_returns_the_prompt_before_the_output_and_scores_it_with_logprobs(
+    gateway: Gateway,
+) -> None:
+    api = openai_client(gateway)
+    prompt = "The capital of France is"
+    plain = api.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    echoed = api.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                    echo=True)  # fmt: skip
+    assert echoed.choices[0].text == prompt + plain.choices[0].text
+    arguments = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                 "echo": True, "logprobs": 2}  # fmt: skip
+    scored = api.completions.create(**arguments)  # type: ignore[call-overload]
+    logprobs, usage = scored.choices[0].logprobs, scored.usage
+    assert logprobs is not None and usage is not None
+    tokens, values = logprobs.tokens or [], logprobs.token_logprobs or []
+    assert len(tokens) == len(values) == usage.prompt_tokens + usage.completion_tokens
+    assert values[0] is None and (logprobs.top_logprobs or [])[0] is None
+    assert all(value is not None and value <= 0 for value in values[1:])
+    assert "".join(tokens) == scored.choices[0].text
+    details = usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens == 0  # scored, so computed
+    streamed = list(api.completions.create(**arguments, stream=True))  # type: ignore[call-overload]
+    pieces = [c.choices[0] for c in streamed if c.choices]
+    assert "".join(piece.text for piece in pieces) == scored.choices[0].text
+    streamed_tokens = [t for p in pieces if p.logprobs for t in p.logprobs.tokens or []]
+    streamed_offsets = [o for p in pieces if p.logprobs for o in p.logprobs.text_offset or []]
+    assert streamed_tokens == tokens and streamed_offsets == logprobs.text_offset

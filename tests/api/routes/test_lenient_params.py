@@ -11,11 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.local_server import serve
-from tenancy import api_keys, tenants
-from tenancy.migrate import upgrade
-from tenancy.store import Store
-from tests.support.gateway import KEY_SECRET, MODEL, SIGNING_KEY, Gateway, openai_client
+from tests.support.gateway import MODEL, Gateway, openai_client, sqlite_gateway
 from tests.support.openai_errors import assert_error, chat, post
 
 
@@ -58,19 +54,9 @@ def dropping_gateway(
 ) -> Iterator[tuple[str, str]]:
     """A gateway on SQLite with `drop_unknown_params`: (base URL, an API key)."""
     state_dir = tmp_path_factory.mktemp("dropping-gateway")
-    url = f"sqlite:///{state_dir / 'prefixgate.db'}"
-    upgrade(url)
-    store = Store.open(url, state_dir / "seed.spool", KEY_SECRET, SIGNING_KEY)
-    with store.transaction() as session:
-        key = api_keys.create_key(session, tenants.create_tenant(session, "t"), "k", KEY_SECRET)
-    store.close()
-    settings = {
-        "database_url": url, "state_dir": state_dir, "key_hash_secret": KEY_SECRET,
-        "audit_signing_key": SIGNING_KEY, "model_dir": tiny_chat_dir, "kv_cache_bytes": 16 << 20,
-        "drop_unknown_params": True,
-    }  # fmt: skip
-    with serve(settings) as server:
-        yield f"{server.url}/v1", key.secret
+    settings = {"model_dir": tiny_chat_dir, "kv_cache_bytes": 16 << 20, "drop_unknown_params": True}
+    with sqlite_gateway(state_dir, **settings) as (server, key):
+        yield f"{server.url}/v1", key
 
 
 def test_unknown_fields_are_dropped_and_logged_once_when_the_operator_says_so(
