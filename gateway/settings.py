@@ -93,6 +93,9 @@ class Settings(BaseSettings):
     """Port to listen on."""
     model_dir: Path | None = None
     """A local Hugging Face model directory; default: the embedded SmolLM2-135M-Instruct."""
+    chat_template: Path | None = None
+    """A Jinja chat template file that replaces the model's own (to render tools, say);
+    default: the model's own (the embedded model's adds tools to SmolLM2's)."""
     served_model_name: str | None = None
     """The model id clients send; default: the model directory's name."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -259,7 +262,15 @@ class Settings(BaseSettings):
         except ValueError as error:
             raise ModelLoadError(str(error)) from error
         dtype = resolve_dtype(self.dtype, device)
-        return load_model(model_dir or self.model_dir, dtype=dtype, device=device)
+        template = None
+        if self.chat_template is not None:
+            try:
+                template = self.chat_template.read_text()
+            except (OSError, UnicodeDecodeError) as error:
+                message = f"cannot read the chat template {self.chat_template}: {error}"
+                raise ModelLoadError(message) from error
+        directory = model_dir or self.model_dir
+        return load_model(directory, dtype=dtype, device=device, chat_template=template)
 
     def open_store(self, check_schema: bool = True) -> Store:
         """The tenancy store these settings describe, opened the same way by every process.

@@ -1,5 +1,5 @@
-"""Tools through a real server: the embedded model with a chat template that shows it tools
-(SmolLM2's own template has none), the official `openai` client and LangChain's `bind_tools`.
+"""Tools through a real server on the embedded model, whose default chat template shows it
+tools (SmolLM2's own has none), with the official `openai` client and LangChain's `bind_tools`.
 
 tool_choice "required" or a named function forces the answer into Hermes `<tool_call>` blocks,
 so those tests hold whatever the small model would have said; "auto" leaves the model free.
@@ -20,7 +20,6 @@ from pydantic import BaseModel
 
 from tests.support.gateway import Gateway, openai_client, sqlite_gateway
 from tests.support.openai_errors import assert_error, chat, post
-from tests.support.tool_template import with_tools_template
 
 pytestmark = pytest.mark.slow
 
@@ -62,9 +61,9 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    loaded = dataclasses.replace(smollm2, tokenizer=with_tools_template(smollm2.tokenizer))
-    with sqlite_gateway(tmp_path_factory.mktemp("tools-gateway"), loaded) as (running, key):
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    # No model given: the server loads the embedded one as `make run` does, with its template.
+    with sqlite_gateway(tmp_path_factory.mktemp("tools-gateway")) as (running, key):
         yield Served(running.url, key)
 
 

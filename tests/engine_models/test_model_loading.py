@@ -72,3 +72,26 @@ def test_smollm2_stop_string_cuts_the_answer(smollm2: LoadedModel) -> None:
     result = run_one(engine, make_request("cut", france_prompt(smollm2), sampling=sampling))
     assert result.deltas[-1].finish_reason == "stop"
     assert "Paris" not in result.text and result.text.startswith("The capital")
+
+
+def test_the_embedded_model_renders_tools_and_a_given_template_replaces_the_models_own(
+    smollm2_dir: Path, tmp_path: Path
+) -> None:
+    from gateway.settings import Settings
+    from gateway.tool_calls import template_supports_tools
+
+    embedded = Settings().load_model()
+    assert template_supports_tools(embedded.tokenizer)
+    own = load_model(smollm2_dir)  # the directory as it is: SmolLM2's own template
+    assert not template_supports_tools(own.tokenizer)
+    conversation = [{"role": "user", "content": "hi"}]
+    # Without tools, the embedded template renders exactly as SmolLM2's own.
+    assert render(embedded.tokenizer, conversation, True) == render(
+        own.tokenizer, conversation, True
+    )
+    given = tmp_path / "plain.jinja"
+    given.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    replaced = Settings(model_dir=smollm2_dir, chat_template=given).load_model()
+    assert replaced.tokenizer.apply_chat_template(conversation, tokenize=False) == "[hi]"
+    with pytest.raises(ModelLoadError, match="cannot read the chat template"):
+        Settings(model_dir=smollm2_dir, chat_template=tmp_path / "missing.jinja").load_model()
