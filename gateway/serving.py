@@ -32,12 +32,17 @@ from gateway.responses import (
     text_choice,
     text_completion,
 )
+from gateway.settlement import CLIENT_CLOSED
 from gateway.state import GatewayState
 from gateway.tool_calls import IndexedToolCall, ToolCallStream
 from gateway.tracing import record_engine_phases
 
 _DISCONNECT_POLL_S = 0.05
 T = TypeVar("T")
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before its answer was ready."""
 
 
 async def respond(state: GatewayState, prepared: Prepared, http_request: Request) -> Response:
@@ -57,6 +62,9 @@ async def respond(state: GatewayState, prepared: Prepared, http_request: Request
     except APIError as error:
         _conclude(state, prepared, "failure" if error.status >= 500 else "rejected", error=error)
         raise
+    except _ClientGone:  # nobody reads the answer: no error, no traceback
+        _conclude(state, prepared, "cancelled")
+        return Response(status_code=CLIENT_CLOSED)
     except asyncio.CancelledError:
         _conclude(state, prepared, "cancelled")
         raise
@@ -83,7 +91,7 @@ async def _first_delta(
         return await _unless_disconnected(state, anext(stream), stream, http_request)
     except StopAsyncIteration as error:  # pragma: no cover - the engine always ends with usage
         raise APIError.internal("the engine produced no output") from error
-    except APIError:
+    except (APIError, _ClientGone):
         raise
     except Exception as error:
         raise _engine_failure(error, prepared) from error
@@ -105,7 +113,7 @@ async def _unless_disconnected(
             if done:
                 return task.result()
             if await http_request.is_disconnected():
-                raise asyncio.CancelledError("client disconnected")
+                raise _ClientGone
             if asyncio.get_running_loop().time() > deadline:
                 raise APIError.timeout()
     finally:
@@ -162,6 +170,9 @@ async def _complete(
 
     try:
         await _unless_disconnected(state, rest(), stream, http_request)
+    except _ClientGone:
+        _conclude(state, prepared, "cancelled")
+        return Response(status_code=CLIENT_CLOSED)
     except asyncio.CancelledError:
         _conclude(state, prepared, "cancelled")
         raise

@@ -92,9 +92,12 @@ def test_a_request_past_the_concurrency_limit_is_429_and_a_disconnect_frees_bloc
     assert post(gateway, chat(), tenant="solo").status_code == 200
 
 
-def test_a_non_streaming_client_that_gives_up_frees_its_blocks(gateway: Gateway) -> None:
+def test_a_non_streaming_client_that_gives_up_frees_its_blocks_and_is_audited_499(
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
     state = gateway.server.gateway
     cancelled = state.engine.metrics.cancelled
+    after = gateway.last_audit_seq()
     with pytest.raises(httpx.ReadTimeout):  # the client stops waiting and hangs up
         post(gateway, chat(max_tokens=1500, temperature=0), tenant="globex", timeout=0.5)
     deadline = time.monotonic() + 10
@@ -104,6 +107,10 @@ def test_a_non_streaming_client_that_gives_up_frees_its_blocks(gateway: Gateway)
         time.sleep(0.02)
     assert state.engine.metrics.cancelled == cancelled + 1
     assert state.engine.pool.num_active == 0
+    (event,) = gateway.wait_for_audit_events(after, 1)
+    assert (event.outcome, event.details["status"]) == ("cancelled", 499)
+    # A client leaving is no error of the server's: nothing is logged with a traceback.
+    assert not [record for record in caplog.records if record.exc_info]
 
 
 def test_a_draining_gateway_answers_503_and_is_not_ready(gateway: Gateway) -> None:
