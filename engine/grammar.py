@@ -12,43 +12,28 @@ llguidance. Compiling took 11-12 ms per schema with xgrammar, 1.4-9 ms with llgu
 cached per schema. Both are far below a decode step (20-30 ms); xgrammar's worst case, the one
 that delays a whole batch, is the smaller.
 
-xgrammar ignores JSON-schema keywords it does not implement; a schema is therefore checked
-against the keywords it does, and anything else is refused naming the keyword, never
-silently unenforced.
+What a schema may hold is checked first (engine/schema_checks.py): anything xgrammar would not
+enforce is refused naming it.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import threading
-from collections.abc import Collection, Iterator
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
-from engine.errors import EngineOverloaded, InvalidRequest
+from engine.errors import EngineOverloaded
+from engine.regex_checks import xgrammar_reason
+from engine.schema_checks import MAX_SCHEMA_BYTES, check_schema, tools_refused, unsupported
 
-MAX_SCHEMA_BYTES = 32 * 1024
 COMPACT = (",", ":")  # JSON's separators, without the spaces
 MAX_WHITESPACE = 16  # characters of whitespace in a row: a model cannot stall in it
 COMPILE_WAIT_S = 1.0
-MAX_SCHEMA_DEPTH = 32
-# Keywords xgrammar enforces, and annotations that constrain nothing.
-SUPPORTED_KEYWORDS = frozenset({
-    "type", "properties", "required", "additionalProperties", "items", "prefixItems",
-    "minItems", "maxItems", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs",
-    "definitions", "minLength", "maxLength", "pattern", "format", "minimum", "maximum",
-    "exclusiveMinimum", "exclusiveMaximum", "patternProperties", "minProperties",
-    "maxProperties", "title", "description", "default", "examples", "$schema", "$id",
-    "$comment", "strict", "nullable",
-})  # fmt: skip
-# Keywords whose value is a map of names to schemas, or a schema / list of schemas.
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMAS = ("items", "additionalProperties")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,20 +42,6 @@ class ResponseFormat:
 
     kind: str
     schema: str | None = None
-
-
-def unsupported(message: str) -> InvalidRequest:
-    return InvalidRequest(f"response_format: {message}", param="response_format")
-
-
-def tools_refused(message: str) -> InvalidRequest:
-    """The error for a tool (its `parameters` schema, or the grammar of its calls)."""
-    return InvalidRequest(f"tools: {message}", param="tools")
-
-
-def xgrammar_reason(error: RuntimeError) -> str:
-    """xgrammar's own words for a refusal, without its source location (at most 200 chars)."""
-    return str(error).strip().splitlines()[-1].split(": ", 1)[-1][:200]
 
 
 def json_schema_ebnf(schema_text: str) -> str:
@@ -83,132 +54,6 @@ def json_schema_ebnf(schema_text: str) -> str:
         schema_text, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=True
     )
     return _json_strings(str(grammar))
-
-
-def check_tool_parameters(parameters: Any, function: str) -> None:
-    """Refuse a tool's `parameters` schema as `check_schema` refuses a response format's (and
-    one over MAX_SCHEMA_BYTES), as an `InvalidRequest` on `tools` naming the function."""
-    if len(json.dumps(parameters).encode()) > MAX_SCHEMA_BYTES:
-        raise tools_refused(f"function {function!r}: parameters are over {MAX_SCHEMA_BYTES} bytes")
-    try:
-        check_schema(parameters)
-    except InvalidRequest as error:
-        reason = str(error).removeprefix("response_format: ")
-        raise tools_refused(f"function {function!r}: {reason}") from None
-
-
-def check_tool_set(schemas: list[Any]) -> None:
-    """Bound a grammar over several tools' parameters as one schema is bounded: at most
-    MAX_SCHEMA_BYTES and MAX_PATTERNS in all, so many tools cost no more than one schema."""
-    size = sum(len(json.dumps(schema).encode()) for schema in schemas)
-    if size > MAX_SCHEMA_BYTES:
-        raise tools_refused(f"the functions' parameters are over {MAX_SCHEMA_BYTES} bytes in all")
-    patterns = sum(len(list(_patterns(schema))) for schema in schemas)
-    if patterns > MAX_PATTERNS:
-        raise tools_refused(f"the functions' parameters have over {MAX_PATTERNS} patterns in all")
-
-
-def check_schema(schema: Any, where: str = "#", depth: int = 0) -> None:
-    """Raise `InvalidRequest` naming the first keyword xgrammar would not enforce, or the
-    first pattern too expensive to compile."""
-    patterns = list(_patterns(schema))
-    if len(patterns) > MAX_PATTERNS:
-        raise unsupported(f"the schema has over {MAX_PATTERNS} patterns")
-    for pattern, at in patterns:
-        check_pattern(pattern, at)
-    _check_keywords(schema, where, depth)
-
-
-def _patterns(schema: Any, where: str = "#", depth: int = 0) -> Iterator[tuple[Any, str]]:
-    """Every regex in the schema: `pattern` values and `patternProperties` names."""
-    if not isinstance(schema, dict) or depth > MAX_SCHEMA_DEPTH:
-        return
-    for keyword, value in schema.items():
-        if keyword == "pattern":
-            yield value, where
-        if keyword == "patternProperties" and isinstance(value, dict):
-            yield from ((name, f"{where}/patternProperties") for name in value)
-        for child, at in _children(keyword, value, where):
-            yield from _patterns(child, at, depth + 1)
-
-
-def _children(keyword: str, value: Any, where: str) -> Iterator[tuple[Any, str]]:
-    if keyword in _SCHEMA_MAPS and isinstance(value, dict):
-        yield from ((child, f"{where}/{keyword}/{name}") for name, child in value.items())
-    elif keyword in _SCHEMA_LISTS and isinstance(value, list):
-        yield from ((child, f"{where}/{keyword}/{index}") for index, child in enumerate(value))
-    elif keyword in _SCHEMAS and isinstance(value, dict | bool):
-        yield value, f"{where}/{keyword}"
-
-
-def _check_keywords(schema: Any, where: str, depth: int) -> None:
-    if isinstance(schema, bool):
-        return
-    if not isinstance(schema, dict):
-        raise unsupported(f"the schema at {where} is not an object")
-    if depth > MAX_SCHEMA_DEPTH:
-        raise unsupported(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    for keyword, value in schema.items():
-        if keyword not in SUPPORTED_KEYWORDS:
-            raise unsupported(f"JSON schema keyword {keyword!r} (at {where}) is not supported")
-        # A reference may only name a definition, which is checked like the rest; never an
-        # annotation such as `examples`, which is not.
-        if keyword == "$ref" and not (
-            isinstance(value, str) and value.startswith(("#/$defs/", "#/definitions/"))
-        ):
-            raise unsupported(f"$ref (at {where}) must point into #/$defs or #/definitions")
-        for child, at in _children(keyword, value, where):
-            _check_keywords(child, at, depth + 1)
-
-
-# A regex's counted repetitions are what make its grammar expensive to compile: measured on 2
-# cores, `.{1,32}.{1,32}` takes 2.4 s and `([a-z]{1,20}){1,20}` 14 s, where `[a-z]{1,32}` takes
-# 0.08 s and `.{1,64}` 0.6 s. A schema holds at most a few patterns (`pattern` values and
-# `patternProperties` names), each with one short counted repetition, never nested.
-MAX_PATTERNS = 4
-MAX_PATTERN_CHARS = 256
-MAX_COUNTED_REPETITIONS = 1
-MAX_REPETITION_BOUND = 32
-# Counted repetitions as xgrammar reads them, spaces included; an escaped brace counts too
-# (refusing a literal `\{1,3\}` is cheaper than telling it from `\\{1,3}`).
-_COUNTED = re.compile(r"\{\s*(\d*)\s*(?:,\s*(\d*)\s*)?\}")
-
-
-def check_pattern(pattern: Any, where: str) -> None:
-    """Refuse a `pattern` whose grammar would be expensive to compile."""
-    if not isinstance(pattern, str):
-        raise unsupported(f"the pattern at {where} is not a string")
-    if len(pattern) > MAX_PATTERN_CHARS:
-        raise unsupported(f"the pattern at {where} is over {MAX_PATTERN_CHARS} characters")
-    counted = list(_COUNTED.finditer(pattern))
-    if len(counted) > MAX_COUNTED_REPETITIONS:
-        message = f"the pattern at {where} has over {MAX_COUNTED_REPETITIONS} counted repetitions"
-        raise unsupported(message)
-    for match in counted:
-        bounds = [int(bound) for bound in match.groups() if bound]
-        if any(bound > MAX_REPETITION_BOUND for bound in bounds):
-            message = f"the pattern at {where} repeats more than {MAX_REPETITION_BOUND} times"
-            raise unsupported(message)
-    # A counted repetition inside a group that is itself repeated.
-    counted_at = {match.start() for match in counted}
-    holds_counted: list[bool] = []
-    escaped = False
-    for index, char in enumerate(pattern):
-        if escaped:
-            escaped = False
-        elif char == "\\":
-            escaped = True
-        elif char == "(":
-            holds_counted.append(False)
-        elif char == ")" and holds_counted:
-            inner = holds_counted.pop()
-            if inner and pattern[index + 1 : index + 2] in ("*", "+", "{"):
-                message = f"the pattern at {where} repeats a group that holds a repetition"
-                raise unsupported(message)
-            if holds_counted:
-                holds_counted[-1] = holds_counted[-1] or inner
-        elif index in counted_at and holds_counted:
-            holds_counted[-1] = True
 
 
 class Grammars:

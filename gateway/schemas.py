@@ -79,7 +79,7 @@ class JsonSchema(BaseModel):
 
     name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: Text | None = Field(default=None, max_length=4096)
-    # Checked and compiled by engine/grammar.py, which names a keyword it cannot enforce.
+    # Checked by engine/schema_checks.py, which names a keyword it cannot enforce.
     schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
@@ -167,7 +167,8 @@ class FunctionDefinition(BaseModel):
 
     name: FunctionName
     description: Text | None = None
-    # Checked by engine/grammar.py when a tool_choice forces a call (as response formats are).
+    # Checked by engine/schema_checks.py when a tool_choice forces a call (as response formats
+    # are).
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 

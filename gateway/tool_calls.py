@@ -32,13 +32,9 @@ import xgrammar as xgr
 from jinja2 import TemplateError
 
 from engine.errors import InvalidRequest
-from engine.grammar import (
-    check_tool_parameters,
-    check_tool_set,
-    json_schema_ebnf,
-    tools_refused,
-    xgrammar_reason,
-)
+from engine.grammar import json_schema_ebnf
+from engine.regex_checks import xgrammar_reason
+from engine.schema_checks import check_tool_parameters, check_tool_set, tools_refused
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

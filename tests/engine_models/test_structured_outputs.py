@@ -10,13 +10,15 @@ from typing import Any
 
 import jsonschema
 import pytest
+import xgrammar as xgr
 
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineOverloaded, InvalidRequest
-from engine.grammar import GrammarState, ResponseFormat, check_schema
+from engine.grammar import GrammarState, ResponseFormat
 from engine.model_loader import load_model
 from engine.sampler import SamplingParams
+from engine.schema_checks import check_schema
 from policies.templates import render
 from tests.support.models import make_request, run_all
 
@@ -40,6 +42,17 @@ SCHEMAS: dict[str, dict[str, Any]] = {
                                 "maxItems": 2},
                        "kind": {"anyOf": [{"const": "a"}, {"type": "boolean"}]}},
         "required": ["name", "tags", "kind"], "additionalProperties": False,
+    },
+    # Classes that match control characters, quotes and backslashes: the grammar leaves them
+    # out, so every string parses. A one-schema allOf is its schema.
+    "wide-patterns-and-references": {
+        "type": "object",
+        "properties": {"any": {"type": "string", "pattern": "^[\\s\\S]{1,6}$"},
+                       "not_a": {"type": "string", "pattern": "^[^a]{1,6}$"},
+                       "dot": {"type": "string", "pattern": "^.{1,6}$"},
+                       "tag": {"allOf": [{"$ref": "#/$defs/tag"}], "description": "a tag"}},
+        "required": ["any", "not_a", "dot", "tag"], "additionalProperties": False,
+        "$defs": {"tag": {"enum": ["x", "y"], "type": "string"}},
     },
 }  # fmt: skip
 
@@ -88,7 +101,58 @@ UNSUPPORTED = [
     ({"type": "object", "patternProperties": {"^(ab{2})+$": {}}}, "repeats a group"),
     ({"type": "array", "prefixItems": [{"type": "string", "pattern": "a"}] * 5}, "over 4 patterns"),
     ({"type": "wizard"}, "cannot be compiled"),
-]
+    # allOf of several schemas: xgrammar allows any value for it.
+    ({"type": "object", "properties": {"a": {"allOf": [{"minimum": 1}, {"maximum": 2}]}}},
+     "'allOf' (at #/properties/a) of more than one schema"),
+    ({"allOf": []}, "'allOf' (at #) holds no schemas"),
+    # Patterns that need a control character, quote or backslash: written raw, not escaped.
+    ({"type": "string", "pattern": "[\\x00-\\x1f]"}, "at # has the control character \\x00"),
+    ({"type": "string", "pattern": "[\\n]"}, "at # has the control character \\n"),
+    ({"type": "string", "pattern": "a\\tb"}, "at # has the control character \\t"),
+    ({"type": "string", "pattern": "\\cJ"}, "at # has the control character \\cJ"),
+    ({"type": "string", "pattern": "x\u0001"}, "at # has the raw control character '\\x01'"),
+    ({"type": "object", "patternProperties": {"^\\r$": {}}},
+     "at #/patternProperties has the control character \\r"),
+    ({"type": "string", "pattern": '^"$'}, "cannot be kept inside a JSON string"),
+    ({"type": "string", "pattern": "^\\\\$"}, "cannot be kept inside a JSON string"),
+    ({"type": "string", "pattern": "[^\u00e9]"}, "cannot be kept inside a JSON string"),
+    # Regex constructs xgrammar ignores or misreads.
+    ({"type": "string", "pattern": "a(?=b)"}, "at # has a lookahead '(?='"),
+    ({"type": "string", "pattern": "a(?!b)"}, "at # has a lookahead '(?!'"),
+    ({"type": "string", "pattern": "(?<=a)b"}, "at # has a lookbehind '(?<='"),
+    ({"type": "string", "pattern": "(?<!a)b"}, "at # has a lookbehind '(?<!'"),
+    ({"type": "string", "pattern": "(a)\\1"}, "at # has a backreference \\1"),
+    ({"type": "string", "pattern": "(?<x>a)\\k<x>"}, "at # has a backreference \\k"),
+    ({"type": "string", "pattern": "\\bword"}, "at # has a word boundary \\b"),
+    ({"type": "string", "pattern": "\\p{L}"}, "at # has a Unicode property \\p"),
+    ({"type": "string", "pattern": "a\\Z"}, "at # has the unknown escape \\Z"),
+    ({"type": "string", "pattern": "(?i)a"}, "at # has the group modifier '(?i'"),
+    ({"type": "string", "pattern": "a^b"}, "at # has an anchor '^' inside it"),
+    ({"type": "string", "pattern": "(a$)b"}, "at # has an anchor '$' inside it"),
+    ({"type": "string", "pattern": "a?+"}, "at # has a quantifier '+' on a quantifier"),
+    # Empty lists, and references outside the schema.
+    ({"anyOf": []}, "'anyOf' (at #) holds no schemas"),
+    ({"type": "array", "items": {"oneOf": []}}, "'oneOf' (at #/items) holds no schemas"),
+    ({"type": []}, "'type' (at #) lists no types"),
+    ({"$ref": "http://example.com/schema.json"}, "must point into #/$defs"),
+    ({"$ref": "other.json#/$defs/a"}, "must point into #/$defs"),
+    # Keywords xgrammar ignores beside the one it reads a schema by.
+    ({"$ref": "#/$defs/n", "maximum": 3, "$defs": {"n": {"type": "integer"}}},
+     "'maximum' beside '$ref' (at #)"),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}], "minimum": 1},
+     "'minimum' beside 'anyOf' (at #)"),
+    ({"enum": ["a", 1], "type": "string"}, "'type' beside 'enum' (at #)"),
+    ({"type": "object", "properties": {"a": {"maxLength": 2}}},
+     "'maxLength' (at #/properties/a) is not enforced without a 'type'"),
+    ({"type": "string", "pattern": "^a+$", "maxLength": 2}, "'pattern' and 'maxLength'"),
+    ({"type": "string", "format": "date", "pattern": "^1"}, "'pattern' and 'format'"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf' (at #) is only enforced"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]},
+     "required property 'b' (at #)"),
+    ({"type": "object", "properties": {"a": {}}, "required": [["a"]]}, "required property"),
+    ({"type": "object", "properties": {"ab": {"type": "integer"}},
+      "patternProperties": {"^a": {"type": "string"}}}, "'patternProperties' beside 'properties'"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("schema", "named"), UNSUPPORTED)
@@ -98,6 +162,50 @@ def test_a_schema_the_grammar_cannot_enforce_is_refused_by_name(
     with pytest.raises(InvalidRequest, match="response_format") as raised:
         engine.grammars.compile(ResponseFormat("json_schema", json.dumps(schema)))
     assert named in str(raised.value) and raised.value.param == "response_format"
+
+
+# What the refusals above must leave alone: each is enforced as written.
+ENFORCED = [
+    {"allOf": [{"type": "integer", "minimum": 1}], "description": "one schema is that schema"},
+    {"enum": ["a", "b"], "type": "string", "title": "a type every value has"},
+    {"oneOf": [{"const": "a"}, {"const": "b"}, {"type": "integer"}]},
+    {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}], "$defs": {"n": {"type": "integer"}}},
+    {"type": "string", "pattern": "^[^\"\\\\]+$"},  # a negated class may name any character
+    {"type": "string", "pattern": "^[^\\x00-\\x1f]$|^\\u00e9\\.$"},
+    {"type": "string", "pattern": "^(?:a|(?<b>b))*?[\\s\\S]\\d{2}$"},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    {"type": "object", "patternProperties": {"^b": {"type": "string"}}, "maxProperties": 2},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", ENFORCED)
+def test_a_schema_the_grammar_enforces_is_accepted(engine: Engine, schema: dict[str, Any]) -> None:
+    assert engine.grammars.compile(ResponseFormat("json_schema", json.dumps(schema)))
+
+
+@pytest.fixture(scope="module")
+def unescaped_tokens(engine: Engine) -> list[int]:
+    """The tokens a JSON string cannot hold raw: those with a control character or backslash."""
+    tokenizer = engine.loaded.tokenizer
+    texts = tokenizer.batch_decode([[token] for token in range(len(tokenizer))])
+    return [token for token, text in enumerate(texts)
+            if "\\" in text or any(ord(char) < 0x20 for char in text)]  # fmt: skip
+
+
+@pytest.mark.parametrize("pattern", ["[^a]", ".", "\\S", "[\\s\\S]", "[^\\t]"])
+def test_a_class_that_holds_control_characters_never_writes_one_raw(
+    engine: Engine, unescaped_tokens: list[int], pattern: str
+) -> None:
+    schema = {"type": "string", "pattern": f"^{pattern}+$"}
+    grammar = engine.grammars.compile(ResponseFormat("json_schema", json.dumps(schema)))
+    tokenizer = engine.loaded.tokenizer
+    quote, letter = (tokenizer.encode(text, add_special_tokens=False)[0] for text in ('"', "b"))
+    state = GrammarState(grammar, list(engine.loaded.eos_token_ids))
+    assert state.accept(quote)
+    bitmask = xgr.allocate_token_bitmask(1, engine.loaded.vocab_size)
+    state.fill(bitmask, 0)
+    allowed = xgr.testing.bitmask_to_bool_mask(bitmask)[0]
+    assert allowed[letter] and not allowed[unescaped_tokens].any()
 
 
 def test_a_too_deep_schema_is_refused_before_it_is_walked_further() -> None:
