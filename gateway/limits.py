@@ -3,7 +3,9 @@
 Admission has two steps. `enter` takes a concurrency slot and a request from the bucket as
 soon as the key is known, before the request is templated or tokenized, so one tenant's
 requests never occupy more of that work than its concurrency allows. `Admission.charge` then
-takes the tokens the request may cost, once they are counted.
+takes the tokens the request may cost, once they are counted, and one more slot for each
+choice past the first: a request for n choices runs n sequences, and counts as n requests
+against the tenant's concurrency.
 """
 
 from __future__ import annotations
@@ -51,17 +53,23 @@ class Admission:
     limiter: RateLimiter
     caller: Caller
     reserved_tokens: int = 0
+    slots: int = 1
     released: bool = field(default=False)
 
-    def charge(self, tokens: int) -> None:
-        """Take `tokens` from the tenant's per-minute budget, or raise a 429."""
-        self.limiter._charge(self.caller, tokens)
+    def charge(self, tokens: int, choices: int = 1) -> None:
+        """Take `tokens` from the tenant's per-minute budget and a concurrency slot for each
+        choice past the first, or raise a 429 (a 400 for more choices than the tenant may
+        ever run at once)."""
+        self.limiter._charge(self.caller, tokens, choices - 1)
         self.reserved_tokens = tokens
+        self.slots = choices
 
     def release(self, used_tokens: int | None = None) -> None:
         if not self.released:
             self.released = True
-            self.limiter._release(self.caller.tenant_id, self.reserved_tokens, used_tokens)
+            self.limiter._release(
+                self.caller.tenant_id, self.reserved_tokens, used_tokens, self.slots
+            )
 
 
 class RateLimiter:
@@ -122,8 +130,14 @@ class RateLimiter:
                 ]
         return [(key.encode(), value.encode()) for key, value in pairs]
 
-    def _charge(self, caller: Caller, tokens: int) -> None:
+    def _charge(self, caller: Caller, tokens: int, extra_slots: int) -> None:
         limits = caller.tenant
+        if 1 + extra_slots > limits.max_concurrent:
+            message = (
+                f"n={1 + extra_slots} is more than this tenant's {limits.max_concurrent} "
+                "concurrent requests (each choice counts as one)"
+            )
+            raise APIError.invalid(message, "n")
         if tokens > limits.tokens_per_minute:
             raise APIError.rate_limited(
                 "the request needs more tokens than the tenant's per-minute limit",
@@ -133,14 +147,20 @@ class RateLimiter:
             )
         now = self._clock()
         with self._lock:
-            wait = self._state(caller, now).tokens.take(tokens, limits.tokens_per_minute, now)
+            state = self._state(caller, now)
+            if state.active + extra_slots > limits.max_concurrent:
+                message = "too many concurrent requests for this tenant (each choice counts)"
+                raise _too_many(message, 1.0)
+            wait = state.tokens.take(tokens, limits.tokens_per_minute, now)
+            if not wait:
+                state.active += extra_slots
         if wait:
             raise _too_many("token rate limit reached for this tenant", wait)
 
-    def _release(self, tenant_id: str, reserved: int, used: int | None) -> None:
+    def _release(self, tenant_id: str, reserved: int, used: int | None, slots: int) -> None:
         with self._lock:
             state = self._tenants[tenant_id]
-            state.active -= 1
+            state.active -= slots
             if used is not None and used < reserved:
                 state.tokens.give_back(reserved - used)
 

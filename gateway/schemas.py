@@ -35,6 +35,30 @@ def _utf8(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_utf8)]
+# How deep a JSON value a client sends inside a field (a schema, tool arguments) may nest.
+MAX_JSON_DEPTH = 64
+
+
+def check_json_value(value: Any) -> Any:
+    """`value` (parsed JSON) nested at most MAX_JSON_DEPTH deep, every string and key valid
+    Unicode; raises ValueError saying what is wrong. Iterative: no depth can exhaust a stack."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(item, str):
+            _utf8(item)
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                _utf8(key)
+                stack.append((child, depth + 1))
+        elif isinstance(item, list):
+            stack.extend((child, depth + 1) for child in item)
+    return value
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(check_json_value)]
 TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
 StopText = Annotated[Text, Field(max_length=1000)]  # held back from streams: keep it short
 
@@ -80,7 +104,7 @@ class JsonSchema(BaseModel):
     name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: Text | None = Field(default=None, max_length=4096)
     # Checked by engine/schema_checks.py, which names a keyword it cannot enforce.
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    schema_: JsonObject = Field(default_factory=dict, alias="schema")
     strict: bool | None = None
 
 
@@ -169,7 +193,7 @@ class FunctionDefinition(BaseModel):
     description: Text | None = None
     # Checked by engine/schema_checks.py when a tool_choice forces a call (as response formats
     # are).
-    parameters: dict[str, Any] | None = None
+    parameters: JsonObject | None = None
     strict: bool | None = None
 
 

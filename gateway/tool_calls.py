@@ -35,6 +35,7 @@ from engine.errors import InvalidRequest
 from engine.grammar import json_schema_ebnf
 from engine.regex_checks import xgrammar_reason
 from engine.schema_checks import check_tool_parameters, check_tool_set, tools_refused
+from gateway.schemas import check_json_value
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -225,10 +226,16 @@ def _template_call(call: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"{where}.function must have a name")
     try:
         arguments = json.loads(function.get("arguments", ""))
+    except RecursionError:
+        raise ValueError(f"{where}.function.arguments nests too deep") from None
     except (TypeError, ValueError):
         arguments = None
     if not isinstance(arguments, dict):
         raise ValueError(f"{where}.function.arguments must be a JSON object, as text")
+    try:
+        check_json_value(arguments)  # what its text escapes: depth, lone surrogates
+    except ValueError as error:
+        raise ValueError(f"{where}.function.arguments {error}") from None
     template_function = {"name": function["name"], "arguments": arguments}
     return {"id": call.get("id"), "type": "function", "function": template_function}
 

@@ -189,16 +189,24 @@ def _template_pieces(
     None when the template moves, repeats, drops or rewrites any content. The placeholders
     carry a fresh random nonce, and the layout is rendered from placeholders alone, so no
     message text can pose as a placeholder.
+
+    An empty content gets no placeholder (templates test it: an assistant turn that only
+    calls tools prints no text), so its message's template text joins the next piece and its
+    own piece is empty.
     """
     nonce = secrets.token_hex(8)
     marked = [
-        {**message, "content": f"[[{nonce}:{index}]]"} for index, message in enumerate(messages)
+        {**message, "content": f"[[{nonce}:{index}]]"} if message["content"] else message
+        for index, message in enumerate(messages)
     ]
     layout = _render_text(tokenizer, marked, generation_prompt, tools)
     parts = re.split(rf"\[\[{nonce}:(\d+)\]\]", layout)
-    template, order = parts[0::2], parts[1::2]
-    if order != [str(index) for index in range(len(messages))]:
+    split, order = parts[0::2], parts[1::2]
+    if order != [str(index) for index, message in enumerate(messages) if message["content"]]:
         return None
+    pieces = iter(split)
+    template = [next(pieces) if message["content"] else "" for message in messages]
+    template.append(next(pieces))
     rebuilt = [template[0]]
     for message, after in zip(messages, template[1:], strict=True):
         rebuilt += (message["content"], after)

@@ -92,6 +92,40 @@ def test_a_request_past_the_concurrency_limit_is_429_and_a_disconnect_frees_bloc
     assert post(gateway, chat(), tenant="solo").status_code == 200
 
 
+def test_each_choice_counts_against_the_tenants_concurrency(gateway: Gateway) -> None:
+    # One tenant's n choices run as n sequences: n=8 from 16 requests would be 128.
+    refused = post(gateway, chat(n=2), tenant="solo")  # at most 1 at a time, ever
+    assert "concurrent" in assert_error(refused, 400, "n")["message"]
+    body = chat(max_tokens=1500, stream=True, temperature=1.0, n=8)
+    opened, leave = threading.Barrier(3), threading.Event()
+
+    def hold_eight_slots() -> None:
+        with httpx.stream("POST", gateway.server.url + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {gateway.keys['globex']}"},
+                          timeout=60) as response:  # fmt: skip
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            next(lines)
+            opened.wait(30)
+            leave.wait(30)
+
+    workers = [threading.Thread(target=hold_eight_slots) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        opened.wait(30)  # 16 of globex's 16 slots are taken
+        third = post(gateway, chat(), tenant="globex")
+        assert "concurrent" in assert_error(third, 429, code="rate_limit_exceeded")["message"]
+    finally:
+        leave.set()
+        for worker in workers:
+            worker.join(30)
+    deadline = time.monotonic() + 10
+    while post(gateway, chat(), tenant="globex").status_code == 429:
+        assert time.monotonic() < deadline, "the slots came back"
+        time.sleep(0.05)
+
+
 def test_a_non_streaming_client_that_gives_up_frees_its_blocks_and_is_audited_499(
     gateway: Gateway, caplog: pytest.LogCaptureFixture
 ) -> None:
