@@ -1,7 +1,7 @@
 """A real `prefixgate serve` in a subprocess, for benchmarks that go through the HTTP API.
 
-Its own process (its own GIL), a temporary state directory with SQLite, and a tenant and key
-made with the CLI, as an operator would.
+Its own process (its own GIL), a temporary state directory with SQLite, and tenants, keys and
+public prefixes made with the CLI, as an operator would.
 """
 
 from __future__ import annotations
@@ -12,14 +12,33 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from gateway.local_server import free_port
+
+PUBLIC_NAMESPACE = "default"  # in the packaged policy's namespaces
+
+
+@dataclass(frozen=True, slots=True)
+class ServedTenant:
+    """A tenant to create, with this many inference keys; limits no benchmark reaches."""
+
+    slug: str
+    keys: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ServedGateway:
+    """A running server: its URL and each tenant's API keys (by slug, in creation order)."""
+
+    url: str
+    keys: dict[str, list[str]]
 
 
 @contextmanager
@@ -33,6 +52,26 @@ def served_gateway(
 ) -> Iterator[tuple[str, str]]:
     """`prefixgate serve` on a free port with fresh SQLite state and one tenant whose limits
     no benchmark reaches; yields the server's URL and the tenant's API key."""
+    settings = {
+        "KV_CACHE_BYTES": str(kv_cache_bytes),
+        "DTYPE": dtype,
+        "MAX_NUM_SEQS": str(max_num_seqs),
+    }
+    with served_tenants(model_dir, settings, [ServedTenant(tenant)], quota_blocks) as served:
+        yield served.url, served.keys[tenant][0]
+
+
+@contextmanager
+def served_tenants(
+    model_dir: Path,
+    settings: Mapping[str, str],
+    tenants: Sequence[ServedTenant],
+    quota_blocks: int,
+    public_prefixes: Mapping[str, str] | None = None,
+) -> Iterator[ServedGateway]:
+    """`prefixgate serve` on a free port with fresh SQLite state, `settings` as `PREFIXGATE_*`
+    variables (`{"DTYPE": "float32"}`), these user-scoped tenants, and `public_prefixes`
+    (name -> system prompt text) registered for the model in the default namespace."""
     cli = str(Path(sys.executable).with_name("prefixgate"))
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as scratch:
         state, port = Path(scratch), free_port()
@@ -41,14 +80,12 @@ def served_gateway(
             "PREFIXGATE_STATE_DIR": scratch,
             "PREFIXGATE_DATABASE_URL": f"sqlite:///{state / 'bench.db'}",
             "PREFIXGATE_MODEL_DIR": str(model_dir),
-            "PREFIXGATE_KV_CACHE_BYTES": str(kv_cache_bytes),
-            "PREFIXGATE_DTYPE": dtype,
-            "PREFIXGATE_MAX_NUM_SEQS": str(max_num_seqs),
+            **{f"PREFIXGATE_{name}": value for name, value in settings.items()},
         }
 
-        def cli_json(arguments: str) -> Any:
+        def cli_json(*arguments: str) -> Any:
             done = subprocess.run(
-                [cli, *arguments.split(), "--json"],
+                [cli, *arguments, "--json"],
                 env=env,
                 cwd=scratch,
                 check=True,
@@ -60,11 +97,24 @@ def served_gateway(
         subprocess.run(
             [cli, "db", "upgrade"], env=env, cwd=scratch, check=True, capture_output=True
         )
-        cli_json(
-            f"tenants create {tenant} --quota {quota_blocks} --rpm 100000 --tpm {10**9} "
-            "--concurrent 1000"
-        )
-        key = cli_json(f"keys create --tenant {tenant}")["key"]
+        keys: dict[str, list[str]] = {}
+        for tenant in tenants:
+            cli_json(
+                "tenants", "create", tenant.slug, "--quota", str(quota_blocks),
+                "--rpm", "100000", "--tpm", str(10**9), "--concurrent", "1000",
+            )  # fmt: skip
+            keys[tenant.slug] = [
+                cli_json("keys", "create", "--tenant", tenant.slug)["key"]
+                for _ in range(tenant.keys)
+            ]
+        model_name = settings.get("SERVED_MODEL_NAME", model_dir.name)  # as the server names it
+        for name, text in (public_prefixes or {}).items():
+            text_file = state / f"prefix-{name}.txt"
+            text_file.write_text(text, encoding="utf-8")
+            cli_json(
+                "prefixes", "add", "--model", model_name, "--namespace", PUBLIC_NAMESPACE,
+                "--name", name, "--text-file", str(text_file),
+            )  # fmt: skip
         log = state / "serve.log"
         with open(log, "w") as log_file:
             server = subprocess.Popen(
@@ -77,7 +127,7 @@ def served_gateway(
         try:
             url = f"http://127.0.0.1:{port}"
             wait_ready(url, server, log)
-            yield url, key
+            yield ServedGateway(url, keys)
         finally:
             server.terminate()
             try:

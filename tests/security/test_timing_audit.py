@@ -1,0 +1,42 @@
+"""`bench.timing_audit`: the direction of its KS test, and a reduced audit on the tiny model."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from bench.timing_audit import ks_hits_faster, main
+
+
+def test_ks_test_flags_hits_only_when_they_are_the_faster_group() -> None:
+    rng = random.Random(0)
+    fast = [rng.gauss(10.0, 1.0) for _ in range(250)]
+    slow = [rng.gauss(11.0, 1.0) for _ in range(250)]
+    also_slow = [rng.gauss(11.0, 1.0) for _ in range(250)]
+    assert ks_hits_faster(fast, slow)[1] < 1e-6
+    assert ks_hits_faster(slow, fast)[1] > 0.5  # slower hits are no evidence of a cache
+    assert ks_hits_faster(also_slow, slow)[1] > 0.01  # one distribution: nothing to detect
+
+
+@pytest.mark.slow
+def test_audit_detects_same_user_sharing_and_nothing_across_scopes(tmp_path: Path) -> None:
+    result = main(
+        ["--samples", "30", "--cases", "a,c,d,e", "--out", str(tmp_path / "audit.json"),
+         "--plot", str(tmp_path / "audit.png")]
+    )  # fmt: skip
+    cases = result["cases"]
+    same_user = cases["a"]
+    assert same_user["p_value"] < 1e-6, same_user["latencies_ms"]
+    assert same_user["hit"]["cached_tokens_min"] > 0
+    assert same_user["miss"]["cached_tokens_max"] == 0
+    for letter in "cde":
+        case = cases[letter]
+        # The bench reports against p >= 0.01; with three cases that would fail about one run
+        # in 33 by chance alone, so the test asks p >= 0.001 (about one in 333).
+        assert case["p_value"] >= 0.001, (letter, case["latencies_ms"])
+        # Deterministic: not one probe across scopes is served from another's cache.
+        assert case["hit"]["cached_tokens_max"] == 0, letter
+        assert case["miss"]["cached_tokens_max"] == 0, letter
+    assert (tmp_path / "audit.json").exists() and (tmp_path / "audit.png").exists()
