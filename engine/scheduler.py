@@ -2,10 +2,12 @@
 
 Each step, running sequences go first (decodes and unfinished prefill chunks), then waiting
 sequences are admitted in arrival order while the token budget, the sequence limit and the
-cache allow. When a running sequence cannot get a block, the newest running sequence that
-competes for the same blocks is preempted (its blocks freed, recomputed later, mostly from the
-prefix cache); a waiting sequence whose blocks stay refused past the queue timeout fails with a
-typed error.
+cache allow. While other sequences run or wait, no prefill chunk takes more than
+`long_prefill_tokens` of a step, so one long prompt cannot hold the whole budget for steps on
+end while shorter requests wait to be admitted. When a running sequence cannot get a block, the
+newest running sequence that competes for the same blocks is preempted (its blocks freed,
+recomputed later, mostly from the prefix cache); a waiting sequence whose blocks stay refused
+past the queue timeout fails with a typed error.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     queue_timeout_s: float = 30.0
+    long_prefill_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -87,10 +90,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        if self.waiting or len(self.running) > 1:  # others share the step
+            budget_per_prefill = min(budget, self.config.long_prefill_tokens)
+        else:
+            budget_per_prefill = budget
         index = 0
         while index < len(self.running) and budget > 0:
             sequence = self.running[index]
-            count = _chunk_size(sequence, sequence.num_computed, budget)
+            count = _chunk_size(sequence, sequence.num_computed, min(budget, budget_per_prefill))
             if self._grow(sequence, count, index, output):
                 output.chunks.append(ScheduledChunk(sequence, count))
                 budget -= count
@@ -100,7 +107,7 @@ class Scheduler:
         for sequence in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            count = self._admit(sequence, budget, output)
+            count = self._admit(sequence, min(budget, budget_per_prefill), output)
             if count:
                 output.chunks.append(ScheduledChunk(sequence, count))
                 budget -= count

@@ -42,6 +42,8 @@ from policies.planner import Plan, PlanSubject, TenantPolicy
 from policies.templates import MessageSpan, TemplateRejected, render_with_spans
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+# Most token entries an echoed prompt's logprobs may list (about 15 MB of JSON).
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 18
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +208,9 @@ def _prepare(
     request_id = f"{'chatcmpl' if context.endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     grammar, forced = None, _forced_format(body)
     if forced is not None:
+        if body.stop is not None:  # a stop string would cut the output where it cannot parse
+            message = "stop cannot be combined with a response_format or a forced tool_choice"
+            raise APIError.invalid(message, "stop")
         with state.tracer.start_as_current_span("grammar"):
             grammar = _compile_grammar(state, forced)
     request = GenerationRequest(
@@ -218,7 +223,7 @@ def _prepare(
         budget=TenantBudget(tenant.cache_quota_blocks, tenant.cache_reservation_blocks),
         grammar=grammar,
         n=n,
-        prompt_logprobs=_prompt_logprobs(body),
+        prompt_logprobs=_prompt_logprobs(body, prompt_tokens),
     )
     settlement = context.settlement
     settlement.request_id = request_id
@@ -305,11 +310,19 @@ def _logprobs(body: SamplingFields) -> int | None:
     return None
 
 
-def _prompt_logprobs(body: SamplingFields) -> int | None:
-    """A completion that echoes its prompt with `logprobs: k` gets the prompt's too."""
-    if isinstance(body, CompletionRequest) and body.echo:
-        return body.logprobs
-    return None
+def _prompt_logprobs(body: SamplingFields, prompt_tokens: int) -> int | None:
+    """A completion that echoes its prompt with `logprobs: k` gets the prompt's too, for each
+    of its n choices: at most MAX_PROMPT_LOGPROB_ENTRIES token entries in all."""
+    if not isinstance(body, CompletionRequest) or not body.echo or body.logprobs is None:
+        return None
+    entries = body.n * prompt_tokens * (body.logprobs + 1)
+    if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+        message = (
+            f"echo with logprobs would list {entries} token entries for the prompt "
+            f"(n x prompt tokens x (logprobs + 1)); the limit is {MAX_PROMPT_LOGPROB_ENTRIES}"
+        )
+        raise APIError.invalid(message, "logprobs")
+    return body.logprobs
 
 
 def _logit_bias(given: dict[str, float]) -> tuple[tuple[int, float], ...]:

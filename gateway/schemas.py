@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationInfo,
@@ -240,7 +241,10 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(default=None, max_length=256)
-    n: int = Field(default=1, ge=1)
+    # null means the default, as in OpenAI's API.
+    n: Annotated[int, BeforeValidator(lambda value: 1 if value is None else value)] = Field(
+        default=1, ge=1
+    )
     # Accepted as a routing hint only: it never widens a cache scope.
     prompt_cache_key: Text | None = Field(default=None, max_length=256)
     # Accepted without effect, as OpenAI allows: nothing is stored, every request is served
@@ -263,12 +267,27 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+def _distinct_names(tools: list[ToolDefinition]) -> list[ToolDefinition]:
+    names = [tool.function.name for tool in tools]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"function names must be distinct; repeated: {', '.join(repeated)}")
+    return tools
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    tools: Annotated[list[ToolDefinition], Field(min_length=1, max_length=128)] | None = None
+    tools: (
+        Annotated[
+            list[ToolDefinition],
+            Field(min_length=1, max_length=128),
+            AfterValidator(_distinct_names),
+        ]
+        | None
+    ) = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 

@@ -187,10 +187,13 @@ async def _complete(
     _conclude(state, prepared, "success", usage, last=choices.last)
     headers = _server_timing(http_request, choices.last)
     build = partial(completion_body, state.loaded.tokenizer, state.model_name, prepared, choices)
-    # Logprobs name up to 21 tokens per output token: their text is built off the event loop.
+
+    def render() -> JSONResponse:
+        return JSONResponse(build(usage), headers=headers)
+
+    # Logprobs name up to 21 tokens per token: such a body is built and encoded off the loop.
     wants_logprobs = prepared.request.sampling.logprobs is not None
-    body = await asyncio.to_thread(build, usage) if wants_logprobs else build(usage)
-    return JSONResponse(body, headers=headers)
+    return await asyncio.to_thread(render) if wants_logprobs else render()
 
 
 def _server_timing(http_request: Request, last: GenerationDelta | None) -> dict[str, str]:
@@ -271,6 +274,10 @@ async def _events(
     def event(payload: dict[str, Any]) -> dict[str, Any]:
         return {"data": json.dumps(payload, ensure_ascii=False)}
 
+    def rendered(delta: GenerationDelta) -> dict[str, Any] | None:
+        payload = piece(delta)
+        return None if payload is None else event(payload)
+
     outcome, failure = "cancelled", None
     choices = Choices(n)
     try:
@@ -287,8 +294,15 @@ async def _events(
                 or delta.finish_reason
                 or (wants_logprobs and delta.logprobs)
                 or not echoed[delta.index]
-            ) and (payload := piece(delta)) is not None:
-                yield event(payload)
+            ):
+                # A choice's first delta may carry its prompt's logprobs: rendered off the loop.
+                item = (
+                    await asyncio.to_thread(rendered, delta)
+                    if delta.prompt_logprobs
+                    else rendered(delta)
+                )
+                if item is not None:
+                    yield item
             if choices.done:
                 break
             try:

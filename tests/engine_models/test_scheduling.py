@@ -229,3 +229,18 @@ def test_conflicting_scopes_are_refused_at_submission() -> None:
 
 def _fields(request: GenerationRequest) -> dict[str, object]:
     return {name: getattr(request, name) for name in GenerationRequest.__slots__}
+
+
+def test_a_long_prefill_leaves_room_for_a_short_request_that_arrives() -> None:
+    engine = engine_for("llama", max_num_batched_tokens=1024, num_blocks=512)
+    long, short = Collector(), Collector()
+    engine.submit(make_request("long", [7] * 2040, max_tokens=1), long)
+    engine.step()  # alone, the long prompt takes the whole budget: 1,024 of its tokens
+    engine.submit(make_request("short", [9] * 40, tenant="t2", max_tokens=1), short)
+    engine.step()
+    # Crowded, the long prompt takes at most 512 tokens, and the short one fits beside it
+    # (without that cap it would get 8 tokens now and its answer a step later).
+    assert short.done and not long.done
+    while engine.step():
+        pass
+    assert long.done and long.error is None

@@ -135,6 +135,7 @@ def test_n_choices_share_one_prompt_blocking_and_streamed_alike(gateway: Gateway
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == blocking.usage.completion_tokens
     assert usage.prompt_tokens == one.usage.prompt_tokens
+    assert len(post(gateway, chat(n=None)).json()["choices"]) == 1  # null: the default
 
 
 BOUNDED_SCHEMA = {
@@ -178,6 +179,10 @@ def test_structured_output_follows_its_schema(gateway: Gateway) -> None:
 CASES = [
     ("n-over-the-limit", chat(n=9), 400, "n", None),
     ("n-zero", chat(n=0), 400, "n", None),
+    ("stop-with-format", chat(stop=["}"], response_format={"type": "json_object"}), 400, "stop",
+     None),
+    ("same-tool-twice", chat(tool_choice="none", tools=[
+        {"type": "function", "function": {"name": "f"}}] * 2), 400, "tools", None),
     ("schema-name", chat(response_format={"type": "json_schema",
                                           "json_schema": {"name": "no spaces", "schema": {}}}),
      400, "response_format", None),
