@@ -27,12 +27,16 @@ class Choices:
     def __init__(self, n: int) -> None:
         self.texts = [""] * n
         self.logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
+        # Where each token of `logprobs` starts in its choice's text.
+        self.offsets: list[list[int]] = [[] for _ in range(n)]
         self.prompt_logprobs: list[list[TokenLogprobs]] = [[] for _ in range(n)]
         self.finishes: list[str | None] = [None] * n
         self.usages: list[Usage] = []
         self.last: GenerationDelta | None = None  # the delta that ended the last choice
 
     def add(self, delta: GenerationDelta) -> None:
+        index = delta.index
+        self.offsets[index] += [len(self.texts[index])] * len(delta.logprobs or [])
         self.texts[delta.index] += delta.text
         self.logprobs[delta.index] += delta.logprobs or []
         self.prompt_logprobs[delta.index] += delta.prompt_logprobs or []
@@ -94,8 +98,10 @@ def _text_choice(
         prepared.echo,
     )
     if prepared.request.sampling.logprobs is not None:
-        logprobs = completion_logprobs(tokenizer, choices.logprobs[index], 0)
+        shift = len(echo or "")
+        offsets = [offset + shift for offset in choices.offsets[index]]
+        logprobs = completion_logprobs(tokenizer, choices.logprobs[index], offsets)
         if echo is not None:
             prompt_ids, scored = prepared.request.prompt_token_ids, choices.prompt_logprobs[index]
-            logprobs = echoed_logprobs(tokenizer, prompt_ids, scored, logprobs, len(echo))
+            logprobs = echoed_logprobs(tokenizer, prompt_ids, scored, logprobs)
     return text_choice(index, text if echo is None else echo + text, finish, logprobs)

@@ -3,10 +3,12 @@ logprobs objects of both."""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Sequence
 from typing import Any
 
+from engine.detokenizer import Detokenizer
 from engine.request import Usage
 from engine.sampler import TokenLogprobs
 
@@ -144,23 +146,21 @@ def chat_logprobs(tokenizer: Any, logprobs: Sequence[TokenLogprobs]) -> dict[str
 
 
 def completion_logprobs(
-    tokenizer: Any, logprobs: Sequence[TokenLogprobs], text_offset: int
+    tokenizer: Any, logprobs: Sequence[TokenLogprobs], offsets: Sequence[int]
 ) -> dict[str, Any]:
-    """`choices[].logprobs` of a text completion; `text_offset` is where its first token's
-    text starts in the completion's text."""
-    tokens, token_logprobs, top, offsets = [], [], [], []
+    """`choices[].logprobs` of a text completion; `offsets` are where each token's text
+    starts in the choice's text (a token that ends a character split over tokens starts
+    where that character does)."""
+    tokens, token_logprobs, top = [], [], []
     for item in logprobs:
-        text = token_text(tokenizer, item.token)
-        tokens.append(text)
+        tokens.append(token_text(tokenizer, item.token))
         token_logprobs.append(_finite(item.logprob))
         top.append({token_text(tokenizer, t): _finite(value) for t, value in item.top})
-        offsets.append(text_offset)
-        text_offset += len(text)
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top,
-        "text_offset": offsets,
+        "text_offset": list(offsets),
     }
 
 
@@ -169,20 +169,25 @@ def echoed_logprobs(
     prompt_ids: Sequence[int],
     scored: Sequence[TokenLogprobs],
     output: dict[str, Any],
-    prompt_chars: int,
 ) -> dict[str, Any]:
     """A completion's `logprobs` with its echoed prompt's in front: the first prompt token
-    has none (null), as in OpenAI's API; `output` is the completion's own, whose offsets
-    are shifted past the prompt's `prompt_chars` characters."""
+    has none (null), as in OpenAI's API; `output` is the completion's own."""
     first = token_text(tokenizer, prompt_ids[0])
-    prompt = completion_logprobs(tokenizer, scored, len(first))
+    prompt = completion_logprobs(tokenizer, scored, prompt_offsets(tokenizer, prompt_ids)[1:])
     return {
         "tokens": [first, *prompt["tokens"], *output["tokens"]],
         "token_logprobs": [None, *prompt["token_logprobs"], *output["token_logprobs"]],
         "top_logprobs": [None, *prompt["top_logprobs"], *output["top_logprobs"]],
-        "text_offset": [
-            0,
-            *prompt["text_offset"],
-            *(offset + prompt_chars for offset in output["text_offset"]),
-        ],
+        "text_offset": [0, *prompt["text_offset"], *output["text_offset"]],
     }
+
+
+def prompt_offsets(tokenizer: Any, prompt_ids: Sequence[int]) -> list[int]:
+    """Where each prompt token's text starts in the prompt's text, decoded as the output is
+    (characters split over tokens are whole, at the token that completes them)."""
+    if tokenizer is None:
+        lengths = [len(token_text(None, token)) for token in prompt_ids]
+    else:
+        detokenizer = Detokenizer(tokenizer, [], ())
+        lengths = [len(detokenizer.add(token)) for token in prompt_ids]
+    return [0, *itertools.accumulate(lengths)][:-1]

@@ -262,12 +262,14 @@ async def _events(
         if not echoed[index]:  # the choice's first piece starts with the prompt
             echoed[index], prompt = True, prepared.echo or ""
         if wants_logprobs:
-            output = completion_logprobs(tokenizer, delta.logprobs or [], text_offsets[index])
-            text_offsets[index] += len(prompt) + sum(len(token) for token in output["tokens"])
+            start = text_offsets[index] + len(prompt)
+            offsets = [start] * len(delta.logprobs or [])
+            output = completion_logprobs(tokenizer, delta.logprobs or [], offsets)
             logprobs = output
             if prompt:
                 prompt_ids, scored = prepared.request.prompt_token_ids, delta.prompt_logprobs
-                logprobs = echoed_logprobs(tokenizer, prompt_ids, scored or [], output, len(prompt))
+                logprobs = echoed_logprobs(tokenizer, prompt_ids, scored or [], output)
+        text_offsets[index] += len(prompt) + len(text)
         choice = text_choice(index, prompt + text, finish_reason, logprobs)
         return text_completion(response_id, created, model, [choice], None)
 

@@ -39,9 +39,10 @@ def test_completion_logprobs_list_tokens_their_logprobs_alternatives_and_offsets
     assert len(tokens) == len(values) == completion.usage.completion_tokens
     assert all(value <= 0 for value in values)
     assert all(len(top) <= 2 for top in logprobs.top_logprobs or [])
-    offsets = logprobs.text_offset or []
-    assert offsets[0] == 0
-    assert offsets == [sum(len(token) for token in tokens[:i]) for i in range(len(tokens))]
+    offsets, text = logprobs.text_offset or [], completion.choices[0].text
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    if "".join(tokens) == text:  # no character split over tokens: each starts where it ends
+        assert offsets == [sum(len(token) for token in tokens[:i]) for i in range(len(tokens))]
     streamed = list(api.completions.create(model=MODEL, prompt="The sky is", max_tokens=5,
                                            temperature=0, logprobs=2, stream=True))  # fmt: skip
     pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
@@ -99,3 +100,20 @@ def test_echo_returns_the_prompt_before_the_output_and_scores_it_with_logprobs(
     streamed_tokens = [t for p in pieces if p.logprobs for t in p.logprobs.tokens or []]
     streamed_offsets = [o for p in pieces if p.logprobs for o in p.logprobs.text_offset or []]
     assert streamed_tokens == tokens and streamed_offsets == logprobs.text_offset
+
+
+def test_offsets_follow_the_text_where_a_character_spans_tokens(gateway: Gateway) -> None:
+    prompt = "Café 日本語 🙂 naïve — ok"
+    api = openai_client(gateway)
+    arguments = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                 "echo": True, "logprobs": 1}  # fmt: skip
+    completion = api.completions.create(**arguments)  # type: ignore[call-overload]
+    choice, usage = completion.choices[0], completion.usage
+    assert choice.logprobs is not None and usage is not None
+    offsets, text = choice.logprobs.text_offset or [], choice.text
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    # The prompt's last token, " ok", starts where " ok" does in the text.
+    assert text[offsets[usage.prompt_tokens - 1] :].startswith(" ok")
+    streamed = list(api.completions.create(**arguments, stream=True))  # type: ignore[call-overload]
+    pieces = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [o for piece in pieces for o in piece.text_offset or []] == offsets
