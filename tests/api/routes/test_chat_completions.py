@@ -3,11 +3,13 @@ refused with its status and OpenAI's error shape."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from typing import Any
 
 import jsonschema
+import openai
 import pytest
 
 from tests.support.gateway import MODEL, Gateway, openai_client
@@ -221,3 +223,25 @@ def test_an_invalid_chat_request_is_refused_with_its_status_param_and_code(
     gateway: Gateway, name: str, body: Any, status: int, param: str | None, code: str | None
 ) -> None:
     assert_error(post(gateway, body), status, param, code)
+
+
+def test_the_async_client_streams_and_a_seeded_n_request_repeats_itself(gateway: Gateway) -> None:
+    async def run() -> None:
+        api = openai.AsyncOpenAI(base_url=gateway.base_url, api_key=gateway.keys["acme"],
+                                 max_retries=0)  # fmt: skip
+        arguments: Any = {
+            "model": MODEL, "messages": [{"role": "user", "content": "Pick a fruit."}],
+            "max_tokens": 6, "temperature": 1.0, "seed": 21, "n": 3,
+        }  # fmt: skip
+        first = await api.chat.completions.create(**arguments)
+        again = await api.chat.completions.create(**arguments)
+        answers = [choice.message.content for choice in first.choices]
+        assert answers == [choice.message.content for choice in again.choices]
+        texts = ["", "", ""]
+        async for chunk in await api.chat.completions.create(**arguments, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+        assert texts == answers
+        await api.close()
+
+    asyncio.run(run())
