@@ -68,14 +68,22 @@ class BlockPool:
         num_blocks: int,
         device: str | torch.device = "cpu",
         zero_blocks: ZeroBlocks = fill_zero,
+        kv: torch.Tensor | None = None,
     ) -> None:
+        """`kv`: memory to use (zeroed here) instead of allocating the pool's own."""
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         self.spec = spec
         self.zero_blocks = zero_blocks
         self.num_blocks = num_blocks
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv = torch.zeros(shape, dtype=spec.dtype, device=device)
+        if kv is None:
+            kv = torch.zeros(shape, dtype=spec.dtype, device=device)
+        elif tuple(kv.shape) != shape or kv.dtype != spec.dtype:
+            raise ValueError("kv does not have the pool's shape and dtype")
+        else:
+            kv.zero_()
+        self.kv = kv
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._dirty: list[int] = []
@@ -85,6 +93,14 @@ class BlockPool:
         self._clock = 0
         self.blocks_zeroed = 0
         self.zero_operations = 0
+
+    def fresh(self) -> BlockPool:
+        """A pool over this one's memory, all of it zeroed and free, for an engine whose
+        bookkeeping can no longer be trusted; zeroing counters carry on."""
+        pool = BlockPool(self.spec, self.num_blocks, self.kv.device, self.zero_blocks, self.kv)
+        pool.blocks_zeroed = self.blocks_zeroed + self.num_blocks
+        pool.zero_operations = self.zero_operations + 1
+        return pool
 
     # -- counts -------------------------------------------------------------------------------
 

@@ -3,6 +3,11 @@
 Callers submit requests from any thread or event loop; everything that touches the KV cache
 runs on the engine thread (see `inbox.py`), one step at a time. Cancellation, purges and budget
 changes are queued to that thread and take effect at the next step boundary.
+
+A step that raises outside any one request's part (a bug, not a request's input) may leave the
+cache's bookkeeping half-updated, so none of it is trusted afterwards: every request in flight
+fails with a clean error and the engine restarts its state (`_restart`) on the same thread and
+the same KV memory, all of it zeroed and free.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from engine.config import EngineConfig
 from engine.errors import (
     EngineError,
     EngineOverloaded,
+    EngineRestarted,
     EngineStopped,
     InvalidRequest,
     RequestFailed,
@@ -74,22 +80,11 @@ class Engine:
         num_blocks = config.num_blocks or max(
             1, self._kv_cache_bytes(spec, backend) // spec.bytes_per_block
         )
-        self.pool = BlockPool(spec, num_blocks, self.device, backend.zero_blocks)
-        hasher = BlockHasher(config.block_size)
-        self.cache = KVCacheManager(
-            self.pool,
-            hasher,
-            hasher.root(loaded.fingerprint, config.adapter_id, dtype_name(kv_dtype)),
-            public_budget=config.public_budget,
-            default_budget=config.default_budget,
-            enable_prefix_caching=config.enable_prefix_caching,
-        )
-        self.scheduler = Scheduler(
-            self.cache,
-            SchedulerConfig(
-                config.max_num_batched_tokens, config.max_num_seqs, config.queue_timeout_s
-            ),
-        )
+        # Restarts after a crashed step (see `_restart`), and the wall-clock time of the last.
+        self.restarts = 0
+        self.last_restart_at: float | None = None
+        self._restarting = False
+        self._install(BlockPool(spec, num_blocks, self.device, backend.zero_blocks))
         self.runner = ModelRunner(model, self.pool.kv, backend)
         logger.info("engine: %s", self.describe())
         self.limits = ModelLimits(
@@ -102,6 +97,29 @@ class Engine:
         # Every request in flight, from `submit` until `_settle`, guarded by the inbox's lock.
         self._requests: dict[str, Sequence] = {}
         self._cache_stats = snapshot(self.cache)
+
+    def _install(self, pool: BlockPool) -> None:
+        """Serve from `pool` with a new cache manager and scheduler: nothing cached, nobody
+        scheduled, the configured public and default budgets, tenants' budgets to come with
+        their requests."""
+        config = self.config
+        hasher = BlockHasher(config.block_size)
+        kv_dtype = dtype_name(pool.spec.dtype)
+        self.pool = pool
+        self.cache = KVCacheManager(
+            pool,
+            hasher,
+            hasher.root(self.loaded.fingerprint, config.adapter_id, kv_dtype),
+            public_budget=config.public_budget,
+            default_budget=config.default_budget,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.cache,
+            SchedulerConfig(
+                config.max_num_batched_tokens, config.max_num_seqs, config.queue_timeout_s
+            ),
+        )
 
     def _kv_cache_bytes(self, spec: KVSpec, backend: AttentionBackend) -> int:
         """The pool's size when no block count is configured (see `EngineConfig`)."""
@@ -131,8 +149,9 @@ class Engine:
         ]
         return peak_bytes(self.device, lambda: runner.run(chunks))
 
-    def describe(self) -> dict[str, str | int]:
-        """What serves: model, device, dtypes, attention backend, pool size."""
+    def describe(self) -> dict[str, str | int | float | None]:
+        """What serves (model, device, dtypes, attention backend, pool size), and how often its
+        state restarted after a crashed step (`last_restart_at`: Unix time, or None)."""
         return {
             "model": self.loaded.name,
             "device": str(self.device),
@@ -140,19 +159,22 @@ class Engine:
             "kv_dtype": dtype_name(self.pool.spec.dtype),
             "attention_backend": self.runner.backend.name,
             "kv_blocks": self.pool.num_blocks,
+            "restarts": self.restarts,
+            "last_restart_at": self.last_restart_at,
         }
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> Engine:
         """Start the engine thread (idempotent)."""
-        self._inbox.start(self._step_or_fail_all, self.scheduler.has_work)
+        # A lambda: a restart replaces the scheduler.
+        self._inbox.start(self._step_or_restart, lambda: self.scheduler.has_work())
         return self
 
     @property
     def running(self) -> bool:
-        """Whether the engine thread is alive."""
-        return self._inbox.running
+        """Whether the engine thread is alive and not restarting its state."""
+        return self._inbox.running and not self._restarting
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish what is running and waiting, then stop the thread."""
@@ -185,6 +207,9 @@ class Engine:
 
     def _add(self, sequence: Sequence) -> None:
         """Hand a new request to the scheduler; its other choices wait for its prompt."""
+        with self._inbox.lock:
+            if self._requests.get(sequence.request_id) is not sequence:
+                return  # a restart failed it while it waited in the inbox
         self.scheduler.add(sequence)
         for fork in sequence.forks:
             fork.status = Status.WAITING
@@ -305,16 +330,42 @@ class Engine:
         )
         return True
 
-    def _step_or_fail_all(self) -> None:
-        """A step on the engine thread; a bug outside any one request's part fails them all."""
+    def _step_or_restart(self) -> None:
+        """A step on the engine thread; a failure outside any one request's part restarts."""
         try:
             self.step()
         except Exception:  # the last resort
-            logger.exception("engine step failed; failing all in-flight requests")
-            for sequence in self._scheduled():
-                self._settle(sequence, EngineError("internal engine error"))
-            self.cache.end_step()
+            logger.exception("engine step failed; failing all in-flight requests and restarting")
+            self._restart()
+
+    def _restart(self) -> None:
+        """Serve from a fresh cache manager and scheduler over the same KV memory, all of it
+        zeroed and free (after a crashed step the cache's bookkeeping, and so every cached
+        prefix, is untrusted), then fail every request that was in flight.
+
+        The requests learn of their failure only once the engine serves again.
+        """
+        with self._inbox.lock:
+            in_flight, self._requests = list(self._requests.values()), {}
+        self._restarting = True
+        try:
+            self._install(self.pool.fresh())  # the same memory, never held twice
             self._record_queue_and_cache()
+            self.restarts += 1
+            self.last_restart_at = time.time()
+            logger.warning("engine state restarted (%d restarts so far)", self.restarts)
+        finally:
+            self._restarting = False
+            self._fail(in_flight, EngineRestarted("the engine failed and restarted; retry"))
+
+    def _fail(self, sequences: list[Sequence], error: EngineError) -> None:
+        """Send `error` to requests already unregistered, touching neither cache nor scheduler."""
+        for sequence in sequences:
+            self.runner.pop_computed_prompt_positions(sequence.request_id)
+            try:
+                sequence.sink(error)
+            except Exception:  # the request is over either way; the restart must go on
+                logger.exception("a request's sink raised on its last item")
 
     def _record_queue_and_cache(self) -> None:
         """Record the queue depth and cache stats as they are now, for a step that ran no

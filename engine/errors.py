@@ -54,5 +54,9 @@ class EngineOverloaded(EngineError):
     """The waiting queue is full."""
 
 
+class EngineRestarted(EngineError):
+    """The engine failed outside any one request and restarted; retrying will be served."""
+
+
 class EngineStopped(EngineError):
     """The engine is shutting down or has stopped."""

@@ -86,11 +86,20 @@ class Inbox:
         return future.result()
 
     def drain(self) -> None:
-        """Run every queued action, oldest first (on the engine thread)."""
+        """Run every queued action, oldest first (on the engine thread).
+
+        An action that raises passes its error on and leaves the actions after it queued for
+        the next drain: none is lost (a lost one would leave its caller waiting for ever).
+        """
         with self.lock:
             actions, self._actions = self._actions, []
-        for action in actions:
-            action()
+        for index, action in enumerate(actions):
+            try:
+                action()
+            except BaseException:
+                with self.lock:
+                    self._actions[:0] = actions[index + 1 :]
+                raise
 
     def _loop(self, step: Callable[[], object], has_work: Callable[[], bool]) -> None:
         while True:

@@ -20,6 +20,7 @@ from engine.errors import (
     ContextTooLong,
     EngineError,
     EngineOverloaded,
+    EngineRestarted,
     EngineStopped,
     ExceedsCacheQuota,
     InvalidRequest,
@@ -205,6 +206,8 @@ def from_engine_error(error: EngineError | InvalidSampling) -> APIError:
         return APIError.rate_limited(str(error), retry_after=5, code="cache_quota_exceeded")
     if isinstance(error, PoolTimeout | EngineOverloaded):
         return APIError.overloaded(str(error), retry_after=5)
+    if isinstance(error, EngineRestarted):
+        return APIError.overloaded(str(error), retry_after=1)
     if isinstance(error, RequestFailed):  # this request alone; the others went on
         return APIError.internal(str(error), code="request_failed")
     if isinstance(error, EngineStopped):

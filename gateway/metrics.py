@@ -156,3 +156,8 @@ class EngineCollector(Collector):
             "Sequences preempted for recompute.",
             value=self._engine.metrics.preemptions,
         )
+        yield CounterMetricFamily(
+            "prefixgate_engine_restarts",
+            "Times the engine failed outside any one request and restarted its state.",
+            value=self._engine.restarts,
+        )
