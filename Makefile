@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit clean
+.PHONY: run test lint typecheck unit soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ unit: $(STAMP)
 	$(BIN)/pytest
 
 test: lint typecheck unit
+
+# Load, a noisy neighbour and a disconnect storm against real servers, then the leak and audit
+# checks (a few minutes; not part of `make test`). The JSON report goes to soak-report.json.
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak --seconds 150 --clients 24 --storm-clients 400 --out soak-report.json
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
