@@ -35,9 +35,11 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 # Load, a noisy neighbour and a disconnect storm against real servers, then the leak and audit
-# checks (a few minutes; not part of `make test`). The JSON report goes to soak-report.json.
+# checks, and the fault tests with a 30 s database outage (a few minutes; not part of
+# `make test`). The JSON report goes to soak-report.json.
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak --seconds 150 --clients 24 --storm-clients 400 --out soak-report.json
+	PREFIXGATE_TEST_OUTAGE_S=30 $(BIN)/python -m pytest -q tests/security/test_faults.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
