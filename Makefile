@@ -35,10 +35,12 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 # Load, a noisy neighbour and a disconnect storm against real servers, then the leak and audit
-# checks, and the fault tests with a 30 s database outage (a few minutes; not part of
-# `make test`). The JSON report goes to soak-report.json.
+# checks, the server's own memory under load, and the fault tests with a 30 s database outage
+# (about 12 minutes; not part of `make test`). JSON reports: soak-report.json and
+# server-rss-report.json.
 soak: $(STAMP)
 	$(BIN)/python -m bench.soak --seconds 150 --clients 24 --storm-clients 400 --out soak-report.json
+	$(BIN)/python -m bench.server_rss --seconds 300 --out server-rss-report.json
 	PREFIXGATE_TEST_OUTAGE_S=30 $(BIN)/python -m pytest -q tests/security/test_faults.py
 
 clean:
