@@ -90,7 +90,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        if self.waiting or len(self.running) > 1:  # others share the step
+        if len(self.waiting) + len(self.running) > 1:  # others share the step
             budget_per_prefill = min(budget, self.config.long_prefill_tokens)
         else:
             budget_per_prefill = budget

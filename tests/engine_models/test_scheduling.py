@@ -236,6 +236,7 @@ def test_a_long_prefill_leaves_room_for_a_short_request_that_arrives() -> None:
     long, short = Collector(), Collector()
     engine.submit(make_request("long", [7] * 2040, max_tokens=1), long)
     engine.step()  # alone, the long prompt takes the whole budget: 1,024 of its tokens
+    assert [sequence.num_computed for sequence in engine.scheduler.running] == [1024]
     engine.submit(make_request("short", [9] * 40, tenant="t2", max_tokens=1), short)
     engine.step()
     # Crowded, the long prompt takes at most 512 tokens, and the short one fits beside it
