@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -63,12 +62,13 @@ import httpx
 import torch
 from scipy.stats import ks_2samp
 from tqdm import tqdm
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from bench.common import emit, percentile
 from bench.peers import fp32_kv_bytes_per_token, machine_info
 from bench.served_gateway import ServedGateway, ServedTenant, served_tenants
 from engine.model_loader import embedded_model_dir
+from gateway.local_server import tiny_chat_model
 from policies.templates import system_prompt_tokens
 
 CASES = "abcdef"
@@ -374,24 +374,14 @@ def run_case(
 def audit_model(directory: Path, tokenizer_dir: Path) -> Path:
     """A seeded random Llama whose prefill of a few hundred tokens clearly costs more than
     the HTTP path's noise, with SmolLM2's tokenizer and chat template (so chats work)."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
+    return tiny_chat_model(
+        directory,
+        tokenizer_dir,
         hidden_size=256,
         intermediate_size=688,
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=8192,
-        bos_token_id=1,
-        eos_token_id=2,
-        tie_word_embeddings=True,
     )
-    LlamaForCausalLM(config).save_pretrained(directory)
-    for path in tokenizer_dir.iterdir():
-        if path.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(path, directory / path.name)
-    return directory
 
 
 @contextmanager

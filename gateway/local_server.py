@@ -32,17 +32,24 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def tiny_chat_model(directory: Path, tokenizer_dir: Path) -> Path:
-    """A small random Llama with SmolLM2's real tokenizer and chat template."""
+def tiny_chat_model(
+    directory: Path,
+    tokenizer_dir: Path,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    max_position_embeddings: int = 2048,
+) -> Path:
+    """A small seeded random Llama with SmolLM2's real tokenizer and chat template."""
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_position_embeddings,
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=True,
