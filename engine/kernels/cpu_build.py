@@ -49,6 +49,11 @@ def _build_key(source: bytes) -> str:
     return hasher.hexdigest()[:16]
 
 
+def build_directory() -> Path:
+    """Where this source's build for this machine lives (or will)."""
+    return kernels_dir() / _build_key(_source().read_bytes())
+
+
 @cache
 def load() -> None:
     """Load the kernels into this process (they register `torch.ops.prefixgate.*`), building
@@ -60,15 +65,17 @@ def load() -> None:
     scripts = str(Path(sys.executable).parent)
     if scripts not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
-    source = _source()
-    key = _build_key(source.read_bytes())
-    directory = kernels_dir() / key
+    directory = build_directory()
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / ".lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                _build_and_load(source, key, directory)
+                # torch's own baton file: with our lock held no other build of this key runs,
+                # so one left here is from a build that was killed, and torch would wait on it
+                # for ever.
+                (directory / "lock").unlink(missing_ok=True)
+                _build_and_load(_source(), directory)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
     except (OSError, RuntimeError, ImportError) as error:
@@ -79,11 +86,11 @@ def load() -> None:
         raise failure from error
 
 
-def _build_and_load(source: Path, key: str, directory: Path) -> None:
+def _build_and_load(source: Path, directory: Path) -> None:
     from torch.utils import cpp_extension
 
     cpp_extension.load(
-        name=f"prefixgate_cpu_{key}",
+        name=f"prefixgate_cpu_{directory.name}",
         sources=[str(source)],
         extra_cflags=FLAGS,
         extra_ldflags=["-fopenmp"],

@@ -8,6 +8,7 @@ and sums run in a different order); bf16 pools to 1.6e-2, bf16's own rounding of
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +147,22 @@ def test_without_a_compiler_auto_serves_with_torch_and_cpu_refuses(tmp_path: Pat
         "refused: attention backend 'cpu' is unavailable: cannot build the CPU",
     ]
     assert "attention backend: torch (cannot build the CPU kernels" in probe.stderr
+
+
+def test_a_build_killed_mid_way_does_not_block_the_next_load(tmp_path: Path) -> None:
+    # torch's cpp_extension leaves its baton file `lock` when a build is killed, and waits on
+    # it for ever at the next load. A copy of this machine's build with such a file left in it:
+    built = cpu_build.build_directory()
+    key = built.name
+    shutil.copytree(built, tmp_path / key)
+    (tmp_path / key / "lock").touch()
+    environment = os.environ | {"PREFIXGATE_KERNEL_CACHE": str(tmp_path)}
+    probe = subprocess.run(
+        [sys.executable, "-c", "from engine.kernels import cpu_build; cpu_build.load()"],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert not (tmp_path / key / "lock").exists()
