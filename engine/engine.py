@@ -157,6 +157,9 @@ class Engine:
             "device": str(self.device),
             "dtype": dtype_name(self.loaded.model.dtype),
             "kv_dtype": dtype_name(self.pool.spec.dtype),
+            "logits_dtype": "float32"
+            if self.runner.fp32_logits
+            else dtype_name(self.loaded.model.dtype),
             "attention_backend": self.runner.backend.name,
             "kv_blocks": self.pool.num_blocks,
             "restarts": self.restarts,

@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 
 from engine.attention import ATTENTION_NAME, AttentionBackend, PagedBatch
 from engine.kernels.cpu_linear import pack_linears
+from engine.kernels.cpu_logits import fp32_logits
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,7 @@ class ModelRunner:
         self, model: PreTrainedModel, kv_cache: torch.Tensor, backend: AttentionBackend
     ) -> None:
         model.config._attn_implementation = ATTENTION_NAME
+        self.fp32_logits = fp32_logits(model)  # before packing, which would take the head too
         pack_linears(model)
         self.model = model.eval()  # type: ignore[no-untyped-call]
         self.kv_cache = kv_cache

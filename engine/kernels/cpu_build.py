@@ -1,7 +1,8 @@
-"""Building and loading the C++ CPU kernels (`paged_attention.cpp`).
+"""Building and loading the C++ CPU kernels (`paged_attention.cpp`,
+`paged_attention_matrix.cpp` and `logits_head.cpp`, with their headers).
 
 The extension is compiled with `torch.utils.cpp_extension` for the CPU it runs on
-(`-march=native`; its threads are torch's own pool) into a directory keyed by the source,
+(`-march=native`; its threads are torch's own pool) into a directory keyed by the sources,
 torch's version and the CPU's flags, so a second start loads it in well under a second.
 `make run` / `make test` build it at install time (`python -m engine.kernels.cpu_build`); a
 start that finds no build compiles it then (about 10 s), once, under a lock.
@@ -23,7 +24,8 @@ import torch
 from engine.kernels import KernelUnavailable
 from engine.precision import cpu_flags
 
-SOURCE = "paged_attention.cpp"
+SOURCES = ("paged_attention.cpp", "paged_attention_matrix.cpp", "logits_head.cpp")
+HEADERS = ("cpu_vector.h", "paged_attention_matrix.h", "work_items.h")
 # -fopenmp: at::parallel_for is inline and runs its threads with `omp parallel` in this file.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 
@@ -37,12 +39,14 @@ def kernels_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "prefixgate" / "kernels"
 
 
-def _source() -> Path:
-    return Path(str(importlib.resources.files("engine.kernels") / SOURCE))
+def _file(name: str) -> Path:
+    return Path(str(importlib.resources.files("engine.kernels") / name))
 
 
-def _build_key(source: bytes) -> str:
-    hasher = hashlib.sha256(source)
+def _build_key() -> str:
+    hasher = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        hasher.update(name.encode() + b"\0" + _file(name).read_bytes())
     for part in (torch.__version__, sys.version, platform.machine(), " ".join(FLAGS)):
         hasher.update(b"\0" + part.encode())
     hasher.update(b"\0" + " ".join(sorted(cpu_flags())).encode())
@@ -51,7 +55,7 @@ def _build_key(source: bytes) -> str:
 
 def build_directory() -> Path:
     """Where this source's build for this machine lives (or will)."""
-    return kernels_dir() / _build_key(_source().read_bytes())
+    return kernels_dir() / _build_key()
 
 
 @cache
@@ -75,7 +79,7 @@ def load() -> None:
                 # so one left here is from a build that was killed, and torch would wait on it
                 # for ever.
                 (directory / "lock").unlink(missing_ok=True)
-                _build_and_load(_source(), directory)
+                _build_and_load(directory)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
     except (OSError, RuntimeError, ImportError) as error:
@@ -86,12 +90,12 @@ def load() -> None:
         raise failure from error
 
 
-def _build_and_load(source: Path, directory: Path) -> None:
+def _build_and_load(directory: Path) -> None:
     from torch.utils import cpp_extension
 
     cpp_extension.load(
         name=f"prefixgate_cpu_{directory.name}",
-        sources=[str(source)],
+        sources=[str(_file(name)) for name in SOURCES],
         extra_cflags=FLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),

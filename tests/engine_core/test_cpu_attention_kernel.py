@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,6 @@ from tests.support.attention_cases import CASES, Case, make_inputs, reference
 
 cpu_build.load()
 paged_attention = torch.ops.prefixgate.paged_attention
-
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 
 
 def run_case(case: Case, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,11 +41,43 @@ def run_case(case: Case, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tenso
     return output.double(), reference(inputs, case.lengths, case.window)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+MATRIX_UNITS = torch.ops.prefixgate.use_matrix_units(True)
+
+
+@pytest.fixture(params=["vector", "matrix"])
+def bf16_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """bf16 prefill and extend of 16 or more tokens run as matrix products (oneDNN's bf16
+    micro-kernels) where the CPU has them; both paths are tested where it does."""
+    if request.param == "matrix" and not MATRIX_UNITS:
+        pytest.skip("this CPU has no bf16 matrix micro-kernels")
+    assert torch.ops.prefixgate.use_matrix_units(request.param == "matrix") == (
+        request.param == "matrix"
+    )
+    yield request.param
+    torch.ops.prefixgate.use_matrix_units(True)
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_kernel_matches_the_float64_reference(name: str, dtype: torch.dtype) -> None:
-    output, expected = run_case(CASES[name], dtype)
-    torch.testing.assert_close(output, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+def test_fp32_kernel_matches_the_float64_reference(name: str) -> None:
+    output, expected = run_case(CASES[name], torch.float32)
+    torch.testing.assert_close(output, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bf16_kernel_matches_the_float64_reference(name: str, bf16_path: str) -> None:
+    output, expected = run_case(CASES[name], torch.bfloat16)
+    torch.testing.assert_close(output, expected, atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_matrix_path_runs_long_prefills_over_many_key_tiles(bf16_path: str) -> None:
+    # Contexts past several 256-key tiles, with a window that starts mid-tile, and a sequence
+    # just under the matrix path's 16 tokens beside them.
+    for case in (
+        Case([(300, 700), (15, 515), (1, 600)], num_blocks=160),
+        Case([(280, 600)], heads=9, kv_heads=3, head_dim=64, window=300, num_blocks=64),
+    ):
+        output, expected = run_case(case, torch.bfloat16)
+        torch.testing.assert_close(output, expected, atol=1.6e-2, rtol=1.6e-2)
 
 
 def test_kernel_reads_nothing_outside_the_tables_blocks() -> None:

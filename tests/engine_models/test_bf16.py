@@ -81,6 +81,23 @@ def test_bf16_logits_stay_close_to_fp32(
         assert len(top_reference & set(approximate.topk(5).indices.tolist())) >= 4
 
 
+def test_bf16_logits_are_summed_and_returned_in_fp32(smollm2_bf16: LoadedModel) -> None:
+    # A bf16 head would round logits near 25 to steps of 0.125 and decide near-ties by that.
+    engine = Engine(smollm2_bf16, EngineConfig(num_blocks=16))
+    if not engine.runner.fp32_logits:
+        pytest.skip("this CPU has no bf16 matrix micro-kernels")
+    assert engine.describe()["logits_dtype"] == "float32"
+    head = smollm2_bf16.model.lm_head
+    hidden = torch.randn(5, head.in_features, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(torch.bfloat16)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    exact = hidden.double() @ head.weight.double().T
+    assert (logits.double() - exact).abs().max() < 1e-4
+    rounded = exact.to(torch.bfloat16).double()
+    assert (rounded - exact).abs().max() > 1e-2  # what a bf16 output would have lost
+
+
 def test_bf16_greedy_output_is_the_same_with_and_without_the_cache(
     smollm2_bf16: LoadedModel, prompts: list[list[int]]
 ) -> None:

@@ -1,0 +1,92 @@
+// Vector helpers shared by the CPU attention kernels: 16-lane fp32 vectors (GCC/Clang vector
+// extensions: AVX-512 where the CPU has it, narrower registers elsewhere), loads from fp32 and
+// bf16, horizontal sums and maxima, and a fast exp.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace prefixgate {
+
+constexpr int64_t kLanes = 16;     // floats per vector
+constexpr float kMasked = -1e30f;  // finite, so no infinity arithmetic is ever needed
+
+typedef float vfloat __attribute__((vector_size(64)));
+typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint16_t vhalf __attribute__((vector_size(32)));
+
+inline vfloat splat(float value) { return vfloat{} + value; }
+
+inline vfloat load(const float* source) {
+  vfloat out;
+  std::memcpy(&out, source, sizeof(out));
+  return out;
+}
+
+inline vfloat load(const c10::BFloat16* source) {
+  vhalf bits;
+  std::memcpy(&bits, source, sizeof(bits));
+  vint wide = __builtin_convertvector(bits, vint) << 16;
+  return reinterpret_cast<vfloat&>(wide);
+}
+
+inline void store(float* target, vfloat value) { std::memcpy(target, &value, sizeof(value)); }
+
+inline float lanes_sum(vfloat v) {
+#if defined(__AVX512F__)
+  __m512 wide;
+  std::memcpy(&wide, &v, sizeof(wide));
+  return _mm512_reduce_add_ps(wide);
+#else
+  float total = 0.0f;
+  for (int64_t i = 0; i < kLanes; ++i) total += v[i];
+  return total;
+#endif
+}
+
+inline float lanes_max(vfloat v) {
+#if defined(__AVX512F__)
+  __m512 wide;
+  std::memcpy(&wide, &v, sizeof(wide));
+  return _mm512_reduce_max_ps(wide);
+#else
+  float best = v[0];
+  for (int64_t i = 1; i < kLanes; ++i) best = std::max(best, v[i]);
+  return best;
+#endif
+}
+
+// exp(x) for x <= 0: 2^(x log2 e) split into an integer power, built in the exponent bits, and a
+// degree-6 Taylor polynomial of 2^f on [-0.5, 0.5] (relative error below 2e-7).
+inline vfloat vexp(vfloat x) {
+  vfloat y = x * 1.4426950408889634f;
+  y = y < -126.0f ? splat(-126.0f) : y;
+  const vfloat n = (y + 12582912.0f) - 12582912.0f;  // round to nearest
+  const vfloat f = y - n;
+  vfloat p = splat(1.5403530e-4f);
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.0f;
+  vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+  return p * reinterpret_cast<vfloat&>(bits);
+}
+
+// fp32 -> bf16 bits, rounded to nearest even (inputs are finite).
+inline void store_bf16(uint16_t* target, vfloat value) {
+  vint bits = reinterpret_cast<vint&>(value);
+  bits += ((bits >> 16) & 1) + 0x7FFF;
+  const vhalf narrow = __builtin_convertvector(bits >> 16, vhalf);
+  std::memcpy(target, &narrow, sizeof(narrow));
+}
+
+}  // namespace prefixgate

@@ -1,0 +1,263 @@
+// Paged attention for prefill and extend over a bf16 pool, as matrix products on oneDNN's bf16
+// micro-kernels (torch's `cpublas::brgemm`: AMX tiles where the CPU has them), the way torch's
+// own flash attention runs on the CPU, but reading K/V through the block tables.
+//
+// Two phases per call:
+//   1. Pack: each sequence's K and V, per KV head, are read once through its block table into
+//      tiles of kKeyTile keys in the layouts the products take (VNNI: pairs of bf16 side by
+//      side). K is transposed ([dim / 2][keys] pairs of dims) for S = Q K^T, V interleaved
+//      ([keys / 2][dim] pairs of keys) for O = P V. One read of each context per layer, against
+//      query_len reads of it by the products.
+//   2. Attend: work items of (sequence, KV head, up to kRowTarget query rows) run a flash
+//      attention over the key tiles a row can see: S = Q K^T in fp32, an online softmax per row
+//      (one max and one sum per row and tile), P rounded to bf16 (as GPU flash attention does),
+//      and O += P V in fp32; the output is O / sum.
+//
+// Rows of an item are token-major: row r is query token r / group, head kv_head * group +
+// r % group, so the heads of a KV head share each packed tile (grouped-query attention).
+
+#include "paged_attention_matrix.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+
+#include "cpu_vector.h"
+#include "work_items.h"
+
+namespace prefixgate {
+namespace {
+
+constexpr int64_t kKeyTile = 256;    // keys per product (a multiple of 2 x kLanes)
+constexpr int64_t kRowTarget = 96;  // query rows (tokens x group) per work item
+
+bool enabled = true;
+
+bool available() {
+  static const bool value = at::native::cpublas::could_pack(at::kBFloat16);
+  return value;
+}
+
+// Where one sequence's packed tiles are: tiles [first_tile, first_tile + tiles) of its context,
+// per KV head `head` at packed + (head * tiles + t) * tile_words.
+struct Packed {
+  const SequenceSpan* span;
+  int64_t first_tile, tiles;
+  uint32_t* packed;
+};
+
+const uint16_t* row(const c10::BFloat16* cache, const Geometry& g, const int32_t* table,
+                    int64_t position, int64_t head) {
+  const int64_t block = table[position / g.block_size];
+  return reinterpret_cast<const uint16_t*>(cache + block * g.kv_stride_block +
+                                           (position % g.block_size) * g.kv_stride_token +
+                                           head * g.head_dim);
+}
+
+// Tile `t` of `p` for KV head `head`: K as [dim / 2][kKeyTile] pairs of dims, then V as
+// [kKeyTile / 2][dim] pairs of keys; keys past the context are zero.
+void pack_tile(const Geometry& g, const Packed& p, int64_t head, int64_t t,
+               const c10::BFloat16* key_cache, const c10::BFloat16* value_cache) {
+  const int64_t dim = g.head_dim, pairs = dim / 2, context = p.span->context_len;
+  const int64_t first = (p.first_tile + t) * kKeyTile;
+  uint32_t* key_tile = p.packed + (head * p.tiles + t) * dim * kKeyTile;
+  uint32_t* value_tile = key_tile + pairs * kKeyTile;
+  for (int64_t j = 0; j < kKeyTile; ++j) {
+    const int64_t position = first + j;
+    if (position >= context) {
+      for (int64_t q = 0; q < pairs; ++q) key_tile[q * kKeyTile + j] = 0;
+      continue;
+    }
+    uint32_t words[128];  // dim <= 256
+    std::memcpy(words, row(key_cache, g, p.span->table, position, head), dim * 2);
+    for (int64_t q = 0; q < pairs; ++q) key_tile[q * kKeyTile + j] = words[q];
+  }
+  for (int64_t k = 0; k < kKeyTile / 2; ++k) {
+    const int64_t low = first + 2 * k, high = low + 1;
+    uint32_t* target = value_tile + k * dim;
+    if (low >= context) {
+      std::memset(target, 0, dim * 4);
+      continue;
+    }
+    const uint16_t* a = row(value_cache, g, p.span->table, low, head);
+    const uint16_t* b = high < context ? row(value_cache, g, p.span->table, high, head) : nullptr;
+    for (int64_t d = 0; d < dim; ++d) {
+      target[d] = static_cast<uint32_t>(a[d]) | (b ? static_cast<uint32_t>(b[d]) << 16 : 0u);
+    }
+  }
+}
+
+// Scratch of one item, reused across the items a thread runs.
+struct Scratch {
+  std::vector<uint16_t> q, probabilities;
+  std::vector<float> scores, acc, max, sum;
+  std::vector<int64_t> position;
+  void resize(int64_t rows, int64_t dim) {
+    q.resize(rows * dim);
+    probabilities.resize(rows * kKeyTile);
+    scores.resize(rows * kKeyTile);
+    acc.assign(rows * dim, 0.0f);
+    max.assign(rows, kMasked);
+    sum.assign(rows, 0.0f);
+    position.resize(rows);
+  }
+};
+
+// S of one row -> bf16 probabilities, with the running max and sum updated and the row's
+// accumulator rescaled; keys outside [lowest, position] are masked.
+void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, float scale,
+                 int64_t window) {
+  const int64_t position = s.position[r];
+  const int64_t lowest = window > 0 ? position - window + 1 : 0;
+  const bool whole = first_key >= lowest && first_key + kKeyTile - 1 <= position;
+  const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  float* scores = s.scores.data() + r * kKeyTile;
+  uint16_t* probabilities = s.probabilities.data() + r * kKeyTile;
+  vfloat chunks[kKeyTile / kLanes];
+  vfloat best = splat(kMasked);
+  for (int64_t c = 0; c < kKeyTile / kLanes; ++c) {
+    vfloat x = load(scores + c * kLanes) * scale;
+    if (!whole) {
+      const vfloat key = lane + static_cast<float>(first_key + c * kLanes);
+      const auto visible = (key <= static_cast<float>(position)) &
+                           (key >= static_cast<float>(lowest));
+      x = visible ? x : splat(kMasked);
+    }
+    chunks[c] = x;
+    best = best > x ? best : x;
+  }
+  const float tile_max = lanes_max(best);
+  if (tile_max <= kMasked) {
+    std::memset(probabilities, 0, kKeyTile * 2);
+    return;
+  }
+  const float new_max = std::max(s.max[r], tile_max);
+  const float correction = new_max == s.max[r] ? 1.0f : std::exp(s.max[r] - new_max);
+  s.max[r] = new_max;
+  vfloat total = splat(0.0f);
+  for (int64_t c = 0; c < kKeyTile / kLanes; ++c) {
+    const vfloat p = chunks[c] > splat(kMasked) ? vexp(chunks[c] - new_max) : splat(0.0f);
+    total += p;
+    store_bf16(probabilities + c * kLanes, p);
+  }
+  s.sum[r] = s.sum[r] * correction + lanes_sum(total);
+  if (correction != 1.0f) {
+    float* acc = s.acc.data() + r * dim;
+    for (int64_t d = 0; d < dim; d += kLanes) store(acc + d, load(acc + d) * correction);
+  }
+}
+
+void attend_item(const Geometry& g, const WorkItem& item, const Packed& p, Scratch& s,
+                 const c10::BFloat16* query, c10::BFloat16* out) {
+  const int64_t dim = g.head_dim, group = g.group, rows = item.tokens * group;
+  const SequenceSpan& span = *p.span;
+  s.resize(rows, dim);
+  const int64_t first_position = span.context_len - span.query_len + item.first_token;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = span.query_start + item.first_token + r / group;
+    const int64_t head = item.kv_head * group + r % group;
+    std::memcpy(s.q.data() + r * dim, query + token * g.q_stride_token + head * g.q_stride_head,
+                dim * 2);
+    s.position[r] = first_position + r / group;
+  }
+  const int64_t last_position = first_position + item.tokens - 1;
+  const int64_t lowest = g.window > 0 ? std::max<int64_t>(0, first_position - g.window + 1) : 0;
+  const auto* q = reinterpret_cast<const c10::BFloat16*>(s.q.data());
+  const auto* probabilities = reinterpret_cast<const c10::BFloat16*>(s.probabilities.data());
+  const int64_t tile_words = dim * kKeyTile;
+  for (int64_t tile = lowest / kKeyTile; tile * kKeyTile <= last_position; ++tile) {
+    const uint32_t* key_tile = p.packed + (item.kv_head * p.tiles + tile - p.first_tile) * tile_words;
+    const uint32_t* value_tile = key_tile + dim / 2 * kKeyTile;
+    at::native::cpublas::brgemm(rows, kKeyTile, dim, dim, kKeyTile, kKeyTile, false, q,
+                                reinterpret_cast<const c10::BFloat16*>(key_tile),
+                                s.scores.data(), true);
+    for (int64_t r = 0; r < rows; ++r) softmax_row(s, r, dim, tile * kKeyTile, g.scale, g.window);
+    at::native::cpublas::brgemm(rows, dim, kKeyTile, kKeyTile, dim, dim, true, probabilities,
+                                reinterpret_cast<const c10::BFloat16*>(value_tile),
+                                s.acc.data(), true);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = span.query_start + item.first_token + r / group;
+    const int64_t head = item.kv_head * group + r % group;
+    c10::BFloat16* target = out + (token * g.heads + head) * dim;
+    const float inverse = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
+    const float* acc = s.acc.data() + r * dim;
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      store_bf16(reinterpret_cast<uint16_t*>(target + d), load(acc + d) * inverse);
+    }
+  }
+}
+
+}  // namespace
+
+bool matrix_units(bool enable) {
+  enabled = enable;
+  return matrix_units_on();
+}
+
+bool matrix_units_on() { return enabled && available(); }
+
+void attend_matrix(const Geometry& g, const std::vector<SequenceSpan>& sequences,
+                   const c10::BFloat16* query, const c10::BFloat16* key_cache,
+                   const c10::BFloat16* value_cache, c10::BFloat16* out) {
+  const int64_t kv_heads = g.heads / g.group, tile_words = g.head_dim * kKeyTile;
+  // Phase 1: every sequence's tiles, from the first any of its rows can see.
+  std::vector<Packed> packed;
+  int64_t words = 0;
+  for (const SequenceSpan& span : sequences) {
+    const int64_t first_query = span.context_len - span.query_len;
+    const int64_t lowest = g.window > 0 ? std::max<int64_t>(0, first_query - g.window + 1) : 0;
+    const int64_t first_tile = lowest / kKeyTile;
+    const int64_t tiles = (span.context_len + kKeyTile - 1) / kKeyTile - first_tile;
+    packed.push_back({&span, first_tile, tiles, nullptr});
+    words += kv_heads * tiles * tile_words;
+  }
+  std::vector<uint32_t> storage(words);
+  std::vector<std::array<int64_t, 3>> jobs;  // (sequence, head, tile)
+  words = 0;
+  for (int64_t s = 0; s < static_cast<int64_t>(packed.size()); ++s) {
+    packed[s].packed = storage.data() + words;
+    words += kv_heads * packed[s].tiles * tile_words;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t t = 0; t < packed[s].tiles; ++t) jobs.push_back({s, h, t});
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const auto [s, h, t] = jobs[j];
+      pack_tile(g, packed[s], h, t, key_cache, value_cache);
+    }
+  });
+
+  // Phase 2: items of up to kRowTarget rows, dealt so that the threads finish together.
+  const int64_t tokens_per_item = std::max<int64_t>(1, kRowTarget / g.group);
+  std::vector<WorkItem> items;
+  for (int32_t s = 0; s < static_cast<int32_t>(sequences.size()); ++s) {
+    const SequenceSpan& span = sequences[s];
+    for (int64_t first = 0; first < span.query_len; first += tokens_per_item) {
+      const int64_t tokens = std::min(tokens_per_item, span.query_len - first);
+      int64_t keys = span.context_len - span.query_len + first + tokens;
+      if (g.window > 0) keys = std::min(keys, g.window + tokens);
+      for (int32_t h = 0; h < kv_heads; ++h) {
+        items.push_back({s, h, static_cast<int32_t>(first), static_cast<int32_t>(tokens),
+                         keys * tokens * g.group});
+      }
+    }
+  }
+  const auto lanes = balance(std::move(items), at::get_num_threads());
+  at::parallel_for(0, static_cast<int64_t>(lanes.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t lane = begin; lane < end; ++lane) {
+      for (const WorkItem& item : lanes[lane]) {
+        attend_item(g, item, packed[item.sequence], scratch, query, out);
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+
+}  // namespace prefixgate

@@ -1,0 +1,43 @@
+// The matrix-unit path of the CPU paged attention (paged_attention_matrix.cpp), for prefill and
+// extend over a bf16 pool: what paged_attention.cpp hands it.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace prefixgate {
+
+struct Geometry {
+  int64_t heads, group, head_dim, block_size;
+  int64_t q_stride_token, q_stride_head;     // query [tokens, heads, dim]
+  int64_t kv_stride_block, kv_stride_token;  // cache [blocks, slots, kv_heads, dim]
+  int64_t table_stride;
+  float scale;
+  int64_t window;  // 0: none
+};
+
+// One sequence of the batch: its queries are rows [query_start, query_start + query_len) and the
+// last query_len positions of its context_len.
+struct SequenceSpan {
+  int64_t query_start, query_len, context_len;
+  const int32_t* table;
+};
+
+// From this many query tokens on, a sequence's attention runs as matrix products.
+constexpr int64_t kMatrixMinTokens = 16;
+
+// Whether the matrix path runs on this CPU (oneDNN's bf16 micro-kernels: AMX or AVX512_BF16)
+// and is switched on (`enable` false switches it off, for tests of the vector path). Returns the
+// new state.
+bool matrix_units(bool enable);
+bool matrix_units_on();
+
+// Attention of `sequences` (each with at least kMatrixMinTokens queries) over bf16 K/V read
+// through their block tables; writes their rows of `out` [tokens, heads, dim].
+void attend_matrix(const Geometry& g, const std::vector<SequenceSpan>& sequences,
+                   const c10::BFloat16* query, const c10::BFloat16* key_cache,
+                   const c10::BFloat16* value_cache, c10::BFloat16* out);
+
+}  // namespace prefixgate
