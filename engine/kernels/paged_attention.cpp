@@ -333,10 +333,133 @@ void attend_direct_bf16(Rows& rows, const uint32_t* query_pairs,
   }
 }
 
+// Lanes of two partial-sum vectors folded into one, one level of transpose_sum's tree.
+inline vfloat fold(vfloat a, vfloat b, int level) {
+  typedef int32_t vmask __attribute__((vector_size(64)));
+  static const vmask low[4] = {
+      {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+      {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+      {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+      {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+  static const vmask high[4] = {
+      {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+      {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+      {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+      {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+  return __builtin_shuffle(a, b, low[level]) + __builtin_shuffle(a, b, high[level]);
+}
+
+
+// Decode rows (fewer than kPackRows, R of them: the query heads of a KV head) over a bf16 pool,
+// head_dim a multiple of 32. Kept in registers: each key's dot products are folded into the
+// scores as they come (transpose_sum's tree, one level per pair of keys), and V rows of two
+// keys are paired with two unpacks for vdpbf16ps. The accumulators hold dims in decode_slot
+// order; attend_item puts them back.
+template <int R>
+void attend_decode_bf16(Rows& rows, const uint32_t* query_pairs,
+                        const Chunk<c10::BFloat16>& chunk, int64_t context_len, int64_t window,
+                        float scale) {
+  const int64_t dim = rows.dim, pairs = dim / 2;
+  vfloat pending[4][R], scores[R];
+#pragma GCC unroll 16
+  for (int j = 0; j < kLanes; ++j) {
+    vfloat dots[R];
+    for (int r = 0; r < R; ++r) dots[r] = splat(0.0f);
+    if (j < chunk.count) {
+      const auto* key = reinterpret_cast<const uint32_t*>(chunk.key[j]);
+      for (int64_t p = 0; p < pairs; p += kLanes) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(key + p);
+        for (int r = 0; r < R; ++r) {
+          const __m512bh q = (__m512bh)_mm512_loadu_si512(query_pairs + r * pairs + p);
+          dots[r] = (vfloat)_mm512_dpbf16_ps((__m512)dots[r], q, k);
+        }
+      }
+    }
+    // Key j completes the tree's nodes whose span ends at j.
+    for (int r = 0; r < R; ++r) {
+      vfloat node = dots[r];
+      int level = 0;
+      for (; level < 4 && (j >> level) & 1; ++level) node = fold(pending[level][r], node, level);
+      if (level < 4) {
+        pending[level][r] = node;
+      } else {
+        scores[r] = node;
+      }
+    }
+  }
+  uint32_t probability_pairs[R][kLanes / 2];
+  bool any = false;
+  for (int r = 0; r < R; ++r) {
+    vfloat p = scores[r] * scale;
+    const bool seen = rows.position[r] >= chunk.start &&
+                      softmax_chunk(rows, r, p, chunk.start, context_len, window);
+    if (!seen) p = splat(0.0f);
+    any = any || seen;
+    const __m256bh narrow = _mm512_cvtneps_pbh((__m512)p);
+    std::memcpy(probability_pairs[r], &narrow, sizeof(narrow));
+  }
+  if (!any) return;
+  const int64_t key_pairs = (chunk.count + 1) / 2;
+  for (int64_t block = 0; block < dim; block += 32) {
+    __m512 low[R], high[R];
+    for (int r = 0; r < R; ++r) {
+      low[r] = _mm512_loadu_ps(rows.acc.data() + r * dim + block);
+      high[r] = _mm512_loadu_ps(rows.acc.data() + r * dim + block + kLanes);
+    }
+    for (int64_t pair = 0; pair < key_pairs; ++pair) {
+      const int64_t first = 2 * pair, second = first + 1;
+      const __m512i a = _mm512_loadu_si512(chunk.value[first] + block);
+      const __m512i b = second < chunk.count ? _mm512_loadu_si512(chunk.value[second] + block)
+                                             : _mm512_setzero_si512();
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh p = (__m512bh)_mm512_set1_epi32(probability_pairs[r][pair]);
+        low[r] = _mm512_dpbf16_ps(low[r], p, lo);
+        high[r] = _mm512_dpbf16_ps(high[r], p, hi);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(rows.acc.data() + r * dim + block, low[r]);
+      _mm512_storeu_ps(rows.acc.data() + r * dim + block + kLanes, high[r]);
+    }
+  }
+}
+
+// attend_decode_bf16 for `rows.count` (1 to kPackRows - 1) rows.
+void attend_decode_bf16_rows(Rows& rows, const uint32_t* query_pairs,
+                             const Chunk<c10::BFloat16>& chunk, int64_t context_len,
+                             int64_t window, float scale) {
+  switch (rows.count) {
+#define PREFIXGATE_DECODE_ROWS(n)                                                        \
+  case n:                                                                                \
+    attend_decode_bf16<n>(rows, query_pairs, chunk, context_len, window, scale);        \
+    return;
+    PREFIXGATE_DECODE_ROWS(1)
+    PREFIXGATE_DECODE_ROWS(2)
+    PREFIXGATE_DECODE_ROWS(3)
+    PREFIXGATE_DECODE_ROWS(4)
+    PREFIXGATE_DECODE_ROWS(5)
+    PREFIXGATE_DECODE_ROWS(6)
+    PREFIXGATE_DECODE_ROWS(7)
+#undef PREFIXGATE_DECODE_ROWS
+    default:
+      TORCH_CHECK(false, "decode rows must be fewer than ", kPackRows);
+  }
+}
+
 constexpr bool kNativeBf16 = true;
 #else
 constexpr bool kNativeBf16 = false;
 #endif
+
+// Where dim d of a 32-dim block sits in the decode path's accumulators: V rows of two keys are
+// interleaved with unpacklo/hi_epi16, which work within 128-bit lanes, so the "lo" product
+// holds dims 0-3, 8-11, 16-19, 24-27 and the "hi" product the others.
+inline int64_t decode_slot(int64_t d) {
+  const int64_t block = d / 32, within = d % 32, lane = within / 8, i = within % 8;
+  return block * 32 + (i < 4 ? 4 * lane + i : 16 + 4 * lane + i - 4);
+}
 
 template <typename scalar_t>
 void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
@@ -369,6 +492,9 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
   alignas(64) float key_t[kMaxHeadDim * kLanes];
   alignas(64) float value[kLanes * kMaxHeadDim];
   const bool packed = rows.count >= kPackRows;
+  // Short rows over bf16 with head_dim a multiple of 32 take attend_decode_bf16, whose
+  // accumulators hold the dims in decode_slot order.
+  const bool decode_layout = dot_bf16 && !packed && dim % 32 == 0;
   const int64_t kv_offset = static_cast<int64_t>(item.kv_head) * dim;
   // Where the K and V rows of the chunk starting at `start` are.
   const auto locate = [&](Chunk<scalar_t>& chunk, int64_t start) {
@@ -414,8 +540,10 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
       if (packed) {
         attend_packed_bf16(rows, query_pairs.data(), chunk, context_len, g.window, g.scale,
                            reinterpret_cast<uint32_t*>(key_t), reinterpret_cast<uint32_t*>(value));
-      } else {
+      } else if (!decode_layout) {
         attend_direct_bf16(rows, query_pairs.data(), chunk, context_len, g.window, g.scale);
+      } else {
+        attend_decode_bf16_rows(rows, query_pairs.data(), chunk, context_len, g.window, g.scale);
       }
       continue;
     }
@@ -432,7 +560,8 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
     scalar_t* target = out + (token * g.heads + head) * dim;
     const float inverse = rows.sum[r] > 0.0f ? 1.0f / rows.sum[r] : 0.0f;
     for (int64_t d = 0; d < dim; ++d) {
-      target[d] = static_cast<scalar_t>(rows.acc[r * dim + d] * inverse);
+      const int64_t slot = decode_layout ? decode_slot(d) : d;
+      target[d] = static_cast<scalar_t>(rows.acc[r * dim + slot] * inverse);
     }
   }
 }
