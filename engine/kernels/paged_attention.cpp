@@ -48,38 +48,44 @@ constexpr int64_t kMaxGroup = 16;     // query heads per KV head
 constexpr int64_t kPackRows = 8;      // from this many rows on, a chunk is packed first
 constexpr int64_t kAhead = 1;         // chunks prefetched ahead (2 measured the same)
 
-// Sixteen vectors into one: lane j of the result is the sum of the lanes of parts[j]. A tree
-// of shuffles (15 steps) instead of sixteen 15-add horizontal sums.
-inline vfloat transpose_sum(const vfloat* parts) {
+// Two vectors of partial sums folded into one, level `level` (0-3) of a tree that sums
+// sixteen vectors' lanes: with w = 8 >> level, lanes 0-7 of the result come from a and 8-15 from
+// b, each the sum of two lanes w apart (lane m: v[base + i] + v[base + w + i], m = seg * w + i,
+// base = 2 * seg * w).
+inline vfloat fold(vfloat a, vfloat b, int level) {
 #if defined(__GNUC__) && !defined(__clang__)
   typedef int32_t vmask __attribute__((vector_size(64)));
-  const vmask low8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const vmask high8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-  const vmask low4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const vmask high4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-  const vmask low2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const vmask high2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-  const vmask even = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const vmask odd = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-  vfloat level[8];
-  for (int i = 0; i < 8; ++i) {
-    level[i] = __builtin_shuffle(parts[2 * i], parts[2 * i + 1], low8) +
-               __builtin_shuffle(parts[2 * i], parts[2 * i + 1], high8);
-  }
-  for (int i = 0; i < 4; ++i) {
-    level[i] = __builtin_shuffle(level[2 * i], level[2 * i + 1], low4) +
-               __builtin_shuffle(level[2 * i], level[2 * i + 1], high4);
-  }
-  for (int i = 0; i < 2; ++i) {
-    level[i] = __builtin_shuffle(level[2 * i], level[2 * i + 1], low2) +
-               __builtin_shuffle(level[2 * i], level[2 * i + 1], high2);
-  }
-  return __builtin_shuffle(level[0], level[1], even) + __builtin_shuffle(level[0], level[1], odd);
+  static const vmask low[4] = {
+      {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+      {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+      {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+      {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
+  static const vmask high[4] = {
+      {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+      {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
+      {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
+      {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
+  return __builtin_shuffle(a, b, low[level]) + __builtin_shuffle(a, b, high[level]);
 #else
+  const int64_t w = 8 >> level;
   vfloat out;
-  for (int64_t j = 0; j < kLanes; ++j) out[j] = lanes_sum(parts[j]);
+  for (int64_t k = 0; k < kLanes; ++k) {
+    const vfloat& v = k < 8 ? a : b;
+    const int64_t m = k % 8, base = 2 * (m / w) * w, i = m % w;
+    out[k] = v[base + i] + v[base + w + i];
+  }
   return out;
 #endif
+}
+
+// Sixteen vectors into one: lane j of the result is the sum of the lanes of parts[j]. A tree
+// of folds (15) instead of sixteen 15-add horizontal sums.
+inline vfloat transpose_sum(const vfloat* parts) {
+  vfloat level[8];
+  for (int i = 0; i < 8; ++i) level[i] = fold(parts[2 * i], parts[2 * i + 1], 0);
+  for (int i = 0; i < 4; ++i) level[i] = fold(level[2 * i], level[2 * i + 1], 1);
+  for (int i = 0; i < 2; ++i) level[i] = fold(level[2 * i], level[2 * i + 1], 2);
+  return fold(level[0], level[1], 3);
 }
 
 inline float to_float(float value) { return value; }
@@ -333,21 +339,6 @@ void attend_direct_bf16(Rows& rows, const uint32_t* query_pairs,
   }
 }
 
-// Lanes of two partial-sum vectors folded into one, one level of transpose_sum's tree.
-inline vfloat fold(vfloat a, vfloat b, int level) {
-  typedef int32_t vmask __attribute__((vector_size(64)));
-  static const vmask low[4] = {
-      {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-      {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
-      {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
-      {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
-  static const vmask high[4] = {
-      {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-      {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
-      {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
-      {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
-  return __builtin_shuffle(a, b, low[level]) + __builtin_shuffle(a, b, high[level]);
-}
 
 
 // Decode rows (fewer than kPackRows, R of them: the query heads of a KV head) over a bf16 pool,
