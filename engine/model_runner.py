@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.attention import ATTENTION_NAME, AttentionBackend, PagedBatch
+from engine.kernels.cpu_fused import fuse_elementwise
 from engine.kernels.cpu_linear import pack_linears
 from engine.kernels.cpu_logits import fp32_logits
 
@@ -45,6 +46,7 @@ class ModelRunner:
     ) -> None:
         model.config._attn_implementation = ATTENTION_NAME
         self.fp32_logits = fp32_logits(model)  # before packing, which would take the head too
+        fuse_elementwise(model)
         pack_linears(model)
         self.model = model.eval()  # type: ignore[no-untyped-call]
         self.kv_cache = kv_cache

@@ -1,5 +1,5 @@
 """Building and loading the C++ CPU kernels (`paged_attention.cpp`,
-`paged_attention_matrix.cpp` and `logits_head.cpp`, with their headers).
+`paged_attention_matrix.cpp`, `logits_head.cpp` and `elementwise.cpp`, with their headers).
 
 The extension is compiled with `torch.utils.cpp_extension` for the CPU it runs on
 (`-march=native`; its threads are torch's own pool) into a directory keyed by the sources,
@@ -24,7 +24,12 @@ import torch
 from engine.kernels import KernelUnavailable
 from engine.precision import cpu_flags
 
-SOURCES = ("paged_attention.cpp", "paged_attention_matrix.cpp", "logits_head.cpp")
+SOURCES = (
+    "paged_attention.cpp",
+    "paged_attention_matrix.cpp",
+    "logits_head.cpp",
+    "elementwise.cpp",
+)
 HEADERS = ("cpu_vector.h", "paged_attention_matrix.h", "work_items.h")
 # -fopenmp: at::parallel_for is inline and runs its threads with `omp parallel` in this file.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
