@@ -1,7 +1,8 @@
 """The `cpu` attention backend: the C++ kernel in `paged_attention.cpp`, reading K/V in place.
 
 Decode, prefill and extend over cached blocks all go through one call per layer; nothing is
-gathered out of the pool. The new K/V are written with the same `index_copy_` as the torch
+gathered out of the pool. On a CPU with AMX, bf16 prefill and extend run as matrix products
+(`paged_attention_matrix.cpp`). The new K/V are written with the same `index_copy_` as the torch
 backend, one call per layer for the whole batch, and freed blocks zeroed with its
 `index_fill_`.
 """
@@ -13,6 +14,7 @@ import torch
 from engine.attention import PagedBatch, write_kv
 from engine.block_pool import fill_zero
 from engine.kernels import KernelUnavailable, cpu_build
+from engine.precision import cpu_flags
 
 
 class CpuAttention:
@@ -34,6 +36,9 @@ class CpuAttention:
         if head_dim % 16 or head_dim > 256:
             raise KernelUnavailable(f"head_dim {head_dim} is not a multiple of 16 up to 256")
         cls.check(device)
+        # Matrix products for bf16 prefill where they were measured to pay: AMX (elsewhere
+        # oneDNN's bf16 micro-kernels may exist too, but the vector kernel is what was measured).
+        torch.ops.prefixgate.use_matrix_units("amx_bf16" in cpu_flags())
         return cls()
 
     def write(

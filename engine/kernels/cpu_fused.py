@@ -57,11 +57,12 @@ class FusedMLP(torch.nn.Module):
         return down
 
 
-def _fusable_norm(module: torch.nn.Module) -> bool:
+def _fusable_norm(module: torch.nn.Module, dtype: torch.dtype) -> bool:
     weight = getattr(module, "weight", None)
     return (
         type(module).__name__ in _LLAMA_STYLE_NORMS
         and isinstance(weight, torch.Tensor)
+        and weight.dtype == dtype  # the kernel takes the activations' dtype
         and weight.dim() == 1
         and weight.shape[0] % 16 == 0
         and hasattr(module, "variance_epsilon")
@@ -91,7 +92,7 @@ def fuse_elementwise(model: torch.nn.Module) -> int:
     swaps: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
     for parent in model.modules():
         for name, child in parent.named_children():
-            if _fusable_norm(child):
+            if _fusable_norm(child, parameter.dtype):
                 swaps.append((parent, name, FusedRMSNorm(child)))
             elif _fusable_mlp(child):
                 swaps.append((parent, name, FusedMLP(child)))

@@ -14,7 +14,11 @@ from engine.kernels import KernelUnavailable, cpu_build
 
 
 class LogitsHead(torch.nn.Module):
-    """An LM head (`nn.Linear` without bias, bf16, on the CPU) with fp32 logits."""
+    """An LM head (`nn.Linear` without bias, bf16, on the CPU) with fp32 logits.
+
+    The weight is packed once, here: the model's weights are frozen while it serves. The packed
+    copy is a second copy of the head's weight (the original stays, tied to the embeddings).
+    """
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()

@@ -20,6 +20,7 @@ constexpr float kMasked = -1e30f;  // finite, so no infinity arithmetic is ever 
 
 typedef float vfloat __attribute__((vector_size(64)));
 typedef int32_t vint __attribute__((vector_size(64)));
+typedef uint32_t vuint __attribute__((vector_size(64)));
 typedef uint16_t vhalf __attribute__((vector_size(32)));
 
 inline vfloat splat(float value) { return vfloat{} + value; }
@@ -33,8 +34,8 @@ inline vfloat load(const float* source) {
 inline vfloat load(const c10::BFloat16* source) {
   vhalf bits;
   std::memcpy(&bits, source, sizeof(bits));
-  vint wide = __builtin_convertvector(bits, vint) << 16;
-  return reinterpret_cast<vfloat&>(wide);
+  const vint wide = __builtin_convertvector(bits, vint) << 16;
+  return (vfloat)wide;  // a same-size vector cast: the bits, reinterpreted
 }
 
 inline void store(float* target, vfloat value) { std::memcpy(target, &value, sizeof(value)); }
@@ -78,13 +79,14 @@ inline vfloat vexp(vfloat x) {
   p = p * f + 6.9314718e-1f;
   p = p * f + 1.0f;
   vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  return p * reinterpret_cast<vfloat&>(bits);
+  return p * (vfloat)bits;
 }
 
-// fp32 -> bf16 bits, rounded to nearest even (inputs are finite).
+// fp32 -> bf16 bits, rounded to nearest even; NaN stays a (quiet) NaN.
 inline void store_bf16(uint16_t* target, vfloat value) {
-  vint bits = reinterpret_cast<vint&>(value);
-  bits += ((bits >> 16) & 1) + 0x7FFF;
+  vint bits = (vint)value;
+  const vint rounded = (vint)((vuint)bits + (((vuint)bits >> 16) & 1u) + 0x7FFFu);
+  bits = value != value ? vint{} + 0x7FC00000 : rounded;
   const vhalf narrow = __builtin_convertvector(bits >> 16, vhalf);
   std::memcpy(target, &narrow, sizeof(narrow));
 }

@@ -30,7 +30,7 @@ at::Tensor pack_logits_weight(const at::Tensor& weight) {
   const int64_t out = weight.size(0), pairs = weight.size(1) / 2;
   const int64_t tiles = (out + kColumns - 1) / kColumns;
   at::Tensor packed = at::empty({tiles, pairs, kColumns, 2}, weight.options());
-  const auto* source = reinterpret_cast<const uint32_t*>(weight.data_ptr<c10::BFloat16>());
+  const c10::BFloat16* source = weight.data_ptr<c10::BFloat16>();
   auto* target = reinterpret_cast<uint32_t*>(packed.data_ptr<c10::BFloat16>());
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
@@ -38,7 +38,9 @@ at::Tensor pack_logits_weight(const at::Tensor& weight) {
       for (int64_t c = 0; c < kColumns; ++c) {
         const int64_t row = t * kColumns + c;
         for (int64_t p = 0; p < pairs; ++p) {
-          tile[p * kColumns + c] = row < out ? source[row * pairs + p] : 0;
+          uint32_t pair = 0;  // two bf16 side by side (memcpy: the weight may be 2-aligned)
+          if (row < out) std::memcpy(&pair, source + row * 2 * pairs + 2 * p, sizeof(pair));
+          tile[p * kColumns + c] = pair;
         }
       }
     }
@@ -50,9 +52,10 @@ at::Tensor pack_logits_weight(const at::Tensor& weight) {
 at::Tensor logits_fp32(const at::Tensor& input, const at::Tensor& packed, int64_t out) {
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16 && input.is_contiguous(),
               "the input must be a contiguous bf16 [rows, in] matrix");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kColumns &&
-                  packed.size(1) * 2 == input.size(1) && packed.size(0) * kColumns >= out,
-              "the packed weight does not match the input");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kColumns && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kBFloat16 && packed.size(1) * 2 == input.size(1) &&
+                  out > (packed.size(0) - 1) * kColumns && out <= packed.size(0) * kColumns,
+              "the packed weight does not match the input and `out`");
   const int64_t rows = input.size(0), features = input.size(1), tiles = packed.size(0);
   at::Tensor logits = at::empty({rows, out}, input.options().dtype(at::kFloat));
   if (rows == 0) return logits;

@@ -652,6 +652,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
       }
     }
   }
+  TORCH_CHECK(starts[sequences] == query.size(0), "the sequences' queries must cover the batch");
   const auto lanes = balance(std::move(items), at::get_num_threads());
   AT_DISPATCH_SWITCH(dtype, "paged_attention",
     AT_DISPATCH_CASE(at::kFloat, [&] {

@@ -23,8 +23,10 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <memory>
 
 #include "cpu_vector.h"
 #include "work_items.h"
@@ -35,12 +37,10 @@ namespace {
 constexpr int64_t kKeyTile = 256;    // keys per product (a multiple of 2 x kLanes)
 constexpr int64_t kRowTarget = 96;  // query rows (tokens x group) per work item
 
-bool enabled = true;
+std::atomic<bool> enabled{true};
 
-bool available() {
-  static const bool value = at::native::cpublas::could_pack(at::kBFloat16);
-  return value;
-}
+// Asked each time: it is false while oneDNN is switched off in torch, too.
+bool available() { return at::native::cpublas::could_pack(at::kBFloat16); }
 
 // Where one sequence's packed tiles are: tiles [first_tile, first_tile + tiles) of its context,
 // per KV head `head` at packed + (head * tiles + t) * tile_words.
@@ -216,11 +216,12 @@ void attend_matrix(const Geometry& g, const std::vector<SequenceSpan>& sequences
     packed.push_back({&span, first_tile, tiles, nullptr});
     words += kv_heads * tiles * tile_words;
   }
-  std::vector<uint32_t> storage(words);
+  // Every word is written by pack_tile: no zero-filling first.
+  const std::unique_ptr<uint32_t[]> storage(new uint32_t[words]);
   std::vector<std::array<int64_t, 3>> jobs;  // (sequence, head, tile)
   words = 0;
   for (int64_t s = 0; s < static_cast<int64_t>(packed.size()); ++s) {
-    packed[s].packed = storage.data() + words;
+    packed[s].packed = storage.get() + words;
     words += kv_heads * packed[s].tiles * tile_words;
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t t = 0; t < packed[s].tiles; ++t) jobs.push_back({s, h, t});

@@ -28,8 +28,8 @@ struct SequenceSpan {
 // From this many query tokens on, a sequence's attention runs as matrix products.
 constexpr int64_t kMatrixMinTokens = 16;
 
-// Whether the matrix path runs on this CPU (oneDNN's bf16 micro-kernels: AMX or AVX512_BF16)
-// and is switched on (`enable` false switches it off, for tests of the vector path). Returns the
+// Whether the matrix path runs on this CPU (oneDNN's bf16 micro-kernels, which need AMX, with
+// oneDNN switched on in torch) and is switched on (`enable` false switches it off, for tests of the vector path). Returns the
 // new state.
 bool matrix_units(bool enable);
 bool matrix_units_on();

@@ -126,6 +126,7 @@ BAD_INPUTS = {
         "context_lens": torch.tensor([40, 2], dtype=torch.int32)
     },
     "queries must fit": {"query_starts": torch.tensor([0, 1, 4], dtype=torch.int32)},
+    "queries must cover the batch": {"query_starts": torch.tensor([0, 1, 2], dtype=torch.int32)},
     "int32": {"block_tables": torch.tensor([[0, 1], [2, 3]])},
     "share one dtype": {"query": torch.zeros(3, 4, 32, dtype=torch.bfloat16)},
     "head_dim must be a multiple of 16": {

@@ -59,3 +59,13 @@ def test_the_swap_keeps_parameters_and_output(architecture: str) -> None:
 def test_a_model_off_the_cpu_or_in_another_dtype_is_left_alone() -> None:
     model = tiny_model("llama").to(torch.float16)
     assert fuse_elementwise(model) == 0
+
+
+def test_nan_stays_nan_in_bf16() -> None:
+    # Rounding to bf16 must not carry a NaN's payload into the exponent (that gives infinity).
+    norm = FusedRMSNorm(LlamaRMSNorm(32).to(torch.bfloat16))
+    hidden = torch.ones(2, 32, dtype=torch.bfloat16)
+    hidden[0, 3] = float("nan")
+    output = norm(hidden)
+    assert output[0].isnan().all()  # the row's mean is NaN
+    assert output[1].isfinite().all()

@@ -101,9 +101,12 @@ def test_logprobs_in_openais_shape_blocking_and_streamed_alike(gateway: Gateway)
     chunks = list(api.chat.completions.create(**arguments, stream=True))
     streamed = [item for c in chunks if c.choices and c.choices[0].logprobs
                 for item in c.choices[0].logprobs.content or []]  # fmt: skip
-    assert [(i.token, round(i.logprob, 4)) for i in streamed] == [
-        (i.token, round(i.logprob, 4)) for i in logprobs.content
-    ]
+    # The same tokens. The logprobs agree to about 1e-4, not bit for bit: they are fp32, and
+    # the streamed request finds the prompt's first blocks cached, so it computes fewer
+    # positions, whose attention may take the other kernel path (vector or matrix).
+    assert [i.token for i in streamed] == [i.token for i in logprobs.content]
+    for mine, theirs in zip(streamed, logprobs.content, strict=True):
+        assert mine.logprob == pytest.approx(theirs.logprob, abs=1e-3)
     plain = api.chat.completions.create(**(arguments | {"logprobs": False, "top_logprobs": None}))
     assert plain.choices[0].logprobs is None
     assert plain.choices[0].message.content == blocking.choices[0].message.content
