@@ -91,4 +91,8 @@ inline void store_bf16(uint16_t* target, vfloat value) {
   std::memcpy(target, &narrow, sizeof(narrow));
 }
 
+inline void store(c10::BFloat16* target, vfloat value) {
+  store_bf16(reinterpret_cast<uint16_t*>(target), value);
+}
+
 }  // namespace prefixgate

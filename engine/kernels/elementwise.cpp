@@ -22,20 +22,12 @@ namespace {
 
 using namespace prefixgate;
 
-inline vfloat load_any(const float* source) { return load(source); }
-inline vfloat load_any(const c10::BFloat16* source) { return load(source); }
-
 // The value as the dtype would hold it: bf16 rounds (to nearest even), fp32 stays.
 inline vfloat round_to(vfloat value, float*) { return value; }
 inline vfloat round_to(vfloat value, c10::BFloat16*) {
   uint16_t bits[kLanes];
   store_bf16(bits, value);
   return load(reinterpret_cast<const c10::BFloat16*>(bits));
-}
-
-inline void store_any(float* target, vfloat value) { store(target, value); }
-inline void store_any(c10::BFloat16* target, vfloat value) {
-  store_bf16(reinterpret_cast<uint16_t*>(target), value);
 }
 
 void check_rows(const at::Tensor& tensor, const char* name) {
@@ -57,15 +49,15 @@ void rms_norm_rows(const at::Tensor& input, const at::Tensor& weight, double eps
       const scalar_t* source = x + row * width;
       vfloat squares = splat(0.0f);
       for (int64_t i = 0; i < width; i += kLanes) {
-        const vfloat value = load_any(source + i);
+        const vfloat value = load(source + i);
         squares += value * value;
       }
       const float mean = lanes_sum(squares) / static_cast<float>(width);
       const float scale = 1.0f / std::sqrt(mean + static_cast<float>(eps));
       scalar_t* target = out + row * width;
       for (int64_t i = 0; i < width; i += kLanes) {
-        const vfloat normed = round_to(load_any(source + i) * scale, target);
-        store_any(target + i, load_any(w + i) * normed);
+        const vfloat normed = round_to(load(source + i) * scale, target);
+        store(target + i, load(w + i) * normed);
       }
     }
   });
@@ -80,13 +72,13 @@ void silu_and_mul_rows(const at::Tensor& gate, const at::Tensor& up, const at::T
   at::parallel_for(0, rows * width / kLanes, 64, [&](int64_t begin, int64_t end) {
     for (int64_t v = begin; v < end; ++v) {
       const int64_t i = v * kLanes;
-      const vfloat x = load_any(g + i);
+      const vfloat x = load(g + i);
       // silu(x) = x * sigmoid(x), from e = exp(-|x|) <= 1 so that exp never overflows.
       const vfloat magnitude = x < 0.0f ? -x : x;
       const vfloat e = vexp(-magnitude);
       const vfloat sigmoid = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
       const vfloat activated = round_to(x * sigmoid, out);
-      store_any(out + i, activated * load_any(u + i));
+      store(out + i, activated * load(u + i));
     }
   });
 }

@@ -187,7 +187,7 @@ void attend_item(const Geometry& g, const WorkItem& item, const Packed& p, Scrat
     const float inverse = s.sum[r] > 0.0f ? 1.0f / s.sum[r] : 0.0f;
     const float* acc = s.acc.data() + r * dim;
     for (int64_t d = 0; d < dim; d += kLanes) {
-      store_bf16(reinterpret_cast<uint16_t*>(target + d), load(acc + d) * inverse);
+      store(target + d, load(acc + d) * inverse);
     }
   }
 }
