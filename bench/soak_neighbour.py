@@ -47,9 +47,15 @@ FLOOD_CLIENTS = 12
 TRICKLE_PAUSE_S = 0.05
 FLOOD_MAX_S = 300.0  # a bound on the flood process, whatever happens to its parent
 
-# What the neighbour test asserts: steady's TTFT p99 during the flood is at most this many
+# What the neighbour scenario asserts: steady's TTFT p99 during the flood is at most this many
 # times its p99 alone (see README, "Load and disconnects", for the measurements behind it).
 NEIGHBOUR_BOUND = 5.0
+# Below this many samples in either phase a p99 is the single slowest request, which one stall
+# of the machine decides. A short run bounds the p90 instead, and more loosely: on a 2-core
+# machine the flood's own client process takes one core during the flood but not before, and
+# eleven 6-second runs gave p90 ratios of 3.8-7.7.
+P99_MIN_SAMPLES = 100
+SHORT_RUN_BOUND = 10.0
 
 
 async def trickle(
@@ -145,11 +151,10 @@ async def run_neighbour(soaked: Soaked, seconds: float, seed: int) -> dict[str, 
     pressure = {str(owner): s.counters.evicted_pressure_blocks for owner, s in stats.owners.items()}
     idle = await idle_report(soaked)
     alone_ttft, during_ttft = ttft_stats(alone), ttft_stats(during)
-    ratio = (
-        during_ttft["p99_ms"] / alone_ttft["p99_ms"]
-        if alone_ttft["p99_ms"] and during_ttft["p99_ms"]
-        else None
-    )
+    enough = min(alone_ttft["samples"], during_ttft["samples"]) >= P99_MIN_SAMPLES
+    bounded, bound = ("p99", NEIGHBOUR_BOUND) if enough else ("p90", SHORT_RUN_BOUND)
+    key = f"{bounded}_ms"
+    ratio = during_ttft[key] / alone_ttft[key] if alone_ttft[key] and during_ttft[key] else None
     steady_pressure = steady.counters.evicted_pressure_blocks if steady else 0
     # Steady's reservation and the flood's quota together exceed the pool, so a flood request
     # can wait for blocks past the queue timeout: the documented 503 `overloaded` (pool
@@ -159,16 +164,17 @@ async def run_neighbour(soaked: Soaked, seconds: float, seed: int) -> dict[str, 
     problems = [*errors[:5], *idle["problems"]]
     if steady_pressure:
         problems.append(f"steady lost {steady_pressure} blocks within its reservation")
-    if ratio is None or ratio > NEIGHBOUR_BOUND:
-        problems.append(f"steady's TTFT p99 ratio {ratio} is over {NEIGHBOUR_BOUND}")
+    if ratio is None or ratio > bound:
+        problems.append(f"steady's TTFT {bounded} ratio {ratio} is over {bound}")
     if any(o.status != 200 for o in alone + during):
         problems.append(f"steady refused: {status_counts(alone + during)}")
     return {
         "seconds_per_phase": seconds,
         "steady_alone": {**alone_ttft, "statuses": status_counts(alone)},
         "steady_during_flood": {**during_ttft, "statuses": status_counts(during)},
-        "ttft_p99_ratio": round(ratio, 2) if ratio else None,
-        "bound": NEIGHBOUR_BOUND,
+        "bounded_percentile": bounded,
+        "ttft_ratio": round(ratio, 2) if ratio else None,
+        "bound": bound,
         "flood": {
             "requests": len(flooded),
             "pool_exhausted_503": len(pool_exhausted),

@@ -1,19 +1,22 @@
 """The scheduler: continuous batching with chunked prefill under a per-step token budget.
 
-Each step, running sequences go first (decodes and unfinished prefill chunks), then waiting
-sequences are admitted in arrival order while the token budget, the sequence limit and the
-cache allow. While other sequences run or wait, no prefill chunk takes more than
-`long_prefill_tokens` of a step, so one long prompt cannot hold the whole budget for steps on
-end while shorter requests wait to be admitted. When a running sequence cannot get a block, the
-newest running sequence that competes for the same blocks is preempted (its blocks freed,
-recomputed later, mostly from the prefix cache); a waiting sequence whose blocks stay refused
-past the queue timeout fails with a typed error.
+Each step's token budget is shared fairly between the tenants with work: each gets an equal
+share first, and what a tenant cannot use goes to the others afterwards, so that one tenant's
+flood of long prompts neither fills every step nor keeps another tenant's request waiting.
+Within its share, a tenant's running sequences go first (decodes, which always run, and
+unfinished prefill chunks), then its waiting sequences are admitted, the least-served tenant's
+first and each tenant's in arrival order, while the sequence limit and the cache allow. While
+other sequences run or wait, no prefill chunk takes more than `long_prefill_tokens` of a step,
+so one long prompt cannot hold the whole budget for steps on end. When a running sequence
+cannot get a block, the newest running sequence that competes for the same blocks is preempted
+(its blocks freed, recomputed later, mostly from the prefix cache); a waiting sequence whose
+blocks stay refused past the queue timeout fails with a typed error.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -91,27 +94,73 @@ class Scheduler:
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         if len(self.waiting) + len(self.running) > 1:  # others share the step
-            budget_per_prefill = min(budget, self.config.long_prefill_tokens)
+            per_prefill = min(budget, self.config.long_prefill_tokens)
         else:
-            budget_per_prefill = budget
+            per_prefill = budget
+        shares = _Shares(budget, self.running, self.waiting)
         index = 0
         while index < len(self.running) and budget > 0:
             sequence = self.running[index]
-            count = _chunk_size(sequence, sequence.num_computed, min(budget, budget_per_prefill))
+            decode = sequence.num_tokens - sequence.num_computed == 1
+            allowed = min(budget, per_prefill, max(shares.left(sequence), int(decode)))
+            if allowed <= 0:  # its tenant's share is spent: it may get leftovers below
+                index += 1
+                continue
+            count = _chunk_size(sequence, sequence.num_computed, allowed)
             if self._grow(sequence, count, index, output):
                 output.chunks.append(ScheduledChunk(sequence, count))
+                shares.use(sequence, count)
                 budget -= count
                 index += 1
         if output.preempted:
             return output  # memory is tight: let the running sequences finish first
-        for sequence in list(self.waiting):
+        budget = self._admit_waiting(output, budget, per_prefill, shares)
+        budget = self._give_leftovers(output, budget, per_prefill)
+        self._admit_waiting(output, budget, per_prefill, None)
+        return output
+
+    def _admit_waiting(
+        self, output: SchedulerOutput, budget: int, per_prefill: int, shares: _Shares | None
+    ) -> int:
+        """Admit waiting sequences, least-served tenant first, each within its tenant's share
+        (any size without `shares`); returns the budget left."""
+        for sequence in _fair_order(self.waiting, self.running):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            count = self._admit(sequence, min(budget, budget_per_prefill), output)
+            allowed = min(budget, per_prefill, shares.left(sequence) if shares else budget)
+            if allowed <= 0:
+                continue
+            count = self._admit(sequence, allowed, output)
             if count:
                 output.chunks.append(ScheduledChunk(sequence, count))
+                if shares:
+                    shares.use(sequence, count)
                 budget -= count
-        return output
+        return budget
+
+    def _give_leftovers(self, output: SchedulerOutput, budget: int, per_prefill: int) -> int:
+        """Give the budget no tenant used within its share to running prefills that their
+        tenant's share cut short or left out, in order, where the cache has the blocks now
+        (no preemption for leftovers); returns the budget left."""
+        chunks = {id(chunk.sequence): chunk for chunk in output.chunks}
+        for sequence in self.running:
+            if budget <= 0:
+                break
+            chunk = chunks.get(id(sequence))
+            scheduled = chunk.num_tokens if chunk else 0
+            count = _chunk_size(
+                sequence, sequence.num_computed, min(per_prefill, scheduled + budget)
+            )
+            if count <= scheduled:
+                continue
+            if self.manager.allocate(sequence.request_id, sequence.num_computed + count):
+                continue  # refused: the blocks are not there without preempting someone
+            if chunk is None:
+                output.chunks.append(ScheduledChunk(sequence, count))
+            else:
+                chunk.num_tokens = count
+            budget -= count - scheduled
+        return budget
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
         """Start `child` on `parent`'s just-computed prompt, sharing its KV blocks.
@@ -179,6 +228,34 @@ class Scheduler:
         if sequence.admitted_wall is None:  # first admission (not a re-entry after preemption)
             sequence.admitted_wall = time.time()
         return count
+
+
+class _Shares:
+    """Each tenant's equal share of a step's token budget, and how much of it is used."""
+
+    def __init__(self, budget: int, running: list[Sequence], waiting: deque[Sequence]) -> None:
+        tenants = {sequence.request.tenant_id for sequence in (*running, *waiting)}
+        self.share = budget // max(1, len(tenants))
+        self.used: Counter[str] = Counter()
+
+    def left(self, sequence: Sequence) -> int:
+        return self.share - self.used[sequence.request.tenant_id]
+
+    def use(self, sequence: Sequence, tokens: int) -> None:
+        self.used[sequence.request.tenant_id] += tokens
+
+
+def _fair_order(waiting: deque[Sequence], running: list[Sequence]) -> list[Sequence]:
+    """Waiting sequences, the tenants with the fewest sequences running first and in turns
+    (each tenant's k-th waiting sequence counts as its running + k-th), each tenant's in
+    arrival order."""
+    load = Counter(sequence.request.tenant_id for sequence in running)
+    keys = {}
+    for position, sequence in enumerate(waiting):
+        tenant = sequence.request.tenant_id
+        keys[id(sequence)] = (load[tenant], position)
+        load[tenant] += 1
+    return sorted(waiting, key=lambda sequence: keys[id(sequence)])
 
 
 def _chunk_size(sequence: Sequence, num_computed: int, budget: int) -> int:

@@ -245,3 +245,41 @@ def test_a_long_prefill_leaves_room_for_a_short_request_that_arrives() -> None:
     while engine.step():
         pass
     assert long.done and long.error is None
+
+
+def test_a_tenants_flood_of_long_prompts_leaves_another_tenant_its_share_of_each_step() -> None:
+    engine = engine_for("llama", max_num_batched_tokens=1024, num_blocks=512)
+    counter = PositionCounter(engine, [])
+    counter.prompt_lens = {f"flood{i}": 2040 for i in range(4)} | {"short": 40}
+    flood = [Collector() for _ in range(4)]
+    for i, collector in enumerate(flood):
+        request = make_request(f"flood{i}", [7 + i] * 2040, tenant="flood", max_tokens=1)
+        engine.submit(request, collector)
+    engine.step()  # the flood alone: two chunks of 512 fill the step, two prompts wait
+    assert sorted(s.num_computed for s in engine.scheduler.running) == [512, 512]
+    engine.step()  # all four are running now; the flood keeps the whole budget
+    assert counter.batch_tokens == [1024, 1024]
+    short = Collector()
+    engine.submit(make_request("short", [9] * 40, tenant="t2", max_tokens=1), short)
+    engine.step()
+    # Two tenants with work: the short request's 40 tokens come out of t2's half of the step,
+    # arrival order notwithstanding, and the flood gets the rest (1,024 - 40).
+    assert short.done
+    assert counter.batch_tokens[-1] == 1024
+    while engine.step():
+        pass
+    assert all(collector.done and collector.error is None for collector in flood)
+
+
+def test_leftover_budget_goes_to_the_prefills_a_share_cut_short() -> None:
+    engine = engine_for("llama", max_num_batched_tokens=256, num_blocks=512)
+    counter = PositionCounter(engine, [])
+    counter.prompt_lens = {"long": 1000, "chat": 20}
+    chat, long = Collector(), Collector()
+    engine.submit(make_request("chat", [5] * 20, tenant="t1", max_tokens=50), chat)
+    engine.step()  # the chat's prompt; it decodes from here on, one token a step
+    engine.submit(make_request("long", [6] * 1000, tenant="t2", max_tokens=1), long)
+    engine.step()
+    engine.step()
+    # t2's share is 128 tokens, but t1 uses only 1 of its own 128: t2 gets the other 127.
+    assert counter.batch_tokens[1:] == [256, 256]
