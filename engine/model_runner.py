@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.attention import ATTENTION_NAME, AttentionBackend, PagedBatch
+from engine.kernels.cpu_decoder import llama_decoder
 from engine.kernels.cpu_fused import fuse_elementwise
 from engine.kernels.cpu_linear import pack_linears
 from engine.kernels.cpu_logits import fp32_logits
@@ -47,7 +48,10 @@ class ModelRunner:
         model.config._attn_implementation = ATTENTION_NAME
         self.fp32_logits = fp32_logits(model)  # before packing, which would take the head too
         fuse_elementwise(model)
-        pack_linears(model)
+        # PrefixGate's own forward where the model is a plain Llama on the CPU, else
+        # transformers' with our attention function.
+        self.decoder = llama_decoder(model)
+        pack_linears(self.decoder if self.decoder is not None else model)
         self.model = model.eval()  # type: ignore[no-untyped-call]
         self.kv_cache = kv_cache
         self.backend = backend
@@ -65,14 +69,17 @@ class ModelRunner:
         token's row for a chunk that `needs_logits`, every token's for one with `all_logits`.
         """
         batch, input_ids, positions, logit_rows = self._batch(chunks)
-        output = self.model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            use_cache=False,
-            logits_to_keep=logit_rows,
-            paged_batch=batch,
-        )
-        logits: torch.Tensor = output.logits[0]
+        if self.decoder is not None:
+            logits: torch.Tensor = self.decoder(input_ids, positions, logit_rows, batch)
+        else:
+            output = self.model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                use_cache=False,
+                logits_to_keep=logit_rows,
+                paged_batch=batch,
+            )
+            logits = output.logits[0]
         # Recorded only now: a forward that raised computed nothing, and may be run again.
         for chunk in chunks:
             self.computed_tokens += len(chunk.token_ids)

@@ -1,47 +1,127 @@
-"""Linear layers on the CPU with weights packed once for oneDNN.
+"""Linear layers on the CPU, each row count on whichever of two paths measured faster here.
 
-torch's plain `linear` hands the weight over row-major on every call; oneDNN's own blocked
-layout, made once at start, is read faster. Measured on SmolLM2's 30 layers of projections:
-bf16, one row (decode) 11.2 -> 8.6 ms, prefill-sized products unchanged, results bit-identical;
-fp32, one row 26 -> 17 ms, 16 rows 46 -> 18 ms, 1,536 rows 2.2x faster, results equal up to
-summation order (relative 1e-5).
+torch's plain `linear` hands the weight over row-major on every call; oneDNN can instead read
+a copy packed once in its own blocked layout. Which is faster depends on the CPU and on how
+many rows a call has, and not a little:
+- On an AMD EPYC (AVX-512, AVX512_BF16): packed was faster everywhere. SmolLM2's 30 layers of
+  projections, bf16, one row 11.2 -> 8.6 ms; fp32, one row 26 -> 17 ms, 16 rows 46 -> 18 ms,
+  1,536 rows 2.2x faster.
+- On an Intel Xeon with AVX-512 but no bf16 (2026-11-30), fp32: packed was 1.5-5x *slower* at
+  one row (576 x 576: 51 us plain, 179 us packed), 2.5-4x faster at 16 rows, and 5-10% slower
+  at 512.
+
+So `pack_linears` measures, at start, both paths for each weight shape of the model at 1, 16
+and 64 rows, interleaved (about a second for the embedded model), and each `PackedLinear`
+takes, per call, the path that won for its row class. A shape whose packed path never wins
+keeps no packed copy. Results are equal up to summation order either way.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
 import torch
+import torch.nn.functional as F
+
+# Row classes a call falls into (up to each bound; the last is open), and the row count each
+# is measured at.
+ROW_BOUNDS = (1, 32)
+MEASURED_ROWS = (1, 16, 64)
+# The packed path must win by this factor to be taken: a near-tie is noise, and the plain path
+# costs no second copy of the weight.
+MARGIN = 0.9
+_ROUNDS, _REPEATS = 2, 2
+
+
+@dataclass(frozen=True, slots=True)
+class LinearPlan:
+    """For each row class (1 row, up to 32, more), whether the packed path is faster."""
+
+    packed: tuple[bool, bool, bool]
+
+    def packed_for(self, rows: int) -> bool:
+        for index, bound in enumerate(ROW_BOUNDS):
+            if rows <= bound:
+                return self.packed[index]
+        return self.packed[-1]
 
 
 class PackedLinear(torch.nn.Module):
-    """An `nn.Linear` whose weight is also kept in oneDNN's packed layout.
+    """An `nn.Linear` that runs each call on the path its `LinearPlan` chose for the call's row
+    count: torch's `linear`, or oneDNN with the weight packed once.
 
     The original `weight` stays a parameter (same tensor, no copy), so `state_dict` and
     copies of the model see the model they loaded.
     """
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear, plan: LinearPlan) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        with torch.no_grad():
-            # Packed for one row at a time: the decode shape, where the layout pays off.
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.plan = plan
+        self.packed: torch.Tensor | None = None
+        if any(plan.packed):
+            with torch.no_grad():
+                self.packed = _pack(linear.weight.detach())
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         rows = inputs.reshape(-1, self.in_features)
-        output: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
-            rows, self.packed, self.bias, "none", [], ""
-        )
+        if self.packed is not None and self.plan.packed_for(rows.shape[0]):
+            output: torch.Tensor = _packed_linear(rows, self.packed, self.bias)
+        else:
+            output = F.linear(rows, self.weight, self.bias)
         return output.reshape(*inputs.shape[:-1], self.out_features)
 
 
-def pack_linears(model: torch.nn.Module) -> int:
-    """Swap every fp32 or bf16 CPU `nn.Linear` of `model` for a `PackedLinear`; returns how
-    many. Nothing changes without oneDNN, on other devices, or in bf16 where oneDNN has no bf16
-    support."""
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    # Packed for one row at a time: measured no slower than a layout for more rows.
+    packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+    return packed
+
+
+def _packed_linear(
+    rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    output: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return output
+
+
+def measure_plan(weight: torch.Tensor, bias: torch.Tensor | None) -> LinearPlan:
+    """Time both paths for a weight at each of `MEASURED_ROWS`, interleaved so that the
+    machine's drift hits both alike; the packed path wins a class if its best time is under
+    `MARGIN` times the plain one's."""
+    with torch.inference_mode():
+        packed = _pack(weight.detach())
+        wins = []
+        for rows in MEASURED_ROWS:
+            inputs = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            plain = partial(F.linear, inputs, weight, bias)
+            oned = partial(_packed_linear, inputs, packed, bias)
+            times = [(_best_time(plain), _best_time(oned)) for _ in range(_ROUNDS)]
+            wins.append(min(t[1] for t in times) < MARGIN * min(t[0] for t in times))
+    return LinearPlan((wins[0], wins[1], wins[2]))
+
+
+def _best_time(call: Callable[[], torch.Tensor]) -> float:
+    call()  # warm: first calls allocate and, for oneDNN, create the primitive
+    best = float("inf")
+    for _ in range(_REPEATS):
+        started = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def pack_linears(model: torch.nn.Module) -> dict[tuple[int, int], LinearPlan]:
+    """Swap every fp32 or bf16 CPU `nn.Linear` of `model` for a `PackedLinear` on a plan
+    measured once per weight shape; returns the plans by (out, in) features. Nothing changes
+    without oneDNN, on other devices, or in bf16 where oneDNN has no bf16 support."""
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
-        return 0
+        return {}
     dtypes = {torch.float32}
     if torch.ops.mkldnn._is_mkldnn_bf16_supported():
         dtypes.add(torch.bfloat16)
@@ -53,6 +133,10 @@ def pack_linears(model: torch.nn.Module) -> int:
         and child.weight.dtype in dtypes
         and child.weight.device.type == "cpu"
     ]
+    plans: dict[tuple[int, int], LinearPlan] = {}
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    return len(targets)
+        shape = (child.out_features, child.in_features)
+        if shape not in plans:
+            plans[shape] = measure_plan(child.weight, child.bias)
+        setattr(parent, name, PackedLinear(child, plans[shape]))
+    return plans

@@ -1,0 +1,45 @@
+"""`PackedLinear`: each row class on the path its plan chose, with the same results either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels.cpu_linear import LinearPlan, PackedLinear, measure_plan, pack_linears
+from tests.support.models import tiny_model
+
+
+@pytest.mark.parametrize(
+    "packed", [(False, False, False), (True, True, True), (False, True, False)], ids=str
+)
+def test_every_row_class_gives_the_linear_result_on_either_path(
+    packed: tuple[bool, bool, bool],
+) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 80)
+    swapped = PackedLinear(linear, LinearPlan(packed))
+    assert (swapped.packed is None) == (not any(packed))  # no second copy it never reads
+    with torch.inference_mode():
+        for rows in (1, 5, 32, 33, 200):
+            inputs = torch.randn(2, rows, 96)
+            torch.testing.assert_close(swapped(inputs), linear(inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_row_classes_split_at_one_and_thirty_two_rows() -> None:
+    plan = LinearPlan((True, False, True))
+    assert [plan.packed_for(rows) for rows in (1, 2, 32, 33, 4096)] == [
+        True, False, False, True, True,
+    ]  # fmt: skip
+
+
+def test_the_model_gets_one_measured_plan_per_weight_shape() -> None:
+    model = tiny_model("llama")
+    plans = pack_linears(model)
+    # q and o, k and v, gate and up, down, and the LM head: five shapes.
+    assert set(plans) == {(64, 64), (32, 64), (128, 64), (64, 128), (512, 64)}
+    swapped = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    assert len(swapped) == 2 * 7 + 1
+    assert all(
+        module.plan is plans[(module.out_features, module.in_features)] for module in swapped
+    )
+    assert isinstance(measure_plan(torch.randn(16, 16), None), LinearPlan)
