@@ -252,13 +252,34 @@ def paged_attention(
     """
     if paged_batch is None:
         raise RuntimeError(f"{ATTENTION_NAME} needs a paged_batch: run the model via ModelRunner")
-    layer_kv = paged_batch.kv_cache[module.layer_idx]  # type: ignore[index]
-    packed_query = query[0].transpose(0, 1)
-    backend = paged_batch.backend
-    backend.write(layer_kv, key[0].transpose(0, 1), value[0].transpose(0, 1), paged_batch)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    output = backend.attend(packed_query, layer_kv, paged_batch, scale, sliding_window)
+    output = write_and_attend(
+        paged_batch,
+        int(module.layer_idx),  # type: ignore[arg-type]
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        scale,
+        sliding_window,
+    )
     return output.unsqueeze(0), None
+
+
+def write_and_attend(
+    batch: PagedBatch,
+    layer_index: int,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One layer's paged attention on the batch's backend: the new K/V (`[tokens, kv_heads,
+    dim]`) into their pool slots, then `query` (`[tokens, heads, dim]`) over each sequence's
+    blocks; returns `[tokens, heads, dim]`."""
+    layer_kv = batch.kv_cache[layer_index]
+    batch.backend.write(layer_kv, key, value, batch)
+    return batch.backend.attend(query, layer_kv, batch, scaling, sliding_window)
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention)

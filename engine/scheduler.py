@@ -114,21 +114,31 @@ class Scheduler:
                 index += 1
         if output.preempted:
             return output  # memory is tight: let the running sequences finish first
-        budget = self._admit_waiting(output, budget, per_prefill, shares)
+        over_share: list[Sequence] = []
+        candidates = _fair_order(self.waiting, self.running)
+        budget = self._admit_waiting(candidates, output, budget, per_prefill, shares, over_share)
         budget = self._give_leftovers(output, budget, per_prefill)
-        self._admit_waiting(output, budget, per_prefill, None)
+        self._admit_waiting(over_share, output, budget, per_prefill, None, [])
         return output
 
     def _admit_waiting(
-        self, output: SchedulerOutput, budget: int, per_prefill: int, shares: _Shares | None
+        self,
+        candidates: list[Sequence],
+        output: SchedulerOutput,
+        budget: int,
+        per_prefill: int,
+        shares: _Shares | None,
+        over_share: list[Sequence],
     ) -> int:
-        """Admit waiting sequences, least-served tenant first, each within its tenant's share
-        (any size without `shares`); returns the budget left."""
-        for sequence in _fair_order(self.waiting, self.running):
+        """Admit `candidates` in order, each within its tenant's share (any size without
+        `shares`); those whose tenant's share is spent go to `over_share`, to be tried again
+        with leftovers. Returns the budget left."""
+        for sequence in candidates:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
             allowed = min(budget, per_prefill, shares.left(sequence) if shares else budget)
             if allowed <= 0:
+                over_share.append(sequence)
                 continue
             count = self._admit(sequence, allowed, output)
             if count:

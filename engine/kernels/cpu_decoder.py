@@ -22,14 +22,12 @@ fused by `cpu_fused`); everything else keeps transformers' forward.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from engine.attention import PagedBatch, write_and_attend
 from engine.kernels.cpu_fused import FusedMLP, FusedRMSNorm
-
-if TYPE_CHECKING:
-    from engine.attention import PagedBatch
 
 
 class DecoderLayer(torch.nn.Module):
@@ -104,9 +102,9 @@ class LlamaDecoder(torch.nn.Module):
             query = qkv[:, :q_width].view(tokens, self.q_heads, self.head_dim)
             key = qkv[:, q_width : q_width + kv_width].view(tokens, self.kv_heads, self.head_dim)
             value = qkv[:, q_width + kv_width :].view(tokens, self.kv_heads, self.head_dim)
-            layer_kv = batch.kv_cache[layer.layer_index]
-            batch.backend.write(layer_kv, key, value, batch)
-            attended = batch.backend.attend(query, layer_kv, batch, layer.scaling, None)
+            attended = write_and_attend(
+                batch, layer.layer_index, query, key, value, layer.scaling, None
+            )
             hidden = layer.o_proj(attended.reshape(tokens, q_width))
             normed = torch.ops.prefixgate.add_rms_norm_(
                 residual, hidden, layer.post_norm.weight, layer.post_norm.variance_epsilon
