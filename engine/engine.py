@@ -38,7 +38,7 @@ from engine.errors import (
 )
 from engine.fault_isolation import run_isolated
 from engine.gpu_memory import kv_cache_budget, peak_bytes
-from engine.grammar import Grammars, mask_logits
+from engine.grammar import Grammars
 from engine.inbox import Inbox
 from engine.kv_cache_manager import KVCacheManager
 from engine.kv_spec import KVSpec, dtype_name
@@ -47,15 +47,10 @@ from engine.metrics import EngineMetrics
 from engine.model_loader import LoadedModel
 from engine.model_runner import Chunk, ModelRunner
 from engine.request import GenerationDelta, GenerationRequest
-from engine.sampler import (
-    TokenLogprobs,
-    chosen_logprobs,
-    raw_logprobs,
-    sample,
-    scored_logprobs,
-)
+from engine.sampler import TokenLogprobs
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, Sink, Status
+from engine.step_sampling import sample_next, take_prompt_logprobs
 from engine.validation import ModelLimits, validate
 
 logger = logging.getLogger(__name__)
@@ -395,13 +390,13 @@ class Engine:
         ]
         logits = step.logits()
         if any(chunk.all_logits for chunk in chunks):
-            logits = self._take_prompt_logprobs(scheduled, chunks, step.failed, logits)
+            logits = take_prompt_logprobs(scheduled, chunks, step.failed, logits)
         # Rows for the choices that fork off a prompt computed in this step, copied before
         # sampling changes the logits in place.
         forks = [(parent, child) for parent in sampled for child in parent.forks]
         fork_rows = [row for row, parent in enumerate(sampled) for _ in parent.forks]
         fork_logits = logits[fork_rows] if logits is not None and fork_rows else None
-        tokens, logprobs = self._sample(logits, sampled)
+        tokens, logprobs = sample_next(logits, sampled)
         for sequence, token in zip(sampled, tokens, strict=True):
             if isinstance(token, EngineError):
                 failures[sequence] = token
@@ -425,41 +420,6 @@ class Engine:
                     logger.exception("handling a request's output failed")
                     self._settle(sequence, RequestFailed("handling this request's output failed"))
 
-    def _take_prompt_logprobs(
-        self,
-        scheduled: list[ScheduledChunk],
-        chunks: list[Chunk],
-        failed: abc.Container[int],
-        logits: torch.Tensor | None,
-    ) -> torch.Tensor | None:
-        """Record prompt logprobs from the chunks that returned logits at every position;
-        returns the rows left to sample from (each sampling chunk's last)."""
-        if logits is None:
-            return None
-        offset, sample_rows = 0, []
-        for index, (item, chunk) in enumerate(zip(scheduled, chunks, strict=True)):
-            if index in failed:
-                continue
-            rows = logits[offset : offset + chunk.num_logit_rows]
-            if chunk.all_logits:
-                self._record_prompt_logprobs(item.sequence, chunk, rows)
-            offset += chunk.num_logit_rows
-            if chunk.needs_logits:
-                sample_rows.append(offset - 1)
-        return logits[sample_rows] if sample_rows else None
-
-    @staticmethod
-    def _record_prompt_logprobs(sequence: Sequence, chunk: Chunk, rows: torch.Tensor) -> None:
-        """Row r is position `chunk.start + r`, which predicts the prompt token after it;
-        positions already recorded (before a preemption) are skipped."""
-        first = len(sequence.prompt_logprobs) - chunk.start
-        last = min(len(chunk.token_ids), sequence.prompt_len - 1 - chunk.start)
-        if first < 0 or first >= last:
-            return
-        targets = sequence.token_ids[chunk.start + first + 1 : chunk.start + last + 1]
-        k = sequence.request.prompt_logprobs or 0
-        sequence.prompt_logprobs += scored_logprobs(rows[first:last], targets, k)
-
     def _fork(
         self, forks: list[tuple[Sequence, Sequence]], logits: torch.Tensor | None
     ) -> tuple[list[Sequence], list[int | RequestFailed], list[TokenLogprobs | None]]:
@@ -480,7 +440,7 @@ class Engine:
                 rows.append(row)
         if logits is None or not forked:
             return [], [], []
-        tokens, logprobs = self._sample(logits[rows], forked)
+        tokens, logprobs = sample_next(logits[rows], forked)
         return forked, tokens, logprobs
 
     def _chunk(self, scheduled: ScheduledChunk) -> Chunk:
@@ -495,33 +455,6 @@ class Engine:
             needs_logits=end == sequence.num_tokens,
             all_logits=sequence.wants_prompt_logits,
         )
-
-    def _sample(
-        self, logits: torch.Tensor | None, sampled: list[Sequence]
-    ) -> tuple[list[int | RequestFailed], list[TokenLogprobs | None]]:
-        """Each sequence's next token (or its failure) and, where asked for, its logprobs."""
-        if logits is None or not sampled:
-            return [], []
-        params = [sequence.request.sampling for sequence in sampled]
-        counts = [self._output_counts(sequence, logits) for sequence in sampled]
-        raw = raw_logprobs(logits, params)  # before `sample` changes the logits
-        grammars = [sequence.grammar for sequence in sampled]
-        generators = [sequence.generator for sequence in sampled]
-        constrain = (lambda rows: mask_logits(rows, grammars)) if any(grammars) else None
-        tokens = sample(logits, params, generators, counts, constrain)
-        return tokens, chosen_logprobs(raw, params, tokens)
-
-    @staticmethod
-    def _output_counts(sequence: Sequence, logits: torch.Tensor) -> torch.Tensor | None:
-        """A penalized request's generated-token counts, made at its first sampled token and
-        kept up to date by `_append`."""
-        if not sequence.request.sampling.penalized:
-            return None
-        if sequence.output_counts is None:
-            generated = torch.tensor(sequence.token_ids[sequence.prompt_len :], dtype=torch.long)
-            counts = torch.bincount(generated, minlength=logits.shape[-1]).float()
-            sequence.output_counts = counts.to(logits.device)
-        return sequence.output_counts
 
     def _append(
         self, sequence: Sequence, token: int, logprobs: TokenLogprobs | None = None
