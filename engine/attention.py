@@ -47,6 +47,10 @@ class PagedBatch:
     query_starts: torch.Tensor  # [num_sequences + 1] int32: where each sequence's tokens begin
     context_lens_tensor: torch.Tensor  # [num_sequences] int32
     backend: AttentionBackend
+    # Per sequence, int32: decoding sequences of one group whose tables begin with the same
+    # blocks may read those blocks together (engine/kernels/paged_attention.cpp); -1 never
+    # does. The model runner gives each tenant a group of its own. None: no grouping.
+    share_groups: torch.Tensor | None = None
     # Backends keep per-step indexing here, built by the first layer, reused by the rest.
     plans: dict[Any, Any] = field(default_factory=dict)
 

@@ -454,6 +454,7 @@ class Engine:
             prompt_positions=max(0, min(end, sequence.prompt_len) - start),
             needs_logits=end == sequence.num_tokens,
             all_logits=sequence.wants_prompt_logits,
+            share_group=sequence.request.tenant_id,  # never another tenant's: see Chunk
         )
 
     def _append(

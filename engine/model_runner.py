@@ -32,6 +32,9 @@ class Chunk:
     needs_logits: bool
     # Logits at every position of the chunk (for prompt logprobs), not only the last.
     all_logits: bool = False
+    # Chunks of one share group (the engine's: their tenant) may read the blocks their tables
+    # share together while decoding; None never does (see PagedBatch.share_groups).
+    share_group: str | None = None
 
     @property
     def num_logit_rows(self) -> int:
@@ -124,16 +127,25 @@ class ModelRunner:
                     kept[query_starts[index] : query_starts[index + 1]] = True
             logit_rows = kept.nonzero()[:, 0]
         input_ids = torch.tensor([token for chunk in chunks for token in chunk.token_ids])
+        groups: dict[str, int] = {}
+        share_groups = torch.tensor(
+            [
+                -1
+                if chunk.share_group is None
+                else groups.setdefault(chunk.share_group, len(groups))
+                for chunk in chunks
+            ]
+        )
         parts = (
             slots, input_ids, positions, logit_rows, query_starts, torch.tensor(context_lens),
-            tables.view(-1),
+            share_groups, tables.view(-1),
         )  # fmt: skip
         staged = torch.cat(parts)
         if self.device.type == "cuda":
             staged = staged.pin_memory()
         on_device = torch.split(staged.to(self.device, non_blocking=True), [len(p) for p in parts])
         slots, input_ids, positions, logit_rows = on_device[:4]
-        starts, contexts, table = (part.to(torch.int32) for part in on_device[4:])
+        starts, contexts, shares, table = (part.to(torch.int32) for part in on_device[4:])
         batch = PagedBatch(
             kv_cache=self.kv_cache,
             slot_mapping=slots,
@@ -143,6 +155,7 @@ class ModelRunner:
             query_starts=starts,
             context_lens_tensor=contexts,
             backend=self.backend,
+            share_groups=shares,
         )
         return batch, input_ids, positions, logit_rows
 

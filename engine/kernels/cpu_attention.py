@@ -71,5 +71,6 @@ class CpuAttention:
             batch.context_lens_tensor,
             scaling,
             sliding_window or 0,
+            batch.share_groups,
         )
         return output.to(dtype)

@@ -64,10 +64,9 @@ inline float lanes_max(vfloat v) {
 #endif
 }
 
-// exp(x) for x <= 0: 2^(x log2 e) split into an integer power, built in the exponent bits, and a
+// 2^y for y <= 0 (2^-126 below -126): an integer power, built in the exponent bits, times a
 // degree-6 Taylor polynomial of 2^f on [-0.5, 0.5] (relative error below 2e-7).
-inline vfloat vexp(vfloat x) {
-  vfloat y = x * 1.4426950408889634f;
+inline vfloat vexp2(vfloat y) {
   y = y < -126.0f ? splat(-126.0f) : y;
   const vfloat n = (y + 12582912.0f) - 12582912.0f;  // round to nearest
   const vfloat f = y - n;
@@ -82,13 +81,27 @@ inline vfloat vexp(vfloat x) {
   return p * (vfloat)bits;
 }
 
-// fp32 -> bf16 bits, rounded to nearest even; NaN stays a (quiet) NaN.
+constexpr float kLog2e = 1.4426950408889634f;
+
+// exp(x) for x <= 0, as 2^(x log2 e).
+inline vfloat vexp(vfloat x) { return vexp2(x * kLog2e); }
+
+// fp32 -> bf16 bits, rounded to nearest even; NaN stays a (quiet) NaN. With AVX512_BF16 one
+// instruction (`vcvtneps2bf16`, which also flushes fp32 subnormals to zero: no kernel here
+// stores one that matters), else eight vector operations.
 inline void store_bf16(uint16_t* target, vfloat value) {
+#if defined(__AVX512BF16__)
+  __m512 wide;
+  std::memcpy(&wide, &value, sizeof(wide));
+  const __m256bh narrow = _mm512_cvtneps_pbh(wide);
+  std::memcpy(target, &narrow, sizeof(narrow));
+#else
   vint bits = (vint)value;
   const vint rounded = (vint)((vuint)bits + (((vuint)bits >> 16) & 1u) + 0x7FFFu);
   bits = value != value ? vint{} + 0x7FC00000 : rounded;
   const vhalf narrow = __builtin_convertvector(bits >> 16, vhalf);
   std::memcpy(target, &narrow, sizeof(narrow));
+#endif
 }
 
 inline void store(c10::BFloat16* target, vfloat value) {

@@ -98,15 +98,21 @@ void silu_and_mul_rows(const scalar_t* g, const scalar_t* u, int64_t stride, int
   scalar_t* out = output.data_ptr<scalar_t>();
   const int64_t per_row = width / kLanes;
   at::parallel_for(0, rows * per_row, 64, [&](int64_t begin, int64_t end) {
+    int64_t row = begin / per_row, column = (begin % per_row) * kLanes;  // one division a chunk
     for (int64_t v = begin; v < end; ++v) {
-      const int64_t row = v / per_row, column = (v % per_row) * kLanes;
       const vfloat x = load(g + row * stride + column);
-      // silu(x) = x * sigmoid(x), from e = exp(-|x|) <= 1 so that exp never overflows.
+      // silu(x) = x * sigmoid(x), from e = exp(-|x|) <= 1 so that exp never overflows; one
+      // division: sigmoid is e / (1 + e) below zero, 1 / (1 + e) from zero up.
       const vfloat magnitude = x < 0.0f ? -x : x;
       const vfloat e = vexp(-magnitude);
-      const vfloat sigmoid = x < 0.0f ? e / (1.0f + e) : 1.0f / (1.0f + e);
+      const vfloat sigmoid = (x < 0.0f ? e : splat(1.0f)) / (1.0f + e);
       const vfloat activated = round_to(x * sigmoid, out);
       store(out + row * width + column, activated * load(u + row * stride + column));
+      column += kLanes;
+      if (column == width) {
+        column = 0;
+        ++row;
+      }
     }
   });
 }

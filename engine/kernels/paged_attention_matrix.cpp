@@ -13,6 +13,10 @@
 //      (one max and one sum per row and tile), P rounded to bf16 (as GPU flash attention does),
 //      and O += P V in fp32; the output is O / sum.
 //
+// attend_shared_tile runs step 2 for one tile of keys that several decoding sequences' tables
+// share, with all their query heads as rows, and returns the rows' softmax state instead of
+// an output (paged_attention.cpp merges it into each sequence's own work item).
+//
 // Rows of an item are token-major: row r is query token r / group, head kv_head * group +
 // r % group, so the heads of a KV head share each packed tile (grouped-query attention).
 
@@ -34,7 +38,7 @@
 namespace prefixgate {
 namespace {
 
-constexpr int64_t kKeyTile = 256;    // keys per product (a multiple of 2 x kLanes)
+constexpr int64_t kKeyTile = kMatrixKeyTile;
 constexpr int64_t kRowTarget = 96;  // query rows (tokens x group) per work item
 
 std::atomic<bool> enabled{true};
@@ -58,13 +62,13 @@ const uint16_t* row(const c10::BFloat16* cache, const Geometry& g, const int32_t
                                            head * g.head_dim);
 }
 
-// Tile `t` of `p` for KV head `head`: K as [dim / 2][kKeyTile] pairs of dims, then V as
-// [kKeyTile / 2][dim] pairs of keys; keys past the context are zero.
-void pack_tile(const Geometry& g, const Packed& p, int64_t head, int64_t t,
-               const c10::BFloat16* key_cache, const c10::BFloat16* value_cache) {
-  const int64_t dim = g.head_dim, pairs = dim / 2, context = p.span->context_len;
-  const int64_t first = (p.first_tile + t) * kKeyTile;
-  uint32_t* key_tile = p.packed + (head * p.tiles + t) * dim * kKeyTile;
+// The key tile of `span` from position `first`, KV head `head`, into `key_tile`: K as
+// [dim / 2][kKeyTile] pairs of dims, then V as [kKeyTile / 2][dim] pairs of keys; keys past the
+// context are zero.
+void pack_tile(const Geometry& g, const SequenceSpan& span, int64_t head, int64_t first,
+               const c10::BFloat16* key_cache, const c10::BFloat16* value_cache,
+               uint32_t* key_tile) {
+  const int64_t dim = g.head_dim, pairs = dim / 2, context = span.context_len;
   uint32_t* value_tile = key_tile + pairs * kKeyTile;
   for (int64_t j = 0; j < kKeyTile; ++j) {
     const int64_t position = first + j;
@@ -73,7 +77,7 @@ void pack_tile(const Geometry& g, const Packed& p, int64_t head, int64_t t,
       continue;
     }
     uint32_t words[128];  // dim <= 256
-    std::memcpy(words, row(key_cache, g, p.span->table, position, head), dim * 2);
+    std::memcpy(words, row(key_cache, g, span.table, position, head), dim * 2);
     for (int64_t q = 0; q < pairs; ++q) key_tile[q * kKeyTile + j] = words[q];
   }
   for (int64_t k = 0; k < kKeyTile / 2; ++k) {
@@ -83,8 +87,8 @@ void pack_tile(const Geometry& g, const Packed& p, int64_t head, int64_t t,
       std::memset(target, 0, dim * 4);
       continue;
     }
-    const uint16_t* a = row(value_cache, g, p.span->table, low, head);
-    const uint16_t* b = high < context ? row(value_cache, g, p.span->table, high, head) : nullptr;
+    const uint16_t* a = row(value_cache, g, span.table, low, head);
+    const uint16_t* b = high < context ? row(value_cache, g, span.table, high, head) : nullptr;
     for (int64_t d = 0; d < dim; ++d) {
       target[d] = static_cast<uint32_t>(a[d]) | (b ? static_cast<uint32_t>(b[d]) << 16 : 0u);
     }
@@ -151,6 +155,23 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, float sc
   }
 }
 
+// The `rows` rows of `s` over one packed key tile whose first key is `first_key`: S = Q K^T,
+// the online softmax, O += P V.
+void attend_tile(const Geometry& g, Scratch& s, int64_t rows, int64_t first_key,
+                 const uint32_t* key_tile) {
+  const int64_t dim = g.head_dim;
+  const uint32_t* value_tile = key_tile + dim / 2 * kKeyTile;
+  at::native::cpublas::brgemm(rows, kKeyTile, dim, dim, kKeyTile, kKeyTile, false,
+                              reinterpret_cast<const c10::BFloat16*>(s.q.data()),
+                              reinterpret_cast<const c10::BFloat16*>(key_tile), s.scores.data(),
+                              true);
+  for (int64_t r = 0; r < rows; ++r) softmax_row(s, r, dim, first_key, g.scale, g.window);
+  at::native::cpublas::brgemm(rows, dim, kKeyTile, kKeyTile, dim, dim, true,
+                              reinterpret_cast<const c10::BFloat16*>(s.probabilities.data()),
+                              reinterpret_cast<const c10::BFloat16*>(value_tile), s.acc.data(),
+                              true);
+}
+
 void attend_item(const Geometry& g, const WorkItem& item, const Packed& p, Scratch& s,
                  const c10::BFloat16* query, c10::BFloat16* out) {
   const int64_t dim = g.head_dim, group = g.group, rows = item.tokens * group;
@@ -166,19 +187,10 @@ void attend_item(const Geometry& g, const WorkItem& item, const Packed& p, Scrat
   }
   const int64_t last_position = first_position + item.tokens - 1;
   const int64_t lowest = g.window > 0 ? std::max<int64_t>(0, first_position - g.window + 1) : 0;
-  const auto* q = reinterpret_cast<const c10::BFloat16*>(s.q.data());
-  const auto* probabilities = reinterpret_cast<const c10::BFloat16*>(s.probabilities.data());
   const int64_t tile_words = dim * kKeyTile;
   for (int64_t tile = lowest / kKeyTile; tile * kKeyTile <= last_position; ++tile) {
-    const uint32_t* key_tile = p.packed + (item.kv_head * p.tiles + tile - p.first_tile) * tile_words;
-    const uint32_t* value_tile = key_tile + dim / 2 * kKeyTile;
-    at::native::cpublas::brgemm(rows, kKeyTile, dim, dim, kKeyTile, kKeyTile, false, q,
-                                reinterpret_cast<const c10::BFloat16*>(key_tile),
-                                s.scores.data(), true);
-    for (int64_t r = 0; r < rows; ++r) softmax_row(s, r, dim, tile * kKeyTile, g.scale, g.window);
-    at::native::cpublas::brgemm(rows, dim, kKeyTile, kKeyTile, dim, dim, true, probabilities,
-                                reinterpret_cast<const c10::BFloat16*>(value_tile),
-                                s.acc.data(), true);
+    attend_tile(g, s, rows, tile * kKeyTile,
+                p.packed + (item.kv_head * p.tiles + tile - p.first_tile) * tile_words);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t token = span.query_start + item.first_token + r / group;
@@ -193,6 +205,29 @@ void attend_item(const Geometry& g, const WorkItem& item, const Packed& p, Scrat
 }
 
 }  // namespace
+
+void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, int64_t end,
+                        int64_t kv_head, const std::vector<const c10::BFloat16*>& queries,
+                        const c10::BFloat16* key_cache, const c10::BFloat16* value_cache,
+                        float* state) {
+  TORCH_CHECK(first % kKeyTile == 0 && end > first && end - first <= kKeyTile,
+              "a shared tile starts on a tile boundary and holds at most one tile of keys");
+  const int64_t dim = g.head_dim, rows = static_cast<int64_t>(queries.size());
+  const SequenceSpan span{0, 0, end, table};  // keys past `end` are packed as zeros...
+  std::vector<uint32_t> tile(dim * kKeyTile);
+  pack_tile(g, span, kv_head, first, key_cache, value_cache, tile.data());
+  Scratch s;
+  s.resize(rows, dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(s.q.data() + r * dim, queries[r], dim * 2);
+    s.position[r] = end - 1;  // ...and masked: every row sees the tile's keys up to `end`
+  }
+  attend_tile(g, s, rows, first, tile.data());
+  at::native::cpublas::brgemm_release(true);
+  std::copy(s.max.begin(), s.max.end(), state);
+  std::copy(s.sum.begin(), s.sum.end(), state + rows);
+  std::copy(s.acc.begin(), s.acc.end(), state + 2 * rows);
+}
 
 bool matrix_units(bool enable) {
   enabled = enable;
@@ -230,7 +265,9 @@ void attend_matrix(const Geometry& g, const std::vector<SequenceSpan>& sequences
   at::parallel_for(0, static_cast<int64_t>(jobs.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const auto [s, h, t] = jobs[j];
-      pack_tile(g, packed[s], h, t, key_cache, value_cache);
+      const Packed& p = packed[s];
+      pack_tile(g, *p.span, h, (p.first_tile + t) * kKeyTile, key_cache, value_cache,
+                p.packed + (h * p.tiles + t) * tile_words);
     }
   });
 

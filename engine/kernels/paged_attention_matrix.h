@@ -27,6 +27,8 @@ struct SequenceSpan {
 
 // From this many query tokens on, a sequence's attention runs as matrix products.
 constexpr int64_t kMatrixMinTokens = 16;
+// Keys per product (a multiple of 32).
+constexpr int64_t kMatrixKeyTile = 256;
 
 // Whether the matrix path runs on this CPU (oneDNN's bf16 micro-kernels, which need AMX, with
 // oneDNN switched on in torch) and is switched on (`enable` false switches it off, for tests of the vector path). Returns the
@@ -39,5 +41,14 @@ bool matrix_units_on();
 void attend_matrix(const Geometry& g, const std::vector<SequenceSpan>& sequences,
                    const c10::BFloat16* query, const c10::BFloat16* key_cache,
                    const c10::BFloat16* value_cache, c10::BFloat16* out);
+
+// Keys [first, end) of one KV head, read through `table` (first a multiple of kMatrixKeyTile,
+// at most one tile of keys), for query rows that all see all of them (decode rows of sequences
+// that share those blocks): writes each row's softmax state over these keys to `state` as
+// max[rows] (base e), sum[rows], then the unnormalized output [rows][head_dim].
+void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, int64_t end,
+                        int64_t kv_head, const std::vector<const c10::BFloat16*>& queries,
+                        const c10::BFloat16* key_cache, const c10::BFloat16* value_cache,
+                        float* state);
 
 }  // namespace prefixgate

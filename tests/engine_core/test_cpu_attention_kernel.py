@@ -7,6 +7,7 @@ and sums run in a different order); bf16 pools to 1.6e-2, bf16's own rounding of
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 from engine.kernels import cpu_build
-from tests.support.attention_cases import CASES, Case, make_inputs, reference
+from tests.support.attention_cases import CASES, Case, Inputs, make_inputs, reference
 
 cpu_build.load()
 paged_attention = torch.ops.prefixgate.paged_attention
@@ -198,3 +199,48 @@ def test_a_build_killed_mid_way_does_not_block_the_next_load(tmp_path: Path) -> 
     )
     assert probe.returncode == 0, probe.stderr
     assert not (tmp_path / key / "lock").exists()
+
+
+def _attend(inputs: Inputs, rows: list[int], share_groups: list[int] | None) -> torch.Tensor:
+    """The kernel's output for the sequences `rows` of `inputs` as one batch."""
+    starts = inputs.starts.tolist()
+    query = torch.cat([inputs.query[starts[r] : starts[r + 1]] for r in rows])
+    lengths = [starts[r + 1] - starts[r] for r in rows]
+    output = torch.empty(query.shape, dtype=query.dtype)
+    paged_attention(
+        output,
+        query,
+        inputs.key_cache,
+        inputs.value_cache,
+        inputs.tables[rows].contiguous(),
+        torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
+        inputs.contexts[rows].contiguous(),
+        0.125,
+        0,
+        None if share_groups is None else torch.tensor(share_groups, dtype=torch.int32),
+    )
+    return output
+
+
+def test_decodes_of_different_share_groups_never_attend_together(bf16_path: str) -> None:
+    # Four decodes whose tables begin with the same 18 blocks. In groups of their own (each
+    # tenant's), every one gets exactly the output it gets alone, bit for bit: nothing about
+    # another tenant's requests reaches its arithmetic. In one group they share the blocks'
+    # products and stay within bf16's tolerance of the reference.
+    case = CASES["decode-sharing-a-prefix"]
+    inputs = make_inputs(case, torch.bfloat16)
+    decodes = [0, 1, 2, 3]
+    apart = _attend(inputs, decodes, [0, 1, 2, 3])
+    for index, row in enumerate(decodes):
+        assert torch.equal(apart[index], _attend(inputs, [row], [0])[0])
+    never = _attend(inputs, decodes, [-1, -1, -1, -1])
+    assert torch.equal(never, apart)
+    together = _attend(inputs, decodes, [5, 5, 5, 5]).double()
+    expected = reference(inputs, case.lengths, 0)[: len(decodes)]
+    torch.testing.assert_close(together, expected, atol=1.6e-2, rtol=1.6e-2)
+
+
+def test_share_groups_must_be_one_int32_per_sequence() -> None:
+    inputs = make_inputs(CASES["decode-pair-sharing-a-prefix"], torch.float32)
+    with pytest.raises(RuntimeError, match="one contiguous int32 per sequence"):
+        _attend(inputs, [0, 1], [0])

@@ -5,31 +5,47 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.cpu_linear import LinearPlan, PackedLinear, measure_plan, pack_linears
+from engine.kernels.cpu_linear import (
+    LARGE_ROWS_MAX_WEIGHT,
+    LinearPlan,
+    PackedLinear,
+    measure_plan,
+    pack_linears,
+    rows_to_time,
+)
 from tests.support.models import tiny_model
 
 
 @pytest.mark.parametrize(
-    "packed", [(False, False, False), (True, True, True), (False, True, False)], ids=str
+    "packed",
+    [(False, False, False, False), (True, True, True, True), (False, True, False, True)],
+    ids=str,
 )
 def test_every_row_class_gives_the_linear_result_on_either_path(
-    packed: tuple[bool, bool, bool],
+    packed: tuple[bool, bool, bool, bool],
 ) -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 80)
     swapped = PackedLinear(linear, LinearPlan(packed))
     assert (swapped.packed is None) == (not any(packed))  # no second copy it never reads
     with torch.inference_mode():
-        for rows in (1, 5, 32, 33, 200):
+        for rows in (1, 5, 32, 33, 200, 300):
             inputs = torch.randn(2, rows, 96)
             torch.testing.assert_close(swapped(inputs), linear(inputs), atol=1e-5, rtol=1e-5)
 
 
-def test_row_classes_split_at_one_and_thirty_two_rows() -> None:
-    plan = LinearPlan((True, False, True))
-    assert [plan.packed_for(rows) for rows in (1, 2, 32, 33, 4096)] == [
-        True, False, False, True, True,
+def test_row_classes_split_at_one_thirty_two_and_256_rows() -> None:
+    plan = LinearPlan((True, False, True, False))
+    assert [plan.packed_for(rows) for rows in (1, 2, 32, 33, 256, 257, 4096)] == [
+        True, False, False, True, True, False, False,
     ]  # fmt: skip
+
+
+def test_a_weight_too_large_to_time_at_many_rows_is_timed_up_to_64() -> None:
+    lm_head = torch.empty(49152, 576, device="meta")  # SmolLM2's: seconds at 1,024 rows
+    assert lm_head.numel() > LARGE_ROWS_MAX_WEIGHT
+    assert rows_to_time(lm_head) == (1, 16, 64)
+    assert rows_to_time(torch.empty(3072, 576, device="meta")) == (1, 16, 64, 1024)
 
 
 def test_the_model_gets_one_measured_plan_per_weight_shape() -> None:

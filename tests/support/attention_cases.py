@@ -20,6 +20,7 @@ class Case:
     block_size: int = 16
     window: int = 0
     num_blocks: int = 64
+    shared_blocks: int = 1  # leading blocks every table shares with the first
 
     @property
     def longest_query(self) -> int:
@@ -44,12 +45,12 @@ def make_inputs(case: Case, dtype: torch.dtype, seed: int = 0) -> Inputs:
     key_cache = torch.randn(shape, generator=generator).to(dtype)
     value_cache = torch.randn(shape, generator=generator).to(dtype)
     most_blocks = max(math.ceil(context / case.block_size) for _, context in case.lengths)
-    # Scattered, non-contiguous blocks; every row shares its first block with row 0 (a shared
-    # prefix is the same physical block in several tables).
+    # Scattered, non-contiguous blocks; every row shares its first `shared_blocks` blocks with
+    # row 0 (a shared prefix is the same physical blocks in several tables).
     tables = torch.stack(
         [torch.randperm(case.num_blocks, generator=generator)[:most_blocks] for _ in case.lengths]
     )
-    tables[:, 0] = tables[0, 0]
+    tables[:, : case.shared_blocks] = tables[0, : case.shared_blocks].clone()
     tokens = sum(query_len for query_len, _ in case.lengths)
     query = torch.randn(case.heads, tokens, case.head_dim, generator=generator).to(dtype)
     starts = [0]
@@ -108,4 +109,21 @@ CASES = {
     "sliding-window": Case([(1, 90), (40, 90), (5, 30)], window=24),
     "window-of-one": Case([(3, 20)], window=1),
     "long-tile-boundaries": Case([(70, 200), (1, 300)], num_blocks=64),
+    # Decode sequences whose tables begin with the same 18 blocks (288 keys) attend over them
+    # together, in two pieces of keys: four members (12 rows per KV head), one ending just after
+    # the prefix, one far past it; beside them a prefill over the same blocks, not a member.
+    "decode-sharing-a-prefix": Case(
+        [(1, 300), (1, 289), (1, 290), (1, 700), (40, 320)],
+        heads=9,
+        kv_heads=3,
+        head_dim=64,
+        shared_blocks=18,
+        num_blocks=160,
+    ),
+    # Two members (fewer rows per KV head than the packed path takes), head_dim 32.
+    "decode-pair-sharing-a-prefix": Case([(1, 170), (1, 200)], shared_blocks=10, num_blocks=64),
+    # A sliding window makes each member see its own range: no sharing, same answers.
+    "decode-sharing-a-prefix-with-a-window": Case(
+        [(1, 300), (1, 290)], window=100, shared_blocks=18, num_blocks=64
+    ),
 }
