@@ -49,7 +49,7 @@ class PagedBatch:
     backend: AttentionBackend
     # Per sequence, int32: decoding sequences of one group whose tables begin with the same
     # blocks may read those blocks together (engine/kernels/paged_attention.cpp); -1 never
-    # does. The model runner gives each tenant a group of its own. None: no grouping.
+    # does. The model runner gives each tenant a group of its own. None: none is grouped.
     share_groups: torch.Tensor | None = None
     # Backends keep per-step indexing here, built by the first layer, reused by the rest.
     plans: dict[Any, Any] = field(default_factory=dict)

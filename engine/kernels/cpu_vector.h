@@ -88,7 +88,8 @@ inline vfloat vexp(vfloat x) { return vexp2(x * kLog2e); }
 
 // fp32 -> bf16 bits, rounded to nearest even; NaN stays a (quiet) NaN. With AVX512_BF16 one
 // instruction (`vcvtneps2bf16`, which also flushes fp32 subnormals to zero: no kernel here
-// stores one that matters), else eight vector operations.
+// stores one that matters, and keeps a NaN's sign and payload where the fallback stores the
+// canonical NaN), else eight vector operations.
 inline void store_bf16(uint16_t* target, vfloat value) {
 #if defined(__AVX512BF16__)
   __m512 wide;

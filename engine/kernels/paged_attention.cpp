@@ -565,8 +565,8 @@ struct SharedPrefixes {
   }
 };
 
-// `share_groups` (may be null: all one group) says which sequences may be grouped: only those
-// of one group (the engine gives each tenant its own), never one of group -1. Grouping changes
+// `share_groups` says which sequences may be grouped: only those of one group (the engine
+// gives each tenant its own), never one of group -1; without it, none is. Grouping changes
 // the order of a member's arithmetic, so in bf16 a member's output can depend on who else is
 // in its group this step: with groups per tenant, never on another tenant's requests.
 SharedPrefixes find_shared_prefixes(const Geometry& g, bool matrix, int64_t sequences,
@@ -579,10 +579,10 @@ SharedPrefixes find_shared_prefixes(const Geometry& g, bool matrix, int64_t sequ
   // Without matrix units a member reads the prefix itself: the vector kernel's shared tiles
   // measured slower than its own decode loop over keys the cache already held. A window would
   // make each member see another range.
-  if (!matrix || g.window > 0) return shared;
+  if (!matrix || g.window > 0 || share_groups == nullptr) return shared;
   std::vector<std::array<int32_t, 3>> decoding;  // (share group, first block, sequence)
   for (int32_t s = 0; s < sequences; ++s) {
-    const int32_t share = share_groups != nullptr ? share_groups[s] : 0;
+    const int32_t share = share_groups[s];
     if (share >= 0 && starts[s + 1] - starts[s] == 1 && contexts[s] > kSharedMinKeys) {
       decoding.push_back({share, tables[s * g.table_stride], s});
     }

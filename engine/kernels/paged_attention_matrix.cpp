@@ -216,17 +216,22 @@ void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, 
   const SequenceSpan span{0, 0, end, table};  // keys past `end` are packed as zeros...
   std::vector<uint32_t> tile(dim * kKeyTile);
   pack_tile(g, span, kv_head, first, key_cache, value_cache, tile.data());
+  // Products of a multiple of 16 rows (the padding: zero queries, results dropped): torch keeps
+  // a compiled micro-kernel per shape and thread, never freed, so the number of shapes stays
+  // small whatever the groups' sizes.
+  const int64_t padded = (rows + 15) / 16 * 16;
   Scratch s;
-  s.resize(rows, dim);
-  for (int64_t r = 0; r < rows; ++r) {
-    std::memcpy(s.q.data() + r * dim, queries[r], dim * 2);
+  s.resize(padded, dim);
+  std::fill(s.q.begin(), s.q.end(), 0);
+  for (int64_t r = 0; r < padded; ++r) {
+    if (r < rows) std::memcpy(s.q.data() + r * dim, queries[r], dim * 2);
     s.position[r] = end - 1;  // ...and masked: every row sees the tile's keys up to `end`
   }
-  attend_tile(g, s, rows, first, tile.data());
+  attend_tile(g, s, padded, first, tile.data());
   at::native::cpublas::brgemm_release(true);
-  std::copy(s.max.begin(), s.max.end(), state);
-  std::copy(s.sum.begin(), s.sum.end(), state + rows);
-  std::copy(s.acc.begin(), s.acc.end(), state + 2 * rows);
+  std::copy(s.max.begin(), s.max.begin() + rows, state);
+  std::copy(s.sum.begin(), s.sum.begin() + rows, state + rows);
+  std::copy(s.acc.begin(), s.acc.begin() + rows * dim, state + 2 * rows);
 }
 
 bool matrix_units(bool enable) {

@@ -38,6 +38,7 @@ def run_case(case: Case, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tenso
         inputs.contexts,
         case.head_dim**-0.5,
         case.window,
+        torch.zeros(len(case.lengths), dtype=torch.int32),  # one share group: sharing allowed
     )
     return output.double(), reference(inputs, case.lengths, case.window)
 
@@ -233,11 +234,15 @@ def test_decodes_of_different_share_groups_never_attend_together(bf16_path: str)
     apart = _attend(inputs, decodes, [0, 1, 2, 3])
     for index, row in enumerate(decodes):
         assert torch.equal(apart[index], _attend(inputs, [row], [0])[0])
-    never = _attend(inputs, decodes, [-1, -1, -1, -1])
-    assert torch.equal(never, apart)
-    together = _attend(inputs, decodes, [5, 5, 5, 5]).double()
+    assert torch.equal(_attend(inputs, decodes, [-1, -1, -1, -1]), apart)
+    assert torch.equal(_attend(inputs, decodes, None), apart)  # no groups given: none formed
+    together = _attend(inputs, decodes, [5, 5, 5, 5])
+    if bf16_path == "matrix":  # grouped: the shared blocks' products ran, in another order
+        assert not torch.equal(together, apart)
     expected = reference(inputs, case.lengths, 0)[: len(decodes)]
-    torch.testing.assert_close(together, expected, atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(together.double(), expected, atol=1.6e-2, rtol=1.6e-2)
+    two_groups = _attend(inputs, decodes, [7, 3, 7, 3]).double()  # two groups' states side by side
+    torch.testing.assert_close(two_groups, expected, atol=1.6e-2, rtol=1.6e-2)
 
 
 def test_share_groups_must_be_one_int32_per_sequence() -> None:

@@ -122,6 +122,27 @@ CASES = {
     ),
     # Two members (fewer rows per KV head than the packed path takes), head_dim 32.
     "decode-pair-sharing-a-prefix": Case([(1, 170), (1, 200)], shared_blocks=10, num_blocks=64),
+    # Ten members of 8 query heads per KV head (80 rows, padded to 96 for the products), blocks
+    # of 8 and 21 shared of them (168 keys, of which 160 shared: a multiple of 16).
+    "decode-many-sharing-a-prefix-block-8": Case(
+        [(1, 170 + 7 * i) for i in range(10)],
+        heads=16,
+        kv_heads=2,
+        head_dim=32,
+        block_size=8,
+        shared_blocks=21,
+        num_blocks=400,
+    ),
+    # head_dim 128, blocks of 32.
+    "decode-sharing-a-prefix-head-dim-128": Case(
+        [(1, 300), (1, 333), (1, 290)],
+        heads=4,
+        kv_heads=2,
+        head_dim=128,
+        block_size=32,
+        shared_blocks=9,
+        num_blocks=64,
+    ),
     # A sliding window makes each member see its own range: no sharing, same answers.
     "decode-sharing-a-prefix-with-a-window": Case(
         [(1, 300), (1, 290)], window=100, shared_blocks=18, num_blocks=64
