@@ -137,3 +137,18 @@ def test_auto_picks_the_cpu_kernel_and_falls_back_to_torch_where_it_cannot_serve
         make_backend("cpu", cpu, 24)
     with pytest.raises(ValueError, match="unknown attention backend"):
         make_backend("flash", cpu, 64)
+
+
+def test_each_tenant_is_a_share_group_of_its_own() -> None:
+    # The CPU kernel lets decodes of one share group read the blocks their tables share
+    # together; a tenant's chunks must never be in another tenant's group, and a chunk with no
+    # group in none.
+    runner = runner_for(tiny_model("llama"))
+    chunks = [
+        Chunk(f"r{index}", [3], 20, [1, 2], 0, True, share_group=tenant)
+        for index, tenant in enumerate(["acme", "globex", "acme", None, "globex"])
+    ]
+    batch, *_ = runner._batch(chunks)
+    assert batch.share_groups is not None
+    assert batch.share_groups.dtype == torch.int32
+    assert batch.share_groups.tolist() == [0, 1, 0, -1, 1]
