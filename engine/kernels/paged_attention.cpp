@@ -535,10 +535,11 @@ void attend_keys(const Geometry& g, Rows& rows, const uint32_t* query_pairs,
   }
 }
 
-// Decode sequences whose block tables begin with the same blocks (a prefix cached once that
-// all of them read, a shared system prompt say) attend over it together: the prefix's K/V are
-// read from memory once per step for the whole group instead of once per sequence, and its
-// keys are split into pieces that the threads share. Each piece leaves, per row, its partial
+// Decode sequences of one share group (one tenant) whose block tables begin with the same
+// blocks (a prefix cached once that all of them read, a shared system prompt say) attend over
+// it together, as AMX matrix products: the prefix's K/V are packed once per step for the whole
+// group, all members' query heads are the rows of one product per 256 keys (the vector decode
+// loop computes each member alone), and its keys are split into pieces that the threads share. Each piece leaves, per row, its partial
 // softmax state (max, sum, unnormalized output); a member's own work item merges the pieces'
 // states and goes on over the keys after the prefix. The math is the same online softmax, in
 // another order. Only blocks that are the same memory in every member's table are shared, so a
