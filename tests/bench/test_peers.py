@@ -3,6 +3,7 @@ transformers (vLLM needs its own interpreter and is not run here)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,22 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
     checks = result["targets"]["prefixgate_api"]
     assert set(checks) == {"decode_2_vs_1_stream"}  # no vLLM: only the scaling target
     assert (tmp_path / "peers.json").exists()
+
+
+def test_a_peer_that_fails_is_reported_and_the_others_are_kept(
+    tiny_chat_dir: Path, tmp_path: Path
+) -> None:
+    # /bin/false stands in for a vLLM interpreter whose worker dies: both vLLM runs fail, the
+    # engine's result stays, and the file says the run completed with what failed.
+    out = tmp_path / "peers.json"
+    result = main(
+        ["--model", str(tiny_chat_dir), "--engines", "engine,vllm", "--vllm-python", "/bin/false",
+         "--dtype", "float32", "--prefix-tokens", "32", "--unique-tokens", "16",
+         "--output-tokens", "3", "--concurrency", "2", "--samples", "1", "--out", str(out)]
+    )  # fmt: skip
+    assert set(result["engines"]) == {"prefixgate_engine"}
+    assert set(result["failed"]) == {"vllm_caching_off", "vllm_caching_on"}
+    assert all("CalledProcessError" in error for error in result["failed"].values())
+    written = json.loads(out.read_text())
+    assert written["complete"] is True
+    assert written["failed"] == result["failed"]
