@@ -120,7 +120,7 @@ CASES = {
         shared_blocks=18,
         num_blocks=160,
     ),
-    # Two members (fewer rows per KV head than the packed path takes), head_dim 32.
+    # Two members of 3 query heads per KV head (6 rows, padded to 16 for the products).
     "decode-pair-sharing-a-prefix": Case([(1, 170), (1, 200)], shared_blocks=10, num_blocks=64),
     # Ten members of 8 query heads per KV head (80 rows, padded to 96 for the products), blocks
     # of 8 and 21 shared of them (168 keys, of which 160 shared: a multiple of 16).
