@@ -456,19 +456,6 @@ inline int64_t decode_slot(int64_t d) {
   return block * 32 + (i < 4 ? 4 * lane + i : 16 + 4 * lane + i - 4);
 }
 
-// Row r's query: pairs of bf16 as they came where the products take them (`dot_bf16`), else
-// fp32 with the scale folded in.
-template <typename scalar_t, bool dot_bf16>
-inline void load_query(Rows& rows, uint32_t* query_pairs, int64_t r, const scalar_t* source,
-                       float scale) {
-  const int64_t dim = rows.dim;
-  if constexpr (dot_bf16) {
-    std::memcpy(query_pairs + r * dim / 2, source, dim * sizeof(scalar_t));
-  } else {
-    for (int64_t d = 0; d < dim; ++d) rows.q[r * dim + d] = to_float(source[d]) * scale;
-  }
-}
-
 // Keys [from, to) of KV head `kv_head`, read through `block_table`, into `rows`: chunks of
 // kLanes keys, the next one prefetched (it usually sits in another block, somewhere else in the
 // pool, so decode is not a chain of cache misses). Keys at or past `context_len` are unseen.
@@ -652,7 +639,30 @@ void attend_shared_piece(const Geometry& g, SharedPrefixes& shared, const WorkIt
 // A member's rows start from the merged states of its group's pieces (`decode_layout`: the
 // accumulators in decode_slot order).
 void start_from_shared(Rows& rows, SharedPrefixes& shared, const SharedGroup& group,
-                       int64_t member, int64_t kv_head, bool decode_layout);
+                       int64_t member, int64_t kv_head, bool decode_layout) {
+  const int64_t dim = rows.dim;
+  for (int64_t r = 0; r < rows.count; ++r) {
+    const int64_t row = member * rows.count + r;  // the member's row in the group's pieces
+    float best = kMasked;
+    for (int64_t p = 0; p < group.pieces; ++p) {
+      best = std::max(best, shared.piece_state(group, kv_head, p, dim)[row]);
+    }
+    float sum = 0.0f;
+    float* acc = rows.acc.data() + r * dim;
+    for (int64_t p = 0; p < group.pieces; ++p) {
+      const float* state = shared.piece_state(group, kv_head, p, dim);
+      if (state[row] <= kMasked) continue;
+      const float weight = std::exp(state[row] - best);
+      sum += weight * state[group.rows + row];
+      const float* piece_acc = state + 2 * group.rows + row * dim;
+      for (int64_t d = 0; d < dim; ++d) {
+        acc[decode_layout ? decode_slot(d) : d] += weight * piece_acc[d];
+      }
+    }
+    rows.max[r] = best;
+    rows.sum[r] = sum;
+  }
+}
 
 template <typename scalar_t>
 void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
@@ -670,9 +680,12 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
   for (int64_t r = 0; r < rows.count; ++r) {
     const int64_t token = query_start + item.first_token + r / group;
     const int64_t head = item.kv_head * group + r % group;
-    load_query<scalar_t, dot_bf16>(rows, query_pairs.data(), r,
-                                   query + token * g.q_stride_token + head * g.q_stride_head,
-                                   g.scale);
+    const scalar_t* source = query + token * g.q_stride_token + head * g.q_stride_head;
+    if (dot_bf16) {
+      std::memcpy(query_pairs.data() + r * dim / 2, source, dim * sizeof(scalar_t));
+    } else {
+      for (int64_t d = 0; d < dim; ++d) rows.q[r * dim + d] = to_float(source[d]) * g.scale;
+    }
     rows.position[r] = first_position + r / group;
   }
   const int64_t last_position = first_position + item.tokens - 1;
@@ -702,32 +715,6 @@ void attend_item(const Geometry& g, const WorkItem& item, const scalar_t* query,
       const int64_t slot = decode_layout ? decode_slot(d) : d;
       target[d] = static_cast<scalar_t>(rows.acc[r * dim + slot] * inverse);
     }
-  }
-}
-
-void start_from_shared(Rows& rows, SharedPrefixes& shared, const SharedGroup& group,
-                       int64_t member, int64_t kv_head, bool decode_layout) {
-  const int64_t dim = rows.dim;
-  for (int64_t r = 0; r < rows.count; ++r) {
-    const int64_t row = member * rows.count + r;  // the member's row in the group's pieces
-    float best = kMasked;
-    for (int64_t p = 0; p < group.pieces; ++p) {
-      best = std::max(best, shared.piece_state(group, kv_head, p, dim)[row]);
-    }
-    float sum = 0.0f;
-    float* acc = rows.acc.data() + r * dim;
-    for (int64_t p = 0; p < group.pieces; ++p) {
-      const float* state = shared.piece_state(group, kv_head, p, dim);
-      if (state[row] <= kMasked) continue;
-      const float weight = std::exp(state[row] - best);
-      sum += weight * state[group.rows + row];
-      const float* piece_acc = state + 2 * group.rows + row * dim;
-      for (int64_t d = 0; d < dim; ++d) {
-        acc[decode_layout ? decode_slot(d) : d] += weight * piece_acc[d];
-      }
-    }
-    rows.max[r] = best;
-    rows.sum[r] = sum;
   }
 }
 
