@@ -1,4 +1,4 @@
-"""Shared plumbing for benchmarks: JSON output and optional PNG plots."""
+"""Shared plumbing for benchmarks: JSON output, optional PNG plots, a model's KV size."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 BENCH_MODEL = "tiny-chat"
 
@@ -24,6 +25,15 @@ def machine() -> dict[str, Any]:
         "cpu_threads": torch.get_num_threads(),
         "machine": platform.machine(),
     }
+
+
+def fp32_kv_bytes_per_token(model_dir: Path) -> int:
+    """The KV bytes one token takes in every layer of this model, in fp32."""
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return int(config.num_hidden_layers * 2 * kv_heads * head_dim * 4)
 
 
 def emit(result: Mapping[str, Any], as_json: bool, out: str | None) -> None:

