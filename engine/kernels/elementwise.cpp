@@ -118,9 +118,23 @@ void silu_and_mul_rows(const scalar_t* g, const scalar_t* u, int64_t stride, int
 }
 
 // x * cos + rotate_half(x) * sin for one head, rotate_half(x) = (-x[half:], x[:half]); each
-// product and the sum rounded to the dtype, as torch's three ops round them.
+// product and the sum rounded to the dtype, as torch's three ops round them. Whole vectors
+// where half the head is a multiple of 16 wide, else one element at a time (the same
+// arithmetic).
 template <typename scalar_t>
 inline void rotate_head(scalar_t* x, const scalar_t* cos, const scalar_t* sin, int64_t half) {
+  if (half % kLanes == 0) {
+    for (int64_t i = 0; i < half; i += kLanes) {
+      const vfloat first = load(x + i), second = load(x + i + half);
+      const vfloat a = round_to(first * load(cos + i), x);
+      const vfloat b = round_to(-second * load(sin + i), x);
+      const vfloat c = round_to(second * load(cos + i + half), x);
+      const vfloat d = round_to(first * load(sin + i + half), x);
+      store(x + i, a + b);
+      store(x + i + half, c + d);
+    }
+    return;
+  }
   for (int64_t i = 0; i < half; ++i) {
     const float first = static_cast<float>(x[i]), second = static_cast<float>(x[i + half]);
     const float a = static_cast<float>(static_cast<scalar_t>(first * static_cast<float>(cos[i])));

@@ -11,7 +11,9 @@
 //   2. Attend: work items of (sequence, KV head, up to kRowTarget query rows) run a flash
 //      attention over the key tiles a row can see: S = Q K^T in fp32, an online softmax per row
 //      (one max and one sum per row and tile), P rounded to bf16 (as GPU flash attention does),
-//      and O += P V in fp32; the output is O / sum.
+//      and O += P V in fp32; the output is O / sum. On the causal diagonal a tile is cut after
+//      the last key the item's rows can see (rounded up to kKeyStep): the cut keys are masked
+//      for every row, so the result is the same, with about a tenth less work in a prefill.
 //
 // attend_shared_tile runs step 2 for one tile of keys that several decoding sequences' tables
 // share, with all their query heads as rows, and returns the rows' softmax state instead of
@@ -40,6 +42,9 @@ namespace {
 
 constexpr int64_t kKeyTile = kMatrixKeyTile;
 constexpr int64_t kRowTarget = 96;  // query rows (tokens x group) per work item
+// A tile's products and softmax stop at a multiple of this: 8 widths a tile, so few shapes of
+// micro-kernel (torch compiles one per shape and thread and keeps it).
+constexpr int64_t kKeyStep = 32;
 
 std::atomic<bool> enabled{true};
 
@@ -111,19 +116,27 @@ struct Scratch {
   }
 };
 
-// S of one row -> bf16 probabilities, with the running max and sum updated and the row's
-// accumulator rescaled; keys outside [lowest, position] are masked.
-void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, float scale,
-                 int64_t window) {
+// The keys of the tile from `first_key` that rows up to `last_position` can see, rounded up to
+// kKeyStep: on the causal diagonal the rest of the tile is masked for every row, so its
+// products and softmax are skipped (they would add exact zeros).
+int64_t visible_keys(int64_t first_key, int64_t last_position) {
+  const int64_t keys = std::min<int64_t>(kKeyTile, last_position + 1 - first_key);
+  return (keys + kKeyStep - 1) / kKeyStep * kKeyStep;
+}
+
+// The first `keys` scores of one row -> bf16 probabilities, with the running max and sum
+// updated and the row's accumulator rescaled; keys outside [lowest, position] are masked.
+void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, int64_t keys,
+                 float scale, int64_t window) {
   const int64_t position = s.position[r];
   const int64_t lowest = window > 0 ? position - window + 1 : 0;
-  const bool whole = first_key >= lowest && first_key + kKeyTile - 1 <= position;
+  const bool whole = first_key >= lowest && first_key + keys - 1 <= position;
   const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   float* scores = s.scores.data() + r * kKeyTile;
   uint16_t* probabilities = s.probabilities.data() + r * kKeyTile;
   vfloat chunks[kKeyTile / kLanes];
   vfloat best = splat(kMasked);
-  for (int64_t c = 0; c < kKeyTile / kLanes; ++c) {
+  for (int64_t c = 0; c < keys / kLanes; ++c) {
     vfloat x = load(scores + c * kLanes) * scale;
     if (!whole) {
       const vfloat key = lane + static_cast<float>(first_key + c * kLanes);
@@ -136,14 +149,14 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, float sc
   }
   const float tile_max = lanes_max(best);
   if (tile_max <= kMasked) {
-    std::memset(probabilities, 0, kKeyTile * 2);
+    std::memset(probabilities, 0, keys * 2);
     return;
   }
   const float new_max = std::max(s.max[r], tile_max);
   const float correction = new_max == s.max[r] ? 1.0f : std::exp(s.max[r] - new_max);
   s.max[r] = new_max;
   vfloat total = splat(0.0f);
-  for (int64_t c = 0; c < kKeyTile / kLanes; ++c) {
+  for (int64_t c = 0; c < keys / kLanes; ++c) {
     const vfloat p = chunks[c] > splat(kMasked) ? vexp(chunks[c] - new_max) : splat(0.0f);
     total += p;
     store_bf16(probabilities + c * kLanes, p);
@@ -155,18 +168,18 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, float sc
   }
 }
 
-// The `rows` rows of `s` over one packed key tile whose first key is `first_key`: S = Q K^T,
-// the online softmax, O += P V.
-void attend_tile(const Geometry& g, Scratch& s, int64_t rows, int64_t first_key,
+// The `rows` rows of `s` over the first `keys` keys of one packed key tile whose first key is
+// `first_key`: S = Q K^T, the online softmax, O += P V.
+void attend_tile(const Geometry& g, Scratch& s, int64_t rows, int64_t first_key, int64_t keys,
                  const uint32_t* key_tile) {
   const int64_t dim = g.head_dim;
   const uint32_t* value_tile = key_tile + dim / 2 * kKeyTile;
-  at::native::cpublas::brgemm(rows, kKeyTile, dim, dim, kKeyTile, kKeyTile, false,
+  at::native::cpublas::brgemm(rows, keys, dim, dim, kKeyTile, kKeyTile, false,
                               reinterpret_cast<const c10::BFloat16*>(s.q.data()),
                               reinterpret_cast<const c10::BFloat16*>(key_tile), s.scores.data(),
                               true);
-  for (int64_t r = 0; r < rows; ++r) softmax_row(s, r, dim, first_key, g.scale, g.window);
-  at::native::cpublas::brgemm(rows, dim, kKeyTile, kKeyTile, dim, dim, true,
+  for (int64_t r = 0; r < rows; ++r) softmax_row(s, r, dim, first_key, keys, g.scale, g.window);
+  at::native::cpublas::brgemm(rows, dim, keys, kKeyTile, dim, dim, true,
                               reinterpret_cast<const c10::BFloat16*>(s.probabilities.data()),
                               reinterpret_cast<const c10::BFloat16*>(value_tile), s.acc.data(),
                               true);
@@ -189,7 +202,7 @@ void attend_item(const Geometry& g, const WorkItem& item, const Packed& p, Scrat
   const int64_t lowest = g.window > 0 ? std::max<int64_t>(0, first_position - g.window + 1) : 0;
   const int64_t tile_words = dim * kKeyTile;
   for (int64_t tile = lowest / kKeyTile; tile * kKeyTile <= last_position; ++tile) {
-    attend_tile(g, s, rows, tile * kKeyTile,
+    attend_tile(g, s, rows, tile * kKeyTile, visible_keys(tile * kKeyTile, last_position),
                 p.packed + (item.kv_head * p.tiles + tile - p.first_tile) * tile_words);
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -227,7 +240,7 @@ void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, 
     if (r < rows) std::memcpy(s.q.data() + r * dim, queries[r], dim * 2);
     s.position[r] = end - 1;  // ...and masked: every row sees the tile's keys up to `end`
   }
-  attend_tile(g, s, padded, first, tile.data());
+  attend_tile(g, s, padded, first, visible_keys(first, end - 1), tile.data());
   at::native::cpublas::brgemm_release(true);
   std::copy(s.max.begin(), s.max.begin() + rows, state);
   std::copy(s.sum.begin(), s.sum.begin() + rows, state + rows);

@@ -53,7 +53,7 @@ def test_gated_silu_on_a_fused_product_equals_silu_of_gate_times_up(dtype: torch
 
 
 @DTYPES
-@pytest.mark.parametrize("head_dim", [16, 64])
+@pytest.mark.parametrize("head_dim", [16, 64, 128])  # element by element; one, two vectors
 def test_rotary_rotates_queries_and_keys_in_place_and_leaves_values(
     dtype: torch.dtype, head_dim: int
 ) -> None:
@@ -69,6 +69,9 @@ def test_rotary_rotates_queries_and_keys_in_place_and_leaves_values(
     values = qkv[:, (q_heads + kv_heads) * head_dim :].clone()
     torch.ops.prefixgate.rotary_(qkv, cos, sin, q_heads + kv_heads, head_dim)
     rotated = qkv.view(tokens, -1, head_dim).transpose(0, 1)[None]
+    if dtype == torch.bfloat16:  # rounded where torch's ops round: the same bits
+        assert torch.equal(rotated[:, :q_heads], expected_q)
+        assert torch.equal(rotated[:, q_heads : q_heads + kv_heads], expected_k)
     tolerance = TOLERANCE[dtype]
     torch.testing.assert_close(rotated[:, :q_heads], expected_q, atol=tolerance, rtol=tolerance)
     torch.testing.assert_close(
