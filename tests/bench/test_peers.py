@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -152,3 +154,65 @@ def test_targets_judge_the_ratio_of_medians_and_report_the_paired_samples_range(
     assert checks["cold_ttft"]["paired_range"] == pytest.approx([0.8, 1.2])
     assert checks["cold_ttft"]["met"] is True
     assert ratios_to(vllm, mine)["cold_ttft"]["met"] is False
+
+
+# A stand-in for a vLLM interpreter (vLLM itself is not installed here): it speaks
+# bench/vllm_runner.py's protocol, answering each phase with tokens 0.01 s apart, and exits
+# with status 3 instead of answering the phase named in its environment, if any.
+STAND_IN = """#!{python}
+import json, os, sys
+workload = json.load(open(sys.argv[2]))
+prompts = {{phase["name"]: phase["prompts"] for phase in workload["phases"]}}
+print(json.dumps({{"dtype": "float32", "vllm": "stand-in", "startup_s": 0.0}}), flush=True)
+for line in sys.stdin:
+    name = line.strip()
+    if name == os.environ.get("STAND_IN_DIES_AT"):
+        sys.exit(3)
+    n = workload["output_tokens"]
+    trace = {{"times": [0.01 * (i + 1) for i in range(n)], "token_ids": list(range(n)),
+             "cached_tokens": 0}}
+    print(json.dumps({{"traces": [trace for _ in prompts[name]]}}), flush=True)
+"""
+
+
+def stand_in_vllm(tmp_path: Path) -> str:
+    path = tmp_path / "vllm-python"
+    path.write_text(STAND_IN.format(python=sys.executable))
+    path.chmod(0o755)
+    return str(path)
+
+
+def tiny_vllm_run(tiny_chat_dir: Path, python: str) -> dict[str, Any]:
+    return main(
+        ["--model", str(tiny_chat_dir), "--engines", "engine,vllm", "--vllm-python", python,
+         "--dtype", "float32", "--prefix-tokens", "32", "--unique-tokens", "16",
+         "--output-tokens", "3", "--concurrency", "2", "--samples", "2"]
+    )  # fmt: skip
+
+
+def test_a_vllm_peer_answers_phase_by_phase_and_each_target_has_its_paired_range(
+    tiny_chat_dir: Path, tmp_path: Path
+) -> None:
+    result = tiny_vllm_run(tiny_chat_dir, stand_in_vllm(tmp_path))
+    assert result["failed"] == {}
+    vllm = result["engines"]["vllm_caching_on"]
+    assert vllm["cold_ttft_s"] == pytest.approx(0.01)  # its first token, in every cold phase
+    assert len(vllm["samples"]["cold_ttft_s"]) == 2 and len(vllm["samples"]["at_once_tok_s"]) == 2
+    assert vllm["notes"]["vllm"] == "stand-in"
+    checks = result["targets"]["prefixgate_engine"]
+    ratios = {"cold_ttft", "warm_ttft", "single_stream_decode", "at_once_throughput"}
+    assert set(checks) == ratios | {"decode_2_vs_1_stream"}
+    for name in ratios:
+        low, high = checks[name]["paired_range"]
+        assert 0 < low <= high, name
+
+
+def test_a_vllm_peer_that_dies_midway_is_reported_and_the_engine_finishes(
+    tiny_chat_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STAND_IN_DIES_AT", "warm-1")
+    result = tiny_vllm_run(tiny_chat_dir, stand_in_vllm(tmp_path))
+    assert set(result["engines"]) == {"prefixgate_engine"}
+    assert set(result["failed"]) == {"vllm_caching_off", "vllm_caching_on"}
+    assert all("exit status 3" in error for error in result["failed"].values())
+    assert result["engines"]["prefixgate_engine"]["samples"]["warm_ttft_s"]  # all phases ran
