@@ -20,8 +20,12 @@ Every runner reports the times at which each token reached its client:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -56,6 +60,7 @@ TENANT = "bench"
 GIB = 1 << 30
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 VLLM_RUNNER = Path(__file__).with_name("vllm_runner.py")
+ANSWER_TIMEOUT_S = 900  # vLLM's start-up (compiling its graphs) or one phase, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,14 +250,20 @@ class ApiRunner(Runner):
         pool = workload.kv_cache_gib * GIB
         quota = pool // (16 * fp32_kv_bytes_per_token(workload.model_dir))  # the pool, in fp32
         seqs = max(64, workload.concurrency)
-        self.server = served_gateway(workload.model_dir, pool, self.dtype, quota, seqs, TENANT)
-        url, key = self.server.__enter__()
+        server = served_gateway(workload.model_dir, pool, self.dtype, quota, seqs, TENANT)
+        url, key = server.__enter__()
+        self.server = server  # entered: close() exits it
         self.loop = asyncio.Runner()
         headers = {"Authorization": f"Bearer {key}"}
         limits = httpx.Limits(max_connections=workload.concurrency + 4)
         self.client = httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits)
-        self.model = self.loop.run(self.client.get("/v1/models")).json()["data"][0]["id"]
-        self.ready = self.loop.run(self.client.get("/readyz")).json()
+        self.model = self.get("/v1/models")["data"][0]["id"]
+        self.ready = self.get("/readyz")
+
+    def get(self, path: str) -> Any:
+        response = self.loop.run(self.client.get(path))
+        response.raise_for_status()
+        return response.json()
 
     def run_phase(self, phase: Phase) -> list[Trace]:
         return self.loop.run(self.stream_phase(phase))
@@ -290,13 +301,17 @@ class ApiRunner(Runner):
         return trace
 
     def close(self) -> None:
-        if loop := getattr(self, "loop", None):
-            loop.run(self.client.aclose())
-            loop.close()
-            del self.loop
-        if server := getattr(self, "server", None):
-            del self.server
-            server.__exit__(None, None, None)
+        loop = self.__dict__.pop("loop", None)  # taken: a second close() does nothing
+        server = self.__dict__.pop("server", None)
+        try:
+            if loop is not None:
+                try:
+                    loop.run(self.client.aclose())
+                finally:
+                    loop.close()
+        finally:
+            if server is not None:  # the server stops even if the client did not close
+                server.__exit__(None, None, None)
 
     def result(self) -> EngineRun:
         every = [trace for phase in self.traces.values() for trace in phase]
@@ -338,13 +353,19 @@ class VllmRunner(Runner):
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            start_new_session=True,  # its own process group: vLLM's engine processes with it
         )
         self.notes = self.receive()  # vLLM's version, dtype, start-up time, settings
 
     def receive(self) -> dict[str, Any]:
-        """The runner's next line; its exit status as an error if it ends instead."""
+        """The runner's next line; its exit status as an error if it ends instead, a
+        TimeoutError if it says nothing for ANSWER_TIMEOUT_S."""
         stdout: IO[str] | None = self.process.stdout
-        line = stdout.readline() if stdout else ""
+        assert stdout is not None
+        readable, _, _ = select.select([stdout], [], [], ANSWER_TIMEOUT_S)
+        if not readable:
+            raise TimeoutError(f"{self.name} said nothing for {ANSWER_TIMEOUT_S} s")
+        line = stdout.readline()  # the runner writes whole lines
         if not line:
             raise subprocess.CalledProcessError(self.process.wait(), self.command)
         answer: dict[str, Any] = json.loads(line)
@@ -363,20 +384,21 @@ class VllmRunner(Runner):
         ]
 
     def close(self) -> None:
-        if process := getattr(self, "process", None):
-            del self.process
-            if process.stdin:
-                process.stdin.close()  # the runner's cue to exit
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            if process.stdout:
+        process = self.__dict__.pop("process", None)  # taken: a second close() does nothing
+        scratch = self.__dict__.pop("scratch", None)
+        try:
+            if process is not None:
+                with contextlib.suppress(BrokenPipeError):  # it may have died already
+                    process.stdin.close()  # the runner's cue to exit
+                try:
+                    process.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)  # the runner and vLLM's engine
+                    process.wait()
                 process.stdout.close()
-        if scratch := getattr(self, "scratch", None):
-            del self.scratch
-            scratch.cleanup()
+        finally:
+            if scratch is not None:
+                scratch.cleanup()
 
     def result(self) -> EngineRun:
         notes = dict(self.notes)

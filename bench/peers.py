@@ -22,10 +22,13 @@ then each phase runs on every engine in turn, the order rotated by one engine pe
 the next phase starts. The machines this runs on change speed by up to 2x within minutes; run
 one engine after another and that drift lands in the ratios. Interleaved, an engine's sample
 and its peer's are seconds apart, and each target reports the range of those paired ratios
-beside the ratio of the medians. Between two turns the bench waits until the CPUs have been
-idle for a quarter of a second: vLLM's processes stay busy for about a second after a phase's
-last token, and whichever engine ran next would pay for it. Each engine's notes say how long
-the machine stayed busy after its phases (`busy_after_phases_s`).
+beside the ratio of the medians. Between two turns the bench waits until this process's CPUs
+have been 90% idle for a quarter of a second (10 s at most): vLLM's processes stay busy for
+about a second after a phase's last token, and whichever engine ran next would pay for it.
+Each engine's notes say how long the machine stayed busy after its phases
+(`busy_after_phases_s`) and after how many it did not settle within the 10 s. All engines stay
+loaded for the whole run: memory for each one's model and KV pool at once. The result is
+written at the end; a run killed midway leaves nothing, as every metric needs every phase.
 
 Metrics per engine: cold and warm TTFT (medians), single-stream decode tok/s (tokens after the
 first over the time after it, median of the warm requests), 16-at-once (prompt + output
@@ -204,9 +207,9 @@ def measure(
     medians = {metric: statistics.median(values) for metric, values in samples.items()}
     aggregate: dict[int, float | None] = {1: medians["decode_tok_s"]}
     for width in sorted({len(phase.prompts) for phase in streams}):
-        rates = [aggregate_decode(run.traces[phase.name]) for phase in streams]
-        measured = [rate for phase, rate in zip(streams, rates, strict=True)
-                    if rate is not None and len(phase.prompts) == width]  # fmt: skip
+        phases = [phase for phase in streams if len(phase.prompts) == width]
+        rates = [aggregate_decode(run.traces[phase.name]) for phase in phases]
+        measured = [rate for rate in rates if rate is not None]
         aggregate[width] = statistics.median(measured) if measured else None
     shared = [t for phase in warm + streams for t in run.traces[phase.name]]
     cached = [t.cached_tokens for t in shared if t.cached_tokens is not None]
@@ -332,11 +335,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-def settle(idle: float = 0.9, limit_s: float = 10.0) -> float:
-    """Wait until the machine's CPUs were `idle` (a fraction) over a whole SETTLE_WINDOW_S, at
-    most `limit_s`; the seconds waited. An engine can go on working after its last token (its
-    threads spinning down, its bookkeeping), and whichever engine ran next would pay for it.
-    """
+def settle(idle: float = 0.9, limit_s: float = 10.0) -> tuple[float, bool]:
+    """Wait until this process's CPUs were `idle` (a fraction) over a whole SETTLE_WINDOW_S, or
+    `limit_s` has passed; the seconds waited and whether they settled. An engine can go on
+    working after its last token (its threads spinning down, its bookkeeping), and whichever
+    engine ran next would pay for it."""
     started = time.monotonic()
     while time.monotonic() - started < limit_s:
         before = cpu_times()
@@ -344,23 +347,32 @@ def settle(idle: float = 0.9, limit_s: float = 10.0) -> float:
         after = cpu_times()
         busy, total = after[0] - before[0], after[1] - before[1]
         if total > 0 and busy / total <= 1 - idle:
-            break
-    return time.monotonic() - started
+            return time.monotonic() - started, True
+    return time.monotonic() - started, False
 
 
 def cpu_times() -> tuple[int, int]:
-    """All CPUs' busy and total time so far, in clock ticks (/proc/stat's first line)."""
+    """The busy and total clock ticks so far of the CPUs this process may run on (/proc/stat's
+    per-CPU lines). Busy: user, nice, system, irq, softirq; with idle and iowait, the total.
+    Steal (time the hypervisor gave another guest) is neither: it is not this machine's work."""
+    mine = {f"cpu{cpu}" for cpu in os.sched_getaffinity(0)}
+    busy = total = 0
     with open("/proc/stat") as stat:
-        ticks = [int(field) for field in stat.readline().split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle, iowait
-    return sum(ticks) - idle, sum(ticks)
+        for line in stat:
+            name, *fields = line.split()
+            if name in mine:
+                user, nice, system, idle, iowait, irq, softirq = map(int, fields[:7])
+                busy += user + nice + system + irq + softirq
+                total += user + nice + system + idle + iowait + irq + softirq
+    return busy, total
 
 
 def interleave(
     workload: Workload, reference: Runner, peers: Sequence[Runner]
 ) -> tuple[list[EngineRun], dict[str, str]]:
     """Start every engine, then run each phase on each in turn; the reference's run first.
-    A peer that fails is closed and reported by name; the reference's failure is raised."""
+    A peer that fails is closed and reported by name; the reference's failure is raised.
+    Every engine started is closed at the end, whatever fails."""
     failed: dict[str, str] = {}
     running = [reference]
 
@@ -372,8 +384,8 @@ def interleave(
                 raise
             failed[runner.name] = f"{type(error).__name__}: {error}"
             print(f"{runner.name} failed to {action}; the others go on: {error}", file=sys.stderr)
-            runner.close()
             running.remove(runner)
+            close(runner)
 
     try:
         reference.start()
@@ -381,19 +393,32 @@ def interleave(
             running.append(runner)
             attempt(runner, "start", runner.start)
         settle()
-        busy_after: dict[str, float] = {runner.name: 0.0 for runner in running}
+        busy_after = {runner.name: 0.0 for runner in running}
+        unsettled = {runner.name: 0 for runner in running}
         for index, phase in enumerate(tqdm(workload.phases, desc="phases", file=sys.stderr)):
             turn = index % len(running)
             for runner in running[turn:] + running[:turn]:
                 attempt(runner, f"run {phase.name}", partial(runner.run, phase))
-                busy_after[runner.name] += settle() - SETTLE_WINDOW_S
+                waited, settled = settle()
+                busy_after[runner.name] += waited - SETTLE_WINDOW_S
+                unsettled[runner.name] += not settled
         runs = [runner.result() for runner in running]
         for run in runs:  # how long the machine stayed busy after the engine's phases ended
             run.notes["busy_after_phases_s"] = round(busy_after[run.name], 2)
+            run.notes["phases_not_settled_after"] = unsettled[run.name]
         return runs, failed
     finally:
         for runner in running:
-            runner.close()
+            close(runner)
+
+
+def close(runner: Runner) -> None:
+    """`runner.close()`; an error in it is reported, not raised, so the others still close
+    and the error that ended the bench, if one did, is the one that shows."""
+    try:
+        runner.close()
+    except Exception as error:  # reported: the others still close
+        print(f"{runner.name} did not close cleanly: {error!r}", file=sys.stderr)
 
 
 def report(

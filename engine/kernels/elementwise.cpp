@@ -117,10 +117,11 @@ void silu_and_mul_rows(const scalar_t* g, const scalar_t* u, int64_t stride, int
   });
 }
 
-// x * cos + rotate_half(x) * sin for one head, rotate_half(x) = (-x[half:], x[:half]); each
-// product and the sum rounded to the dtype, as torch's three ops round them. Whole vectors
-// where half the head is a multiple of 16 wide, else one element at a time (the same
-// arithmetic).
+// x * cos + rotate_half(x) * sin for one head, rotate_half(x) = (-x[half:], x[:half]); in bf16
+// each product and the sum rounded, as torch's three ops round them (the same bits; in fp32 the
+// compiler may fuse a product into the sum). Whole vectors where half the head is a multiple
+// of 16 wide, else one element at a time; the vector rounding flushes subnormal products to
+// zero where the element-wise one keeps them.
 template <typename scalar_t>
 inline void rotate_head(scalar_t* x, const scalar_t* cos, const scalar_t* sin, int64_t half) {
   if (half % kLanes == 0) {

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from bench import peers
 from bench.peer_runners import EngineRun, Phase, Runner, Trace, Workload
 from bench.peers import (
     EngineResult,
@@ -83,10 +84,12 @@ def test_a_peer_that_fails_is_reported_and_the_others_are_kept(
 class Logged(Runner):
     """A runner that notes each phase it runs in a log shared with the other runners."""
 
-    def __init__(self, name: str, log: list[str], fails_at: str | None = None) -> None:
+    def __init__(
+        self, name: str, log: list[str], fails_at: str | None = None, close_fails: bool = False
+    ) -> None:
         workload = Workload(Path("."), [], PHASES, 2, 1, 1)
         super().__init__(workload, "float32")
-        self.name, self.log, self.fails_at = name, log, fails_at
+        self.name, self.log, self.fails_at, self.close_fails = name, log, fails_at, close_fails
 
     def start(self) -> None:
         self.log.append(f"{self.name} start")
@@ -99,6 +102,8 @@ class Logged(Runner):
 
     def close(self) -> None:
         self.log.append(f"{self.name} close")
+        if self.close_fails:
+            raise OSError("pipe already gone")
 
     def result(self) -> EngineRun:
         return EngineRun(self.name, "float32", self.traces)
@@ -107,6 +112,13 @@ class Logged(Runner):
 PHASES = [Phase(name, "cold", [[1]]) for name in ("a", "b", "c")]
 
 
+@pytest.fixture
+def no_settling(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduling tests need no idle CPUs between turns."""
+    monkeypatch.setattr("bench.peers.settle", lambda: (peers.SETTLE_WINDOW_S, True))
+
+
+@pytest.mark.usefixtures("no_settling")
 def test_each_phase_runs_on_every_engine_before_the_next_starts_in_rotated_order() -> None:
     log: list[str] = []
     engines = [Logged(name, log) for name in ("ref", "x", "y")]
@@ -122,6 +134,7 @@ def test_each_phase_runs_on_every_engine_before_the_next_starts_in_rotated_order
     assert list(runs[1].traces) == ["a", "b", "c"]
 
 
+@pytest.mark.usefixtures("no_settling")
 def test_a_peer_failing_midway_is_closed_and_dropped_and_the_others_finish() -> None:
     log: list[str] = []
     reference, broken, steady = Logged("ref", log), Logged("x", log, "b"), Logged("y", log)
@@ -132,11 +145,14 @@ def test_a_peer_failing_midway_is_closed_and_dropped_and_the_others_finish() -> 
     assert list(runs[1].traces) == ["a", "b", "c"]
 
 
-def test_the_reference_failing_fails_the_bench() -> None:
+@pytest.mark.usefixtures("no_settling")
+def test_the_reference_failing_fails_the_bench_and_every_engine_is_closed() -> None:
     log: list[str] = []
-    with pytest.raises(RuntimeError, match="stream broke"):
-        interleave(Workload(Path("."), [], PHASES, 2, 1, 1), Logged("ref", log, "b"), [])
-    assert log[-1] == "ref close"
+    reference = Logged("ref", log, "b", close_fails=True)
+    others = [Logged("x", log, close_fails=True), Logged("y", log)]
+    with pytest.raises(RuntimeError, match="stream broke"):  # not the close's OSError
+        interleave(reference.workload, reference, others)
+    assert log[-3:] == ["ref close", "x close", "y close"]
 
 
 def sampled(cold: list[float]) -> EngineResult:
@@ -157,8 +173,9 @@ def test_targets_judge_the_ratio_of_medians_and_report_the_paired_samples_range(
 
 
 # A stand-in for a vLLM interpreter (vLLM itself is not installed here): it speaks
-# bench/vllm_runner.py's protocol, answering each phase with tokens 0.01 s apart, and exits
-# with status 3 instead of answering the phase named in its environment, if any.
+# bench/vllm_runner.py's protocol, answering each phase with tokens 0.01 s apart. It exits with
+# status 3 instead of answering the phase named STAND_IN_DIES_AT, or right after answering the
+# one named STAND_IN_EXITS_AFTER (so that it is gone before its next turn).
 STAND_IN = """#!{python}
 import json, os, sys
 workload = json.load(open(sys.argv[2]))
@@ -172,6 +189,8 @@ for line in sys.stdin:
     trace = {{"times": [0.01 * (i + 1) for i in range(n)], "token_ids": list(range(n)),
              "cached_tokens": 0}}
     print(json.dumps({{"traces": [trace for _ in prompts[name]]}}), flush=True)
+    if name == os.environ.get("STAND_IN_EXITS_AFTER"):
+        sys.exit(3)
 """
 
 
@@ -207,10 +226,13 @@ def test_a_vllm_peer_answers_phase_by_phase_and_each_target_has_its_paired_range
         assert 0 < low <= high, name
 
 
+@pytest.mark.parametrize(
+    "how", [("STAND_IN_DIES_AT", "warm-1"), ("STAND_IN_EXITS_AFTER", "cold-0")]
+)
 def test_a_vllm_peer_that_dies_midway_is_reported_and_the_engine_finishes(
-    tiny_chat_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_chat_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: tuple[str, str]
 ) -> None:
-    monkeypatch.setenv("STAND_IN_DIES_AT", "warm-1")
+    monkeypatch.setenv(*how)  # dies in its own turn, or between its turns
     result = tiny_vllm_run(tiny_chat_dir, stand_in_vllm(tmp_path))
     assert set(result["engines"]) == {"prefixgate_engine"}
     assert set(result["failed"]) == {"vllm_caching_off", "vllm_caching_on"}
