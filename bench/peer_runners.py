@@ -50,6 +50,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_spec import dtype_name
 from engine.model_loader import load_model
+from engine.openmp import foreign_environment
 from engine.precision import resolve_dtype
 from engine.request import GenerationDelta, GenerationRequest
 from engine.sampler import SamplingParams
@@ -350,6 +351,7 @@ class VllmRunner(Runner):
         self.process = subprocess.Popen(
             self.command,
             cwd=self.scratch.name,
+            env=foreign_environment(),  # vLLM's own OpenMP defaults, not PrefixGate's
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

@@ -15,11 +15,16 @@ with `RequestOutputKind.DELTA`) and its `step()` loop is run here, as `LLM.gener
 Each new token is timestamped when `step()` hands it over: the streaming view an in-process
 client would have, like PrefixGate's engine driven by `Engine.step()`.
 
-CPU settings (set only when the caller has not): `VLLM_CPU_OMP_THREADS_BIND` binds the worker's
-OpenMP threads to every CPU this process may use (vLLM's `auto` reserves one core per worker for
-the scheduler process, which on a 2-core machine halves its compute); `VLLM_CPU_KVCACHE_SPACE`
-(GiB) sizes the KV cache like PrefixGate's pool; `VLLM_LOGGING_LEVEL=ERROR` keeps the load-time
-warnings (one per fp32 weight loaded into bf16) out of the benchmark's output.
+`bench.peers` starts it without what PrefixGate's engine adds to the environment
+(`OMP_WAIT_POLICY=PASSIVE`, engine/openmp.py), so vLLM's threads wait between operations as
+vLLM's own defaults have them.
+
+CPU settings (set only when the caller has not): `VLLM_CPU_OMP_THREADS_BIND` binds the
+worker's OpenMP threads to every CPU this process may use (vLLM's `auto` reserves one core per
+worker for the scheduler process, which on a 2-core machine halves its compute);
+`VLLM_CPU_KVCACHE_SPACE` (GiB) sizes the KV cache like PrefixGate's pool;
+`VLLM_LOGGING_LEVEL=ERROR` keeps the load-time warnings (one per fp32 weight loaded into bf16)
+out of the benchmark's output.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ Two measured rules (2-core machine, SmolLM2-135M in bf16):
   everything else (the gateway's event loop, another process); with a second busy process a
   decode step took 0.1-1.2 s with spinning threads and 38 ms with sleeping ones. `defaults()`
   sets `OMP_WAIT_POLICY=PASSIVE` unless the environment says otherwise; it must run before
-  torch is first imported, so `engine/__init__.py` calls it.
+  torch is first imported, so `engine/__init__.py` calls it. `foreign_environment()` is the
+  environment without it, for a process of another program (bench.peers' vLLM), which should
+  wait as its own defaults say.
 - One thread should do the engine's parallel torch work. libgomp keeps a pool of workers per
   thread that starts parallel regions, and while a second pool lives (the thread that loaded
   the model, say) every region is slower to start: a decode step took 30 ms instead of 21 ms.
@@ -23,9 +25,21 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+# The settings `defaults()` put into this process's environment (not those it found there):
+# a child process that is not PrefixGate (a benchmark's peer engine) should not inherit them.
+SET_BY_DEFAULTS: dict[str, str] = {}
+
+
 def defaults() -> None:
     """OpenMP settings the engine wants, unless the environment already chose."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["OMP_WAIT_POLICY"] = SET_BY_DEFAULTS["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
+def foreign_environment() -> dict[str, str]:
+    """This process's environment without what `defaults()` added: for another program's
+    process, which should run with its own defaults."""
+    return {name: value for name, value in os.environ.items() if name not in SET_BY_DEFAULTS}
 
 
 def on_passing_thread(work: Callable[[], T]) -> T:
