@@ -76,6 +76,7 @@ from transformers import AutoTokenizer
 
 from bench.common import emit, fp32_kv_bytes_per_token, machine, plot_bars
 from bench.peer_runners import (
+    GIB,
     ApiRunner,
     EngineRun,
     EngineRunner,
@@ -90,7 +91,6 @@ from engine.model_loader import embedded_model_dir
 from engine.precision import cpu_flags
 
 SEED = 0
-GIB = 1 << 30
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 ENGINES = ("engine", "api", "transformers", "vllm")
 # How a peer fails: its process exits, its server answers with an error, its stream breaks.
