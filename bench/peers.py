@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--unique-tokens", type=int, default=512)
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--samples", type=int, default=3, help="of each measured phase")
+    parser.add_argument("--samples", type=int, default=3, help="runs of each measured phase")
     parser.add_argument("--model", type=Path, help="a model directory (default: embedded)")
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
