@@ -19,8 +19,9 @@ together, in this order:
 
 The engines are interleaved: all of them start first (bench/peer_runners.py, one runner each),
 then each phase runs on every engine in turn, the order rotated by one engine per phase, before
-the next phase starts. The machines this runs on change speed by up to 2x within minutes; run
-one engine after another and that drift lands in the ratios. Interleaved, an engine's sample
+the next phase starts (bench/peer_turns.py). The machines this runs on change speed by up to
+2x within minutes; run one engine after another and that drift lands in the ratios.
+Interleaved, an engine's sample
 and its peer's are seconds apart, and each target reports the range of those paired ratios
 beside the ratio of the medians. Between two turns the bench waits until this process's CPUs
 have been 90% idle for a quarter of a second (10 s at most): vLLM's processes stay busy for
@@ -60,18 +61,12 @@ import argparse
 import os
 import random
 import statistics
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from bench.common import emit, fp32_kv_bytes_per_token, machine, plot_bars
@@ -87,15 +82,13 @@ from bench.peer_runners import (
     VllmRunner,
     Workload,
 )
+from bench.peer_turns import interleave
 from engine.model_loader import embedded_model_dir
 from engine.precision import cpu_flags
 
 SEED = 0
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 ENGINES = ("engine", "api", "transformers", "vllm")
-# How a peer fails: its process exits, its server answers with an error, its stream breaks.
-PEER_ERRORS = (subprocess.CalledProcessError, OSError, ValueError, RuntimeError, httpx.HTTPError)
-SETTLE_WINDOW_S = 0.25  # between two engines' turns: this long with the CPUs idle
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,9 +188,11 @@ def measure(
         return tokens / max(t.times[-1] for t in traces)
 
     warm, streams = workload.of_kind("warm"), workload.of_kind("streams")
-    widest = max((len(phase.prompts) for phase in streams), default=1)
+    by_width: dict[int, list[Phase]] = {}  # streams phases by their number of requests
+    for phase in streams:
+        by_width.setdefault(len(phase.prompts), []).append(phase)
     # At once: the widest streams phases (the warm requests when concurrency is 1).
-    at_once_phases = [phase for phase in streams if len(phase.prompts) == widest] or warm
+    at_once_phases = by_width[max(by_width)] if by_width else warm
     samples = {
         "cold_ttft_s": [first_tokens(phase) for phase in workload.of_kind("cold")],
         "warm_ttft_s": [first_tokens(phase) for phase in warm],
@@ -206,8 +201,7 @@ def measure(
     }
     medians = {metric: statistics.median(values) for metric, values in samples.items()}
     aggregate: dict[int, float | None] = {1: medians["decode_tok_s"]}
-    for width in sorted({len(phase.prompts) for phase in streams}):
-        phases = [phase for phase in streams if len(phase.prompts) == width]
+    for width, phases in sorted(by_width.items()):
         rates = [aggregate_decode(run.traces[phase.name]) for phase in phases]
         measured = [rate for rate in rates if rate is not None]
         aggregate[width] = statistics.median(measured) if measured else None
@@ -333,92 +327,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rates = [engine.at_once_tok_s for engine in results.values()]
         plot_bars(args.plot, title, list(results), rates, "tok/s")
     return result
-
-
-def settle(idle: float = 0.9, limit_s: float = 10.0) -> tuple[float, bool]:
-    """Wait until this process's CPUs were `idle` (a fraction) over a whole SETTLE_WINDOW_S, or
-    `limit_s` has passed; the seconds waited and whether they settled. An engine can go on
-    working after its last token (its threads spinning down, its bookkeeping), and whichever
-    engine ran next would pay for it."""
-    started = time.monotonic()
-    while time.monotonic() - started < limit_s:
-        before = cpu_times()
-        time.sleep(SETTLE_WINDOW_S)
-        after = cpu_times()
-        busy, total = after[0] - before[0], after[1] - before[1]
-        if total > 0 and busy / total <= 1 - idle:
-            return time.monotonic() - started, True
-    return time.monotonic() - started, False
-
-
-def cpu_times() -> tuple[int, int]:
-    """The busy and total clock ticks so far of the CPUs this process may run on (/proc/stat's
-    per-CPU lines). Busy: user, nice, system, irq, softirq; with idle and iowait, the total.
-    Steal (time the hypervisor gave another guest) is neither: it is not this machine's work."""
-    mine = {f"cpu{cpu}" for cpu in os.sched_getaffinity(0)}
-    busy = total = 0
-    with open("/proc/stat") as stat:
-        for line in stat:
-            name, *fields = line.split()
-            if name in mine:
-                user, nice, system, idle, iowait, irq, softirq = map(int, fields[:7])
-                busy += user + nice + system + irq + softirq
-                total += user + nice + system + idle + iowait + irq + softirq
-    return busy, total
-
-
-def interleave(
-    workload: Workload, reference: Runner, peers: Sequence[Runner]
-) -> tuple[list[EngineRun], dict[str, str]]:
-    """Start every engine, then run each phase on each in turn; the reference's run first.
-    A peer that fails is closed and reported by name; the reference's failure is raised.
-    Every engine started is closed at the end, whatever fails."""
-    failed: dict[str, str] = {}
-    running = [reference]
-
-    def attempt(runner: Runner, action: str, step: Callable[[], None]) -> None:
-        try:
-            step()
-        except PEER_ERRORS as error:
-            if runner is reference:
-                raise
-            failed[runner.name] = f"{type(error).__name__}: {error}"
-            print(f"{runner.name} failed to {action}; the others go on: {error}", file=sys.stderr)
-            running.remove(runner)
-            close(runner)
-
-    try:
-        reference.start()
-        for runner in peers:
-            running.append(runner)
-            attempt(runner, "start", runner.start)
-        settle()
-        busy_after = {runner.name: 0.0 for runner in running}
-        unsettled = {runner.name: 0 for runner in running}
-        for index, phase in enumerate(tqdm(workload.phases, desc="phases", file=sys.stderr)):
-            turn = index % len(running)
-            for runner in running[turn:] + running[:turn]:
-                attempt(runner, f"run {phase.name}", partial(runner.run, phase))
-                waited, settled = settle()
-                busy_after[runner.name] += waited - SETTLE_WINDOW_S
-                unsettled[runner.name] += not settled
-        runs = [runner.result() for runner in running]
-        for run in runs:  # how long the machine stayed busy after the engine's phases ended
-            run.notes["busy_after_phases_s"] = round(busy_after[run.name], 2)
-            run.notes["phases_not_settled_after"] = unsettled[run.name]
-        return runs, failed
-    finally:
-        for runner in running:
-            close(runner)
-
-
-def close(runner: Runner) -> None:
-    """`runner.close()`; an error in it is reported, not raised, so the others still close
-    and the error that ended the bench, if one did, is the one that shows."""
-    try:
-        runner.close()
-    except Exception as error:  # reported: the others still close
-        print(f"{runner.name} did not close cleanly: {error!r}", file=sys.stderr)
 
 
 def report(

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 
-from bench import peers
+from bench import peer_turns
 from bench.peer_runners import EngineRun, Phase, Runner, Trace, Workload
+from bench.peer_turns import interleave
 from bench.peers import (
     EngineResult,
     aggregate_decode,
     decode_rate,
-    interleave,
     main,
     ratios_to,
 )
@@ -115,7 +115,7 @@ PHASES = [Phase(name, "cold", [[1]]) for name in ("a", "b", "c")]
 @pytest.fixture
 def no_settling(monkeypatch: pytest.MonkeyPatch) -> None:
     """The scheduling tests need no idle CPUs between turns."""
-    monkeypatch.setattr("bench.peers.settle", lambda: (peers.SETTLE_WINDOW_S, True))
+    monkeypatch.setattr("bench.peer_turns.settle", lambda: (peer_turns.SETTLE_WINDOW_S, True))
 
 
 @pytest.mark.usefixtures("no_settling")
