@@ -27,13 +27,14 @@ T = TypeVar("T")
 
 # The settings `defaults()` put into this process's environment (not those it found there):
 # a child process that is not PrefixGate (a benchmark's peer engine) should not inherit them.
-SET_BY_DEFAULTS: dict[str, str] = {}
+SET_BY_DEFAULTS: set[str] = set()
 
 
 def defaults() -> None:
     """OpenMP settings the engine wants, unless the environment already chose."""
     if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ["OMP_WAIT_POLICY"] = SET_BY_DEFAULTS["OMP_WAIT_POLICY"] = "PASSIVE"
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        SET_BY_DEFAULTS.add("OMP_WAIT_POLICY")
 
 
 def foreign_environment() -> dict[str, str]:
