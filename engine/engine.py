@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import torch
 
 from engine.attention import AttentionBackend, make_backend
-from engine.block_hash import BlockHasher
+from engine.block_hash import BlockHash, BlockHasher
 from engine.block_pool import BlockPool
 from engine.budget import Owner, TenantBudget
 from engine.cache_stats import CacheStats, snapshot
@@ -263,6 +263,27 @@ class Engine:
         """Change a tenant's (or the public) cache budget now; returns blocks evicted."""
         return self._administer(lambda: self.cache.set_budget(owner, budget))
 
+    def set_budgets(self, budgets: abc.Mapping[Owner, TenantBudget]) -> int:
+        """`set_budget` for many owners at one step boundary; returns blocks evicted.
+
+        A budget the pool cannot hold does not stop the others: ValueError names each such
+        owner once the rest are set.
+        """
+        items = list(budgets.items())
+
+        def apply() -> int:
+            evicted, refused = 0, []
+            for owner, budget in items:
+                try:
+                    evicted += self.cache.set_budget(owner, budget)
+                except ValueError as error:
+                    refused.append(f"{owner}: {error}")
+            if refused:
+                raise ValueError("; ".join(refused))
+            return evicted
+
+        return self._administer(apply)
+
     def purge_tenant(self, tenant_id: str) -> int:
         """Cancel the tenant's requests, then drop and zero all its cached blocks."""
 
@@ -296,6 +317,25 @@ class Engine:
     def cache_stats(self) -> CacheStats:
         """The cache as of the last step or admin action (safe from any thread)."""
         return self._cache_stats
+
+    def cached_keys(self) -> list[BlockHash]:
+        """The key of every block in the prefix cache, read at the next step boundary.
+
+        Scope is part of every key, so a router that matches these against a request's own
+        keys can never be drawn to another tenant's private blocks.
+        """
+        return self._inbox.call(self.cache.prefix_cache.keys)
+
+    @property
+    def root_key(self) -> BlockHash:
+        """The first parent of every key chain (model, adapter, KV dtype and block size)."""
+        return self.cache.root
+
+    @property
+    def in_flight(self) -> int:
+        """Sequences submitted and not yet ended (each choice counts), now."""
+        with self._inbox.lock:
+            return len(self._requests)
 
     def queue_depth(self) -> tuple[int, int]:
         """(waiting, running) sequences as of the last step."""

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from engine.errors import EngineOverloaded
+from engine.errors import EngineOverloaded, InvalidRequest
 from engine.regex_checks import xgrammar_reason
 from engine.schema_checks import MAX_SCHEMA_BYTES, check_schema, tools_refused, unsupported
 
@@ -109,14 +109,33 @@ class Grammars:
             reason = xgrammar_reason(error)
             raise tools_refused(f"the grammar cannot be compiled: {reason}") from None
 
-    def _compile_in_turn(self, compiler: xgr.GrammarCompiler, ebnf: str) -> xgr.CompiledGrammar:
+    def compile_serialized(self, text: str) -> xgr.CompiledGrammar:
+        """A grammar another process compiled and sent as `serialized(compiled)`, compiled
+        again for this model (an engine worker, from its gateway)."""
+        if self._tokenizer is None:
+            raise unsupported("structured outputs need a model with a tokenizer")
+        compiler = self._ready()
+        try:
+            grammar = xgr.Grammar.deserialize_json(text)
+        except (RuntimeError, ValueError) as error:
+            raise InvalidRequest(f"not a serialized grammar: {error}") from None
+        return self._compile_in_turn(compiler, grammar)
+
+    def _compile_in_turn(
+        self, compiler: xgr.GrammarCompiler, grammar: str | xgr.Grammar
+    ) -> xgr.CompiledGrammar:
         """Compile once no other compile runs; `EngineOverloaded` after COMPILE_WAIT_S."""
         if not self._compiling.acquire(timeout=COMPILE_WAIT_S):
             raise EngineOverloaded("another grammar is being compiled; retry shortly")
         try:
-            return compiler.compile_grammar(ebnf)
+            return compiler.compile_grammar(grammar)
         finally:
             self._compiling.release()
+
+
+def serialized(compiled: xgr.CompiledGrammar) -> str:
+    """The grammar behind `compiled` as text that `Grammars.compile_serialized` reads."""
+    return str(compiled.grammar.serialize_json())
 
 
 # xgrammar writes a length-bounded string's characters as this class, which lets control

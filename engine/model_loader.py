@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+)
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
 # SmolLM2's own chat template plus tools (it renders everything else exactly as SmolLM2's).
@@ -203,23 +209,34 @@ def load_model(
     device: str | torch.device = "cpu",
     adapter_id: str = "",
     chat_template: str | None = None,
+    weights: bool = True,
 ) -> LoadedModel:
     """Load a local causal-LM directory (or the embedded default when `model_dir` is None).
 
     `chat_template` (Jinja text) replaces the tokenizer's own; the embedded model gets
-    `EMBEDDED_CHAT_TEMPLATE` unless another is given.
+    `EMBEDDED_CHAT_TEMPLATE` unless another is given. Without `weights` the model is only its
+    shape, on the meta device (a gateway that routes to engine workers needs no more).
     """
     directory = Path(model_dir) if model_dir is not None else embedded_model_dir()
     if not (directory / "config.json").is_file():
         raise ModelLoadError(f"{directory} is not a model directory (no config.json)")
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            directory, dtype=dtype, local_files_only=True, config=config
-        )
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(
+                directory, dtype=dtype, local_files_only=True, config=config
+            )
+        else:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+            with contextlib.suppress(OSError):  # its own eos ids, as from_pretrained reads them
+                model.generation_config = GenerationConfig.from_pretrained(
+                    directory, local_files_only=True
+                )
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"cannot load {directory}: {error}") from error
-    model.to(device)  # type: ignore[arg-type]
+    if weights:
+        model.to(device)  # type: ignore[arg-type]
     tokenizer = _load_tokenizer(directory)
     if model_dir is None and chat_template is None:
         chat_template = EMBEDDED_CHAT_TEMPLATE.read_text()

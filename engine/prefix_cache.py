@@ -26,6 +26,10 @@ class PrefixCache:
     def __contains__(self, key: BlockHash) -> bool:
         return key in self._blocks
 
+    def keys(self) -> list[BlockHash]:
+        """Every key held now (a copy)."""
+        return list(self._blocks)
+
     def lookup(
         self,
         key: BlockHash,
