@@ -11,16 +11,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from gateway.local_server import free_port
+from gateway.local_server import free_port, wait_until_ready
 
 PUBLIC_NAMESPACE = "default"  # in the packaged policy's namespaces
 
@@ -126,7 +123,7 @@ def served_tenants(
             )
         try:
             url = f"http://127.0.0.1:{port}"
-            wait_ready(url, server, log)
+            wait_until_ready(url, server, log)
             yield ServedGateway(url, keys)
         finally:
             server.terminate()
@@ -135,16 +132,3 @@ def served_tenants(
             except subprocess.TimeoutExpired:
                 server.kill()
                 server.wait()
-
-
-def wait_ready(url: str, server: subprocess.Popen[bytes], log: Path) -> None:
-    """Until /readyz answers 200; the server's log in the error if it exits or takes 5 min."""
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and server.poll() is None:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"prefixgate serve did not get ready:\n{log.read_text()[-3000:]}")

@@ -69,6 +69,7 @@ async def idle_report(soaked: Soaked) -> dict[str, Any]:
     """Wait (bounded) until no request is left anywhere, then check everything that must be
     back: the engine's state, the pool, each tenant's slots, and one fresh request each."""
     engine = soaked.state.engine
+    assert isinstance(engine, Engine), "the soak reads an in-process engine"
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
         report = await asyncio.to_thread(engine._inbox.call, lambda: engine_report(engine))

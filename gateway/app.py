@@ -37,6 +37,8 @@ from gateway.state import GatewayState
 from gateway.tenancy_sync import TenancySync
 from gateway.tracing import make_tracer_provider
 from gateway.usage_history import UsageHistory
+from gateway.workers.membership import WorkerSet
+from gateway.workers.remote_engine import RemoteEngine, RoutingConfig, ServingEngine
 from policies.config import load_policy
 from tenancy import deployment
 from tenancy.db import make_engine
@@ -147,6 +149,28 @@ def start_engine(settings: Settings, loaded: LoadedModel | None) -> tuple[Loaded
     return loaded, engine.start()
 
 
+def start_routing(
+    settings: Settings, loaded: LoadedModel | None
+) -> tuple[LoadedModel, RemoteEngine]:
+    """The model's tokenizer and shape (no weights), and the workers it is served by, once
+    one of them answers."""
+    if settings.worker_secret is None:
+        raise ValueError("routing to workers needs PREFIXGATE_WORKER_SECRET")
+    if loaded is None:
+        loaded = settings.load_model(weights=False)
+    workers = WorkerSet(
+        settings.workers,
+        settings.worker_secret.get_secret_value(),
+        settings.worker_poll_s,
+        settings.worker_timeout_s,
+    )
+    config = RoutingConfig(
+        settings.routing, settings.routing_load_tokens, settings.routing_max_imbalance
+    )
+    engine = RemoteEngine(loaded, workers, config)
+    return loaded, engine.start(settings.worker_start_timeout_s)
+
+
 def build_state(
     settings: Settings, loaded: LoadedModel | None, announce: Callable[[str], None]
 ) -> GatewayState:
@@ -156,9 +180,13 @@ def build_state(
     model_name = settings.served_model_name or (
         EMBEDDED_MODEL_NAME if settings.model_dir is None else Path(settings.model_dir).name
     )
-    # Loaded and built on a thread that then ends: the engine thread's OpenMP pool stays the
-    # only one (engine/openmp.py).
-    loaded, engine = on_passing_thread(lambda: start_engine(settings, loaded))
+    engine: ServingEngine
+    if settings.workers:
+        loaded, engine = start_routing(settings, loaded)
+    else:
+        # Loaded and built on a thread that then ends: the engine thread's OpenMP pool stays
+        # the only one (engine/openmp.py).
+        loaded, engine = on_passing_thread(lambda: start_engine(settings, loaded))
     announce("engine: " + ", ".join(f"{key} {value}" for key, value in engine.describe().items()))
     with store.transaction() as session:  # so the CLI can check quotas against the pool
         deployment.record_pool_blocks(session, engine.pool.num_blocks)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 import uvicorn
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -24,6 +26,23 @@ from gateway.app import create_app
 from gateway.connections import uvicorn_config
 from gateway.settings import Settings
 from gateway.state import GatewayState
+
+
+def wait_until_ready(
+    url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 300
+) -> None:
+    """Until `url`/readyz answers 200; RuntimeError with the end of the process's log if it
+    exits or takes longer than `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    why = "exited" if process.poll() is not None else f"was not ready within {timeout_s:g} s"
+    raise RuntimeError(f"{url} {why}:\n{log.read_text(errors='replace')[-3000:]}")
 
 
 def free_port() -> int:

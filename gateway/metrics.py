@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.budget import PUBLIC_OWNER, Owner
-from engine.engine import Engine
+from gateway.workers.remote_engine import RemoteEngine, ServingEngine
 from tenancy.audit_log import AuditLog
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -24,7 +24,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class GatewayMetrics:
     """The app's own registry: request counters and histograms, plus gauges read on scrape."""
 
-    def __init__(self, engine: Engine, audit: AuditLog, tenant_name: Callable[[str], str]) -> None:
+    def __init__(
+        self, engine: ServingEngine, audit: AuditLog, tenant_name: Callable[[str], str]
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "prefixgate_requests",
@@ -102,7 +104,7 @@ class _WithoutTenants(Collector):
 class EngineCollector(Collector):
     """Cache blocks per owner vs quota, evictions, zeroing and queue depth, read on scrape."""
 
-    def __init__(self, engine: Engine, tenant_name: Callable[[str], str]) -> None:
+    def __init__(self, engine: ServingEngine, tenant_name: Callable[[str], str]) -> None:
         self._engine = engine
         self._tenant_name = tenant_name
 
@@ -161,3 +163,22 @@ class EngineCollector(Collector):
             "Times the engine failed outside any one request and restarted its state.",
             value=self._engine.restarts,
         )
+        if isinstance(self._engine, RemoteEngine):
+            yield from _worker_metrics(self._engine)
+
+
+def _worker_metrics(engine: RemoteEngine) -> Iterator[Metric]:
+    """Each engine worker a routing gateway knows: in routing or not, and its load."""
+    up = GaugeMetricFamily(
+        "prefixgate_worker_up", "1 while the engine worker is in routing.", labels=["worker"]
+    )
+    in_flight = GaugeMetricFamily(
+        "prefixgate_worker_in_flight",
+        "This gateway's requests on the engine worker now.",
+        labels=["worker"],
+    )
+    for row in engine.describe()["workers"]:
+        up.add_metric([row["url"]], 1 if row["up"] else 0)
+        in_flight.add_metric([row["url"]], row["in_flight"])
+    yield up
+    yield in_flight

@@ -196,6 +196,31 @@ class Settings(BaseSettings):
     usage_window_s: float = Field(default=900.0, gt=0)
     """How much live cache usage history is kept in memory."""
 
+    # Scale-out: engine workers behind this gateway
+    workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Engine workers to route to instead of running the engine in this process: http://host:port
+    URLs, comma-separated, or dns://NAME:PORT (every address NAME resolves to, such as a
+    Kubernetes headless Service, re-resolved every worker_poll_s)."""
+    worker_secret: SecretStr | None = None
+    """Shared secret between gateways and workers (at least 16 characters); `prefixgate worker`
+    and a gateway with `workers` both need it."""
+    worker_poll_s: float = Field(default=1.0, gt=0)
+    """How often a gateway reads each worker's cached block keys and load."""
+    worker_timeout_s: float = Field(default=5.0, gt=0)
+    """A worker that does not answer (connect, poll, or first byte of a request) within this
+    long is dropped from routing until it answers again."""
+    worker_start_timeout_s: float = Field(default=300.0, gt=0)
+    """How long a starting gateway waits for its first worker to answer."""
+    routing: Literal["cache_aware", "round_robin"] = "cache_aware"
+    """How a request picks its worker: cache_aware (the longest cached prefix under the
+    request's own scopes, against load) or round_robin."""
+    routing_load_tokens: int = Field(default=64, ge=0)
+    """Cache-aware routing: what one request already in flight on a worker costs, in prompt
+    tokens to compute (an engine batches, so one more request delays others little)."""
+    routing_max_imbalance: int = Field(default=8, ge=1)
+    """Cache-aware routing gives up cached tokens for the least loaded worker when the best
+    one has this many more requests in flight."""
+
     # Observability
     otlp_endpoint: str | None = None
     """OTLP/HTTP endpoint for traces (e.g. http://collector:4318/v1/traces); off when unset."""
@@ -211,12 +236,19 @@ class Settings(BaseSettings):
     def _usable_database(cls, value: str) -> str:
         return check_database_url(value)
 
-    @field_validator("trusted_proxies", mode="before")
+    @field_validator("trusted_proxies", "workers", mode="before")
     @classmethod
     def _comma_separated(cls, value: Any) -> Any:
         """`PREFIXGATE_TRUSTED_PROXIES=10.0.0.1,10.1.0.0/16` as well as a list."""
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("worker_secret")
+    @classmethod
+    def _long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 16:
+            raise ValueError("the worker secret must be at least 16 characters")
         return value
 
     def admin_lockout(self) -> Lockout:
@@ -250,10 +282,20 @@ class Settings(BaseSettings):
 
         check_backend(self.attention_backend, resolve_device(self.device))
 
-    def load_model(self, model_dir: Path | None = None) -> LoadedModel:
+    def check_workers(self) -> None:
+        """Refuse, before anything starts, worker addresses that cannot be read or routing
+        without the worker secret: ValueError saying why, in one line."""
+        from gateway.workers.membership import parse_worker_spec
+
+        for spec in self.workers:
+            parse_worker_spec(spec)
+        if self.workers and self.worker_secret is None:
+            raise ValueError("routing to workers needs PREFIXGATE_WORKER_SECRET")
+
+    def load_model(self, model_dir: Path | None = None, weights: bool = True) -> LoadedModel:
         """The model (`model_dir`, else the configured one, else the embedded one) on the
-        configured device, in the configured dtype. Raises `ModelLoadError` (also for a device
-        that is not there)."""
+        configured device, in the configured dtype; without `weights`, only its shape and
+        tokenizer. Raises `ModelLoadError` (also for a device that is not there)."""
         from engine.model_loader import ModelLoadError, load_model
         from engine.precision import resolve_device, resolve_dtype
 
@@ -270,7 +312,9 @@ class Settings(BaseSettings):
                 message = f"cannot read the chat template {self.chat_template}: {error}"
                 raise ModelLoadError(message) from error
         directory = model_dir or self.model_dir
-        return load_model(directory, dtype=dtype, device=device, chat_template=template)
+        return load_model(
+            directory, dtype=dtype, device=device, chat_template=template, weights=weights
+        )
 
     def open_store(self, check_schema: bool = True) -> Store:
         """The tenancy store these settings describe, opened the same way by every process.

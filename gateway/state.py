@@ -9,7 +9,6 @@ from functools import cached_property
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 
-from engine.engine import Engine
 from engine.model_loader import LoadedModel
 from gateway.admin.throttle import LoginThrottle, SlidingWindow
 from gateway.admin.tokens import AdminTokens
@@ -21,6 +20,7 @@ from gateway.settings import Settings
 from gateway.sharing import SharingPolicyHolder
 from gateway.tenancy_sync import TenancySync
 from gateway.usage_history import UsageHistory
+from gateway.workers.remote_engine import ServingEngine
 from tenancy.store import Store
 
 
@@ -30,7 +30,7 @@ class GatewayState:
 
     settings: Settings
     loaded: LoadedModel
-    engine: Engine
+    engine: ServingEngine  # in this process, or engine workers behind a router
     store: Store
     model_name: str
     sharing: SharingPolicyHolder

@@ -13,9 +13,9 @@ import threading
 from dataclasses import dataclass, field
 
 from engine.budget import TenantBudget
-from engine.engine import Engine
 from gateway.auth import KeyAuthenticator
 from gateway.usage_history import UsageHistory
+from gateway.workers.remote_engine import ServingEngine
 from tenancy import changes
 from tenancy.changes import TenantRow
 from tenancy.store import Store
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class TenancySync:
     store: Store
-    engine: Engine
+    engine: ServingEngine
     auth: KeyAuthenticator
     usage: UsageHistory | None = None  # a deleted tenant's live usage is forgotten too
     seq: int | None = None

@@ -145,8 +145,21 @@ class Amount(BaseModel):
     bytes: int
 
 
+class WorkerCache(BaseModel):
+    """One tenant's blocks on one engine worker (the quota holds on each worker)."""
+
+    worker: str
+    active_blocks: int
+    cached_blocks: int
+    quota_blocks: int
+
+
 class CacheUsage(BaseModel):
-    """One tenant's blocks in the engine now, and its running totals since the server started."""
+    """One tenant's blocks in the engine now, and its running totals since the server started.
+
+    Behind a routing gateway these are summed over the engine workers (so is the quota, which
+    holds on each), and `workers` lists each worker's share.
+    """
 
     active_blocks: int
     cached_blocks: int
@@ -158,6 +171,7 @@ class CacheUsage(BaseModel):
     evicted_own_blocks: int
     evicted_pressure_blocks: int
     purged_blocks: int
+    workers: list[WorkerCache] = []
 
     @classmethod
     def of(cls, stats: OwnerStats | None, quota_blocks: int, reserved_blocks: int) -> CacheUsage:

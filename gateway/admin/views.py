@@ -13,8 +13,10 @@ from gateway.admin.schemas import (
     OperatorOut,
     PrefixOut,
     TenantOut,
+    WorkerCache,
 )
 from gateway.state import GatewayState
+from gateway.workers.remote_engine import RemoteEngine
 from policies.templates import system_prompt_tokens
 from tenancy.api_keys import key_state
 from tenancy.models import Admin, ApiKey, PublicPrefix, Tenant, utcnow
@@ -28,8 +30,26 @@ def amount(state: GatewayState, blocks: int) -> Amount:
     )
 
 
+def cache_usage(state: GatewayState, tenant: Tenant) -> CacheUsage:
+    """The tenant's cache now: in total, and on each engine worker when there are workers."""
+    owner = str(tenant.id)
+    stats = state.engine.cache_stats().owners.get(owner)
+    usage = CacheUsage.of(stats, tenant.cache_quota_blocks, tenant.cache_reservation_blocks)
+    if isinstance(state.engine, RemoteEngine):
+        for worker, worker_stats in state.engine.worker_stats().items():
+            own = worker_stats.owners.get(owner)
+            usage.workers.append(
+                WorkerCache(
+                    worker=worker,
+                    active_blocks=own.active_blocks if own else 0,
+                    cached_blocks=own.cached_blocks if own else 0,
+                    quota_blocks=own.quota_blocks if own else tenant.cache_quota_blocks,
+                )
+            )
+    return usage
+
+
 def tenant_out(state: GatewayState, tenant: Tenant) -> TenantOut:
-    stats = state.engine.cache_stats().owners.get(str(tenant.id))
     return TenantOut(
         id=tenant.id,
         slug=tenant.slug,
@@ -43,7 +63,7 @@ def tenant_out(state: GatewayState, tenant: Tenant) -> TenantOut:
         created_at=tenant.created_at,
         quota=amount(state, tenant.cache_quota_blocks),
         reservation=amount(state, tenant.cache_reservation_blocks),
-        cache=CacheUsage.of(stats, tenant.cache_quota_blocks, tenant.cache_reservation_blocks),
+        cache=cache_usage(state, tenant),
     )
 
 

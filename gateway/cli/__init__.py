@@ -10,9 +10,9 @@ import typer
 # Typer vendors click and does not re-export its usage errors.
 from typer._click.exceptions import NoArgsIsHelpError, UsageError
 
-# Root commands (plan, demo, generate, serve, settings) register themselves on `app` when
+# Root commands (plan, demo, generate, serve, settings, worker) register themselves on `app` when
 # their modules are imported; command groups are mounted below, in the order --help lists them.
-from gateway.cli import engine_commands, serve_command, settings_command
+from gateway.cli import engine_commands, serve_command, settings_command, worker_command
 from gateway.cli.admin_commands import admins_app, db_app
 from gateway.cli.audit_commands import audit_app
 from gateway.cli.common import app, one_line
@@ -21,7 +21,7 @@ from gateway.cli.prefix_commands import prefixes_app
 from gateway.cli.tenant_commands import tenants_app
 
 __all__ = ["app", "main"]
-ROOT_COMMAND_MODULES = (engine_commands, serve_command, settings_command)
+ROOT_COMMAND_MODULES = (engine_commands, serve_command, settings_command, worker_command)
 COMMAND_GROUPS = {
     "audit": audit_app,
     "tenants": tenants_app,

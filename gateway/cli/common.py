@@ -18,6 +18,8 @@ from tenancy.audit_chain import AuditRecord
 from tenancy.errors import TenancyError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from sqlalchemy.orm import Session
 
     from gateway.settings import Settings
@@ -93,6 +95,17 @@ def load_settings(**overrides: Any) -> Settings:
         first = error.errors()[0]
         reason = first.get("ctx", {}).get("error") or first["msg"]
         fail(f"setting {'.'.join(map(str, first['loc']))}: {reason}")
+
+
+def check_engine_settings(settings: Settings, model: Path | None) -> None:
+    """Refuse a model option that is not a model directory, or an engine this machine cannot
+    run, in one line, before anything loads."""
+    if model is not None and not (model / "config.json").is_file():
+        fail(f"{model} is not a model directory (no config.json)")
+    try:
+        settings.check_engine()
+    except ValueError as error:
+        fail(str(error))
 
 
 def print_json(value: Any) -> None:

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from gateway.cli.common import app, fail, load_settings, opened_store
+from gateway.cli.common import app, check_engine_settings, fail, load_settings, opened_store
 
 DEMO_TENANT = "demo"
 DEMO_ADMIN = "admin"
@@ -22,6 +22,13 @@ def serve(
     ] = None,
     served_model_name: Annotated[
         str | None, typer.Option(help="Model id clients use (default: the directory name).")
+    ] = None,
+    workers: Annotated[
+        str | None,
+        typer.Option(
+            help="Route to engine workers instead of running the engine here: "
+            "http://host:port,... or dns://NAME:PORT (needs PREFIXGATE_WORKER_SECRET).",
+        ),
     ] = None,
     demo: Annotated[
         bool,
@@ -46,16 +53,16 @@ def serve(
 
     overrides: dict[str, Any] = {
         "host": host, "port": port, "model_dir": model, "served_model_name": served_model_name,
+        "workers": workers,
     }  # fmt: skip
     settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
     try:
         load_policy(settings.policy_file)
     except PolicyFileError as error:
         fail(str(error))
-    if model is not None and not (model / "config.json").is_file():
-        fail(f"{model} is not a model directory (no config.json)")
+    check_engine_settings(settings, model)
     try:
-        settings.check_engine()
+        settings.check_workers()
     except ValueError as error:
         fail(str(error))
     from sqlalchemy.exc import OperationalError
@@ -68,6 +75,8 @@ def serve(
         fail(str(error))
     except OperationalError as error:
         fail(f"cannot reach the database: {error.orig}")
+    if settings.workers:
+        _wait_for_a_worker(settings)
     # Secrets that are not the deployment's stop us here too, in one line, before the model
     # loads (the server's own start-up would refuse them as well, less readably).
     opened_store(settings).close()
@@ -80,6 +89,25 @@ def serve(
     server.run()
     if not server.started:
         raise typer.Exit(1)
+
+
+def _wait_for_a_worker(settings: Any) -> None:
+    """Before anything starts: a worker answers (with the secret), or one line says why not."""
+    from gateway.workers.membership import WorkerSet
+
+    probe = WorkerSet(
+        settings.workers,
+        settings.worker_secret.get_secret_value(),
+        settings.worker_poll_s,
+        settings.worker_timeout_s,
+    )
+    probe.start()
+    try:
+        if not probe.wait_for_any(settings.worker_start_timeout_s):
+            wait_s = settings.worker_start_timeout_s
+            fail(f"no engine worker answered within {wait_s:g} s ({probe.why_none()})")
+    finally:
+        probe.stop()
 
 
 def _prepare_demo(state: Any) -> None:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 
 from gateway.admin.callers import AdminCaller, visible_tenant, visible_tenants
 from gateway.admin.schemas import CacheUsage, IsoTime
+from gateway.admin.views import cache_usage
 from gateway.api.deps import AdminDep, StateDep
 from gateway.api.openapi import ADMIN_RESPONSES
 from gateway.errors import APIError, from_tenancy_error
@@ -32,7 +33,6 @@ from gateway.state import GatewayState
 from gateway.usage_history import UsageSample, UsageSummary
 from tenancy import audit_search
 from tenancy.errors import TenancyError
-from tenancy.models import Tenant
 
 router = APIRouter(prefix="/admin/api", tags=["admin: usage"], responses=ADMIN_RESPONSES)
 
@@ -154,7 +154,7 @@ def tenant_usage(
     """The tenant's usage now and over the last `window_s` seconds (blocking: database)."""
     with state.store.transaction() as session:
         tenant = visible_tenant(session, caller, tenant_id)
-        cache = _cache_now(state, tenant)
+        cache = cache_usage(state, tenant)
         slug = tenant.slug
     window = state.usage.window(str(tenant_id), window_s)
     return TenantUsage(
@@ -185,7 +185,7 @@ def usage_table(
                 slug=tenant.slug,
                 display_name=tenant.display_name,
                 status=tenant.status,
-                cache=_cache_now(state, tenant),
+                cache=cache_usage(state, tenant),
                 summary=_summary_out(state.usage.window(str(tenant.id), window_s).summary),
             )
             for tenant in rows
@@ -226,11 +226,6 @@ def usage_totals(
         hit_ratio=totals.hit_ratio,
         **dataclasses.asdict(totals),
     )
-
-
-def _cache_now(state: GatewayState, tenant: Tenant) -> CacheUsage:
-    stats = state.engine.cache_stats().owners.get(str(tenant.id))
-    return CacheUsage.of(stats, tenant.cache_quota_blocks, tenant.cache_reservation_blocks)
 
 
 def _points(samples: list[UsageSample]) -> list[UsagePoint]:

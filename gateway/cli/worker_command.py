@@ -1,0 +1,52 @@
+"""`prefixgate worker`: an engine worker for gateways started with `--workers`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from gateway.cli.common import app, check_engine_settings, fail, load_settings
+
+DEFAULT_WORKER_PORT = 8001
+
+
+@app.command()
+def worker(
+    host: Annotated[str | None, typer.Option(help="Interface to listen on.")] = None,
+    port: Annotated[
+        int, typer.Option(help="Port to listen on (the worker API, for gateways only).")
+    ] = DEFAULT_WORKER_PORT,
+    model: Annotated[
+        Path | None, typer.Option(help="A local model directory (default: embedded SmolLM2).")
+    ] = None,
+) -> None:
+    """Serve one engine to gateways (needs PREFIXGATE_WORKER_SECRET; no database).
+
+    Gateways started with `--workers` (or PREFIXGATE_WORKERS) route requests here. The
+    worker API is internal: never expose it to clients.
+    """
+    import uvicorn
+
+    from gateway.workers.worker_app import create_worker_app
+
+    overrides: dict[str, Any] = {"host": host, "port": port, "model_dir": model}
+    settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
+    if settings.worker_secret is None:
+        fail("a worker needs PREFIXGATE_WORKER_SECRET, the secret its gateways share")
+    check_engine_settings(settings, model)
+    application = create_worker_app(settings)
+    config = uvicorn.Config(
+        application,
+        host=settings.host,
+        port=settings.port,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+        log_level="info",
+        access_log=False,  # gateways poll every worker each second
+        ws="none",
+    )
+    server = uvicorn.Server(config)
+    server.run()
+    if not server.started:
+        raise typer.Exit(1)

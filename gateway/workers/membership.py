@@ -1,0 +1,333 @@
+"""The workers a gateway routes to: who they are, whether they answer, what they hold.
+
+A thread polls every worker each `worker_poll_s`: it re-resolves `dns://` names (a headless
+Service lists one address per ready pod), reads each worker's load, cache statistics and the
+changes to its cached keys. A worker that fails a poll or a connection is out of routing at
+once, and back after its next good poll, which first gives it what it missed: every budget,
+and the purges and dropped public prefixes it could not be told about.
+
+Workers hold no tenant state of their own, so every admin action goes to every worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from engine.budget import Owner, TenantBudget
+from engine.cache_stats import CacheStats
+from gateway.workers import wire
+
+logger = logging.getLogger(__name__)
+
+# How long keys of a request just sent to a worker count as held there (it publishes them
+# with its next poll, once the prefill has run).
+PENDING_KEYS_S = 30.0
+
+
+class WorkerRefused(ValueError):
+    """A worker refused an admin change itself (a reservation its pool cannot hold)."""
+
+
+class WorkerSpecError(ValueError):
+    """A `workers` entry that is neither http(s)://host:port nor dns://name:port."""
+
+
+def parse_worker_spec(spec: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of one `workers` entry."""
+    parts = urlsplit(spec)
+    if parts.scheme not in ("http", "https", "dns") or not parts.hostname:
+        raise WorkerSpecError(f"{spec!r}: expected http://host:port or dns://name:port")
+    try:
+        port = parts.port
+    except ValueError as error:
+        raise WorkerSpecError(f"{spec!r}: {error}") from None
+    if port is None:
+        raise WorkerSpecError(f"{spec!r}: the port is missing")
+    if parts.path not in ("", "/"):
+        raise WorkerSpecError(f"{spec!r}: a worker address has no path")
+    return parts.scheme, parts.hostname, port
+
+
+def resolve(specs: list[str]) -> list[str]:
+    """Base URLs of the workers `specs` name now (dns:// entries resolved; none if not found)."""
+    urls: list[str] = []
+    for spec in specs:
+        scheme, host, port = parse_worker_spec(spec)
+        if scheme != "dns":
+            urls.append(f"{scheme}://{host}:{port}")
+            continue
+        try:
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError:
+            continue  # no ready pod yet, or the resolver is away: nothing to route to there
+        for address in sorted({info[4][0] for info in infos}):
+            shown = f"[{address}]" if ":" in str(address) else address
+            urls.append(f"http://{shown}:{port}")
+    return list(dict.fromkeys(urls))
+
+
+@dataclass
+class Worker:
+    """What the gateway knows of one worker (guarded by the `WorkerSet`'s lock)."""
+
+    url: str
+    up: bool = False
+    epoch: str | None = None
+    seq: int = 0
+    keys: set[str] = field(default_factory=set)
+    pending: dict[str, float] = field(default_factory=dict)  # key -> when it stops counting
+    in_flight: int = 0  # this gateway's requests there now
+    reported_load: int = 0  # sequences in flight there at the last poll (every gateway's)
+    own_at_poll: int = 0  # how many of those were this gateway's
+    free_blocks: int = 0
+    stats: CacheStats | None = None
+    state: dict[str, Any] = field(default_factory=dict)
+    missed: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # admin actions
+    resync: bool = True  # budgets must be pushed before it is routable
+    last_error: str = ""  # why it was last taken out of routing
+
+    @property
+    def load(self) -> int:
+        """Requests there now: this gateway's exactly, other gateways' as last polled."""
+        return self.in_flight + max(0, self.reported_load - self.own_at_poll)
+
+    def held(self, now: float) -> Held:
+        """Keys it holds or will soon: published ones and those of requests just sent."""
+        return Held(self.keys, self.pending, now)
+
+    def forget_pending(self, now: float) -> None:
+        """Drop pending keys that it never published in time."""
+        self.pending = {key: until for key, until in self.pending.items() if until > now}
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """Membership in a worker's keys, read in place (no copy per request)."""
+
+    keys: set[str]
+    pending: dict[str, float]
+    now: float
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys or self.pending.get(key, 0.0) > self.now  # type: ignore[call-overload]
+
+
+class WorkerSet:
+    """The workers named by the settings, polled on a thread of their own."""
+
+    def __init__(self, specs: list[str], secret: str, poll_s: float, timeout_s: float) -> None:
+        for spec in specs:
+            parse_worker_spec(spec)
+        self._specs = specs
+        self._poll_s = poll_s
+        self.timeout_s = timeout_s
+        self.lock = threading.Lock()
+        self.workers: dict[str, Worker] = {}
+        self._budgets: dict[Owner, TenantBudget] = {}
+        self.headers = {"Authorization": f"Bearer {secret}"}
+        self._client = httpx.Client(headers=self.headers, timeout=timeout_s)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.changed = threading.Condition(self.lock)  # notified after every poll round
+
+    # -- polling ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="prefixgate-workers")
+            self._thread.daemon = True
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + self._poll_s)
+        self._client.close()
+
+    def wait_for_any(self, timeout_s: float) -> bool:
+        """Whether a worker answered within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while not any(worker.up for worker in self.workers.values()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(min(left, self._poll_s))
+        return True
+
+    def why_none(self) -> str:
+        """Why no worker is up: each one's last error, or that none was found."""
+        with self.lock:
+            reasons = [f"{w.url}: {w.last_error or 'not ready'}" for w in self.workers.values()]
+        return "; ".join(reasons) or f"no worker found at {', '.join(self._specs)}"
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            self.poll_once()
+            self._stop.wait(max(0.0, self._poll_s - (time.monotonic() - started)))
+
+    def poll_once(self) -> None:
+        """Resolve the workers, then read each one's state (one round)."""
+        urls = resolve(self._specs)
+        with self.lock:
+            for url in urls:
+                self.workers.setdefault(url, Worker(url))
+            for url in list(self.workers):
+                if url not in urls:
+                    logger.info("worker %s is no longer listed", url)
+                    del self.workers[url]
+            todo = list(self.workers.values())
+        for worker in todo:
+            self._poll(worker)
+        with self.changed:
+            self.changed.notify_all()
+
+    def _poll(self, worker: Worker) -> None:
+        with self.lock:
+            params: dict[str, str | int] = {"since": worker.seq, "epoch": worker.epoch or ""}
+        try:
+            response = self._client.get(f"{worker.url}/internal/v1/state", params=params)
+            response.raise_for_status()
+            state = response.json()
+            stats = wire.read_stats(state["stats"])
+        except (httpx.HTTPError, ValueError, KeyError) as error:
+            self.mark_down(worker, f"poll failed: {error}")
+            return
+        keys = state["keys"]
+        with self.lock:
+            if keys["full"] or keys["epoch"] != worker.epoch:
+                worker.keys = set(keys["added"])
+            else:
+                worker.keys.difference_update(keys["removed"])
+                worker.keys.update(keys["added"])
+            restarted = worker.epoch is not None and keys["epoch"] != worker.epoch
+            worker.epoch, worker.seq = keys["epoch"], keys["seq"]
+            worker.reported_load = int(state["in_flight"])
+            worker.own_at_poll = worker.in_flight
+            worker.forget_pending(time.monotonic())
+            worker.free_blocks = stats.free_blocks
+            worker.stats = stats
+            worker.state = state
+            if restarted:
+                worker.resync = True  # a new process: it knows no budget yet
+            needs_resync = worker.resync or not worker.up
+        if needs_resync and not self._resync(worker):
+            return
+        with self.lock:
+            if not worker.up:
+                logger.info("worker %s is up", worker.url)
+            worker.up = bool(state["ready"])
+
+    def mark_down(self, worker: Worker, why: str) -> None:
+        with self.lock:
+            worker.last_error = why
+            if worker.up:
+                logger.warning("worker %s is out of routing: %s", worker.url, why)
+            worker.up = False
+            worker.resync = True
+
+    # -- admin actions, on every worker -------------------------------------------------------
+
+    def _resync(self, worker: Worker) -> bool:
+        """Give a worker that was away every budget and each action it missed."""
+        with self.lock:
+            budgets = dict(self._budgets)
+            missed = list(worker.missed)
+        try:
+            for path, body in [("budgets", _budgets_body(budgets)), *missed]:
+                try:
+                    self._post(worker, path, body)
+                except WorkerRefused as error:  # the worker is fine; the change is not
+                    logger.warning("worker %s refused %s: %s", worker.url, path, error)
+        except httpx.HTTPError as error:
+            self.mark_down(worker, f"could not catch up: {error}")
+            return False
+        with self.lock:
+            del worker.missed[: len(missed)]
+            worker.resync = False
+        return True
+
+    def set_budget(self, owner: Owner, budget: TenantBudget) -> int:
+        with self.lock:
+            self._budgets[owner] = budget
+        return self._everywhere("budgets", _budgets_body({owner: budget}), remember=False)
+
+    def purge(self, tenant_id: str) -> int:
+        return self._everywhere("purge", {"tenant_id": tenant_id}, remember=True)
+
+    def drop_public_prefix(self, namespace: str, token_ids: list[int]) -> int:
+        body = {"namespace": namespace, "token_ids": token_ids}
+        return self._everywhere("drop-public-prefix", body, remember=True)
+
+    def _everywhere(self, path: str, body: dict[str, Any], remember: bool) -> int:
+        """Send an action to every worker that is up; the blocks it freed, summed. A worker
+        that is away, or cannot take it now, is out of routing until it has caught up."""
+        with self.lock:
+            workers = []
+            for worker in self.workers.values():
+                if worker.up:
+                    workers.append(worker)
+                elif remember:  # told when it is back (a budget is resent anyway)
+                    worker.missed.append((path, body))
+        total = 0
+        refused: WorkerRefused | None = None
+        for worker in workers:
+            try:
+                total += int(self._post(worker, path, body).get("blocks", 0))
+            except WorkerRefused as error:  # the same change fails on every worker
+                refused = error
+            except httpx.HTTPError as error:
+                with self.lock:
+                    if remember:
+                        worker.missed.append((path, body))
+                self.mark_down(worker, f"missed {path}: {error}")
+        if refused is not None:
+            raise refused
+        return total
+
+    def _post(self, worker: Worker, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST to a worker; `WorkerRefused` for a change it refuses (4xx), an httpx error
+        when it cannot be reached or fails."""
+        response = self._client.post(f"{worker.url}/internal/v1/{path}", json=body)
+        if response.status_code in (400, 422):
+            raise WorkerRefused(_message(response))
+        response.raise_for_status()
+        result: dict[str, Any] = response.json()
+        return result
+
+    # -- what routing reads -------------------------------------------------------------------
+
+    def routable(self) -> list[Worker]:
+        with self.lock:
+            return [worker for worker in self.workers.values() if worker.up]
+
+    def snapshot(self, read: Callable[[Worker], Any]) -> list[Any]:
+        """`read(worker)` for every worker, under the lock."""
+        with self.lock:
+            return [read(worker) for worker in self.workers.values()]
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}"
+
+
+def _budgets_body(budgets: dict[Owner, TenantBudget]) -> dict[str, Any]:
+    return {
+        "budgets": [
+            {"owner": wire.owner_json(owner), "budget": wire.budget_json(budget)}
+            for owner, budget in budgets.items()
+        ]
+    }

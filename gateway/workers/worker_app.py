@@ -1,0 +1,261 @@
+"""`prefixgate worker`: one engine behind an internal HTTP API that only gateways call.
+
+Every route but /healthz and /readyz needs `Authorization: Bearer <worker secret>`, compared in
+constant time. A worker holds no tenant state and never touches the database: each request
+carries its tenant's budget, and a gateway pushes quota changes, purges and dropped public
+prefixes to every worker.
+
+- `POST /internal/v1/generate`: a request (gateway/workers/wire.py) in, newline-delimited JSON
+  out, one `{"delta": ...}` per delta and at most one `{"error": ...}`. A request the engine
+  refuses at once gets a non-200 status with `{"error": ...}`, before anything streams.
+- `GET /internal/v1/state?epoch=E&since=S`: load, cache statistics and the cached keys that
+  changed since S (gateway/workers/key_log.py).
+- `POST /internal/v1/budgets`, `/purge`, `/drop-public-prefix`: the engine's admin actions.
+- `POST /internal/v1/drain`: take no new requests (503, so gateways route elsewhere); those
+  in flight finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from engine import errors
+from engine.engine import Engine
+from engine.model_loader import LoadedModel
+from engine.openmp import on_passing_thread
+from engine.sampler import InvalidSampling
+from gateway.settings import Settings
+from gateway.workers import wire
+from gateway.workers.key_log import KeyLog
+
+logger = logging.getLogger(__name__)
+
+# The HTTP status of an engine refusal made before anything streamed. 503 tells a gateway to
+# try another worker; 4xx are the request's own fault and would fail anywhere.
+_STATUS: dict[type[errors.EngineError], int] = {
+    errors.InvalidRequest: 400,
+    errors.CacheQuotaTimeout: 429,
+    errors.PoolTimeout: 503,
+    errors.EngineOverloaded: 503,
+    errors.EngineRestarted: 503,
+    errors.EngineStopped: 503,
+    errors.RequestFailed: 500,
+}
+
+
+def status_of(error: errors.EngineError) -> int:
+    for kind, status in _STATUS.items():
+        if isinstance(error, kind):
+            return status
+    return 500
+
+
+class WorkerState:
+    """The engine, its key log, and whether the worker still takes requests."""
+
+    def __init__(self, engine: Engine, loaded: LoadedModel) -> None:
+        self.engine = engine
+        self.loaded = loaded
+        self.keys = KeyLog(engine.cached_keys)
+        self.draining = False
+
+
+def create_worker_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI:
+    """The worker app; the model loads and the engine starts in its lifespan."""
+    from gateway.app import start_engine
+
+    if settings.worker_secret is None:
+        raise ValueError("a worker needs PREFIXGATE_WORKER_SECRET (the gateways' shared secret)")
+    secret = settings.worker_secret.get_secret_value().encode()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        model, engine = await run_in_threadpool(
+            on_passing_thread, lambda: start_engine(settings, loaded)
+        )
+        logger.info("worker engine: %s", engine.describe())
+        app.state.worker = WorkerState(engine, model)
+        try:
+            yield
+        finally:
+            app.state.worker.draining = True
+            await run_in_threadpool(engine.stop, settings.shutdown_grace_s)
+
+    def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
+        offered = (authorization or "").removeprefix("Bearer ").encode()
+        if not hmac.compare_digest(offered, secret):
+            raise _Refused(401, "invalid worker secret")
+
+    def worker(request: Request) -> WorkerState:
+        state: WorkerState = request.app.state.worker
+        return state
+
+    app = FastAPI(  # internal: nothing to advertise
+        title="PrefixGate worker", lifespan=lifespan, docs_url=None, redoc_url=None,
+        openapi_url=None,
+    )  # fmt: skip
+    guarded = [Depends(authorized)]
+
+    @app.exception_handler(_Refused)
+    async def refused(_: Request, error: _Refused) -> JSONResponse:
+        body = {"error": {"type": "WorkerRefusal", "message": error.message}}
+        return JSONResponse(body, status_code=error.status)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(request: Request) -> JSONResponse:
+        state = worker(request)
+        ready = state.engine.running and not state.draining
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    @app.post("/internal/v1/generate", dependencies=guarded)
+    async def generate(request: Request) -> Response:
+        state = worker(request)
+        if state.draining:
+            return _error(errors.EngineStopped("the worker is draining"))
+        body = await _json(request)
+        try:
+            generation = await run_in_threadpool(
+                wire.read_request, body, state.engine.grammars.compile_serialized
+            )
+        except wire.WireError as error:
+            raise _Refused(400, str(error)) from None
+        except InvalidSampling as error:
+            return _error(errors.InvalidRequest(str(error), error.param))
+        except errors.EngineError as error:
+            return _error(error)
+        stream = state.engine.generate(generation)
+        try:
+            first = await anext(stream)
+        except errors.EngineError as error:
+            return _error(error)
+        return StreamingResponse(_lines(first, stream), media_type="application/x-ndjson")
+
+    @app.get("/internal/v1/state", dependencies=guarded)
+    async def worker_state(request: Request, since: int = 0, epoch: str | None = None) -> Any:
+        state = worker(request)
+        keys = await run_in_threadpool(state.keys.update, epoch, since, time.monotonic())
+        waiting, running = state.engine.queue_depth()
+        engine = state.engine
+        return {
+            "ready": engine.running and not state.draining,
+            "root": engine.root_key.hex(),
+            "block_size": engine.pool.spec.block_size,
+            "waiting": waiting,
+            "running": running,
+            "in_flight": engine.in_flight,
+            "preemptions": engine.metrics.preemptions,
+            "max_model_len": engine.max_model_len,
+            "describe": engine.describe(),
+            "stats": wire.stats_json(engine.cache_stats()),
+            "keys": {
+                "epoch": keys.epoch,
+                "seq": keys.seq,
+                "full": keys.full,
+                "added": keys.added,
+                "removed": keys.removed,
+            },
+        }
+
+    @app.post("/internal/v1/budgets", dependencies=guarded)
+    async def budgets(request: Request) -> dict[str, int]:
+        body = await _json(request)
+        try:
+            changes = {
+                wire.read_owner(str(item["owner"])): wire.read_budget(item["budget"])
+                for item in body["budgets"]
+            }
+        except (KeyError, TypeError, ValueError) as error:
+            raise _Refused(400, f"malformed budgets: {error!r}") from None
+        try:
+            evicted = await run_in_threadpool(worker(request).engine.set_budgets, changes)
+        except ValueError as error:  # a reservation the pool cannot hold; the rest are set
+            raise _Refused(400, str(error)) from None
+        return {"blocks": evicted}
+
+    @app.post("/internal/v1/purge", dependencies=guarded)
+    async def purge(request: Request) -> dict[str, int]:
+        body = await _json(request)
+        tenant_id = body.get("tenant_id")
+        if not isinstance(tenant_id, str) or not tenant_id:
+            raise _Refused(400, "tenant_id must be a non-empty string")
+        purged = await run_in_threadpool(worker(request).engine.purge_tenant, tenant_id)
+        return {"blocks": purged}
+
+    @app.post("/internal/v1/drop-public-prefix", dependencies=guarded)
+    async def drop_public_prefix(request: Request) -> dict[str, int]:
+        body = await _json(request)
+        namespace, token_ids = body.get("namespace"), body.get("token_ids")
+        if not isinstance(namespace, str) or not isinstance(token_ids, list):
+            raise _Refused(400, "namespace must be a string and token_ids a list")
+        if not all(type(token) is int for token in token_ids):
+            raise _Refused(400, "token_ids must be integers")
+        engine = worker(request).engine
+        dropped = await run_in_threadpool(engine.drop_public_prefix, namespace, token_ids)
+        return {"blocks": dropped}
+
+    @app.post("/internal/v1/drain", dependencies=guarded)
+    async def drain(request: Request) -> dict[str, bool]:
+        worker(request).draining = True
+        return {"draining": True}
+
+    return app
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise _Refused(400, f"the body is not JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise _Refused(400, "the body must be a JSON object")
+    return body
+
+
+def _error(error: errors.EngineError) -> JSONResponse:
+    return JSONResponse({"error": wire.error_json(error)}, status_code=status_of(error))
+
+
+async def _lines(first: Any, stream: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """The deltas as JSON lines; an engine error mid-stream is the last line. Leaving early
+    (the gateway went away) closes the engine stream, which cancels the request."""
+    try:
+        yield _line({"delta": wire.delta_json(first)})
+        async for delta in stream:
+            yield _line({"delta": wire.delta_json(delta)})
+    except errors.EngineError as error:
+        yield _line({"error": wire.error_json(error)})
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        logger.exception("a streamed request failed in the worker")
+        yield _line({"error": wire.error_json(errors.EngineError("the worker failed"))})
+    finally:
+        with contextlib.suppress(Exception):
+            await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _line(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, ensure_ascii=False).encode() + b"\n"

@@ -1,0 +1,334 @@
+"""Two real `prefixgate worker` processes behind a real gateway (PostgreSQL, uvicorn, the
+official `openai` client): routing keeps cache hits, scopes and quotas hold across workers, and
+a worker that dies takes down nothing but its own streams."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from bench.routing import Workloads, kv_cache_bytes, run_chats, run_gsp
+from gateway.workers.local import LocalWorker, worker_processes
+from tenancy.tenants import TenantLimits
+from tests.support.admin import admin_client
+from tests.support.browser import ConsoleSession
+from tests.support.gateway import MODEL, SYSTEM_PROMPT, Gateway, openai_client, start_gateway
+from tests.support.tcp_proxy import TcpProxy
+
+SECRET = "scale-out-test-worker-secret"
+SIZES = Workloads(groups=6, per_group=5, system_words=120, conversations=6, turns=4)
+TENANTS = [
+    *[(slug, "tenant", TenantLimits()) for slug in SIZES.gsp_tenants()],
+    ("chat", "user", TenantLimits()),
+    ("acme", "user", TenantLimits()),
+    ("globex", "user", TenantLimits()),
+]
+
+
+@contextmanager
+def routed(
+    template: str, model_dir: Path, state_dir: Path, kv_bytes: int, **settings: Any
+) -> Iterator[tuple[Gateway, list[LocalWorker]]]:
+    environment = {
+        "PREFIXGATE_KV_CACHE_BYTES": str(kv_bytes),
+        "PREFIXGATE_DTYPE": "float32",
+        "OMP_NUM_THREADS": "1",
+    }
+    with ExitStack() as stack:
+        workers = stack.enter_context(
+            worker_processes(2, model_dir, SECRET, state_dir, environment=environment)
+        )
+        options = {
+            "workers": [worker.url for worker in workers],
+            "worker_secret": SECRET,
+            "worker_poll_s": 0.25,
+            "worker_timeout_s": 2.0,
+            **settings,
+        }
+        gateway = stack.enter_context(
+            start_gateway(template, model_dir, state_dir, TENANTS, **options)
+        )
+        yield gateway, workers
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    migrated_template: str, tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Gateway, list[LocalWorker]]]:
+    """Cache-aware routing over two workers, shared by the tests that kill nothing."""
+    state_dir = tmp_path_factory.mktemp("routed")
+    with routed(migrated_template, tiny_chat_dir, state_dir, 16 << 20) as started:
+        yield started
+
+
+def cached_tokens(gateway: Gateway, tenant: str, user: str, messages: list[Any]) -> int:
+    response = openai_client(gateway, tenant).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=2, temperature=0, user=user
+    )
+    assert response.usage is not None and response.usage.prompt_tokens_details is not None
+    return response.usage.prompt_tokens_details.cached_tokens or 0
+
+
+def test_cache_aware_routing_keeps_more_prompt_tokens_cached_than_round_robin(
+    migrated_template: str, tiny_chat_dir: Path, tmp_path: Path
+) -> None:
+    kv_bytes = kv_cache_bytes(tiny_chat_dir, SIZES, None)  # one worker cannot hold every group
+    shares: dict[str, dict[str, float]] = {}
+    for mode in ("round_robin", "cache_aware"):
+        state_dir = tmp_path / mode
+        state_dir.mkdir()
+        with routed(migrated_template, tiny_chat_dir, state_dir, kv_bytes, routing=mode) as (
+            gateway,
+            _,
+        ):
+            gsp = run_gsp(gateway.server.url, gateway.keys, MODEL, SIZES)
+            chats = run_chats(gateway.server.url, gateway.keys["chat"], MODEL, SIZES)
+        assert not gsp.failures and not chats.failures, (gsp.failures, chats.failures)
+        assert gsp.requests == SIZES.groups * SIZES.per_group
+        assert chats.requests == SIZES.conversations * SIZES.turns
+        shares[mode] = {"gsp": gsp.share, "chat": chats.share}
+    print(f"cached share of prompt tokens: {shares}")
+    for workload in ("gsp", "chat"):
+        aware, robin = shares["cache_aware"][workload], shares["round_robin"][workload]
+        assert aware >= robin + 0.1, f"{workload}: cache-aware {aware:.3f}, round robin {robin:.3f}"
+
+
+def test_no_tenant_is_drawn_to_another_tenants_private_prefix(
+    cluster: tuple[Gateway, list[LocalWorker]],
+) -> None:
+    gateway, _ = cluster
+    private = [{"role": "user", "content": "Internal roadmap of acme for the next year. " * 6}]
+    assert cached_tokens(gateway, "acme", "alice", private) == 0
+    time.sleep(0.6)  # the workers publish the new keys with their next poll
+    assert cached_tokens(gateway, "acme", "alice", private) > 0  # routed to its own blocks
+    assert cached_tokens(gateway, "globex", "alice", private) == 0  # same user id, other tenant
+    assert cached_tokens(gateway, "acme", "bob", private) == 0  # same tenant, other user
+
+
+def test_a_public_system_prompt_is_reused_across_tenants_through_the_router(
+    cluster: tuple[Gateway, list[LocalWorker]],
+) -> None:
+    gateway, _ = cluster
+
+    def chat(question: str) -> list[dict[str, str]]:
+        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+
+    cached_tokens(gateway, "acme", "alice", chat("Can I change my seat?"))
+    time.sleep(0.6)
+    # Every later request lands where the registered prompt's blocks are.
+    hits = [
+        cached_tokens(gateway, tenant, "someone", chat(f"Question {index} about luggage?"))
+        for index, tenant in enumerate(["globex", "chat", "globex", "acme"])
+    ]
+    assert all(hit > 0 for hit in hits), hits
+
+
+def test_quotas_hold_on_every_worker_and_the_admin_api_shows_both(
+    cluster: tuple[Gateway, list[LocalWorker]],
+) -> None:
+    gateway, workers = cluster
+    with admin_client(gateway) as admin:
+        tenant = next(t for t in admin.get("/tenants").json()["data"] if t["slug"] == "globex")
+        answer = admin.put(f"/tenants/{tenant['id']}/quota", json={"quota_blocks": 24})
+        assert answer.status_code == 200, answer.text
+
+        def on_every_worker() -> bool:
+            quotas = [worker_quota(worker, tenant["id"]) for worker in workers]
+            return quotas == [24, 24]
+
+        within(5, on_every_worker)
+        gateway.server.gateway.engine.workers.poll_once()  # type: ignore[union-attr]
+        cache = admin.get(f"/tenants/{tenant['id']}").json()["cache"]
+    assert [row["quota_blocks"] for row in cache["workers"]] == [24, 24]
+    assert {row["worker"] for row in cache["workers"]} == {w.url for w in workers}
+    assert cache["quota_blocks"] == 48  # the total over both workers
+    with ConsoleSession(gateway) as console:
+        page = console.get(f"/admin/tenants/{tenant['id']}").text
+    table = page[page.index('<table id="worker-cache">') :]
+    table = table[: table.index("</table>")]
+    assert all(worker.url in table for worker in workers)
+    assert table.count("<td>24</td>") == 2  # the quota, on each worker
+
+
+def test_metrics_list_each_worker(cluster: tuple[Gateway, list[LocalWorker]]) -> None:
+    gateway, workers = cluster
+    text = httpx.get(f"{gateway.server.url}/metrics").text
+    for worker in workers:
+        assert f'prefixgate_worker_up{{worker="{worker.url}"}} 1.0' in text
+
+
+def worker_quota(worker: LocalWorker, tenant_id: str) -> int | None:
+    state = httpx.get(
+        f"{worker.url}/internal/v1/state", headers={"Authorization": f"Bearer {SECRET}"}
+    ).json()
+    owner = state["stats"]["owners"].get(tenant_id)
+    return None if owner is None else int(owner["quota_blocks"])
+
+
+def test_the_worker_api_needs_the_secret_and_refuses_garbage(
+    cluster: tuple[Gateway, list[LocalWorker]],
+) -> None:
+    _, workers = cluster
+    url = workers[0].url
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    assert httpx.get(f"{url}/readyz").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET + "x"}):
+        answer = httpx.post(f"{url}/internal/v1/generate", json={}, headers=headers)
+        assert answer.status_code == 401, answer.text
+        assert httpx.get(f"{url}/internal/v1/state", headers=headers).status_code == 401
+    good = {"Authorization": f"Bearer {SECRET}"}
+    for body in (b"not json", b"[1, 2]", b'{"prompt_token_ids": "x"}'):
+        answer = httpx.post(f"{url}/internal/v1/generate", content=body, headers=good)
+        assert answer.status_code == 400, answer.text
+        assert "error" in answer.json()
+    assert httpx.get(f"{url}/openapi.json").status_code == 404  # nothing advertised
+
+
+def test_client_mistakes_get_the_same_answers_as_in_one_process(
+    cluster: tuple[Gateway, list[LocalWorker]],
+) -> None:
+    gateway, _ = cluster
+    client = openai_client(gateway, "acme")
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "word " * 1400}], max_tokens=1000
+        )
+    assert too_long.value.code == "context_length_exceeded"
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Give me JSON."}], max_tokens=12,
+        response_format={"type": "json_object"}, temperature=0,
+    )  # fmt: skip
+    assert (answer.choices[0].message.content or "").lstrip().startswith("{")
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=5, stream=True,
+        n=2, temperature=0,
+    )  # fmt: skip
+    finished = {c.index for chunk in streamed for c in chunk.choices if c.finish_reason}
+    assert finished == {0, 1}
+
+
+def test_a_killed_worker_leaves_the_gateway_serving_and_no_request_hangs(
+    migrated_template: str, tiny_chat_dir: Path, tmp_path: Path
+) -> None:
+    with routed(migrated_template, tiny_chat_dir, tmp_path, 16 << 20) as (gateway, workers):
+        outcomes: list[tuple[float, float, str]] = []  # (sent, answered, outcome)
+        lock = threading.Lock()
+        stop = threading.Event()
+        client = openai.OpenAI(
+            base_url=gateway.base_url, api_key=gateway.keys["acme"], max_retries=0, timeout=60
+        )
+
+        def keep_asking(index: int) -> None:
+            turn = 0
+            while not stop.is_set():
+                turn += 1
+                sent = time.monotonic()
+                try:
+                    answer = client.chat.completions.create(
+                        model=MODEL, max_tokens=48, temperature=0, user=f"user-{index}",
+                        messages=[{"role": "user", "content": f"Tell me a story {index} {turn}."}],
+                        stream=index % 2 == 0,
+                    )  # fmt: skip
+                    if index % 2 == 0:
+                        list(answer)  # type: ignore[call-overload]
+                    outcome = "ok"
+                except openai.APIStatusError as error:
+                    outcome = f"{error.status_code}"
+                except openai.APIError as error:  # a stream that ended with an error event
+                    outcome = f"stream error: {error.message}"
+                with lock:
+                    outcomes.append((sent, time.monotonic(), outcome))
+
+        with ThreadPoolExecutor(6) as pool:
+            for index in range(6):
+                pool.submit(keep_asking, index)
+            time.sleep(2)
+            killed_at = time.monotonic()
+            workers[0].kill()
+            within(5, lambda: gateway_workers_up(gateway) == 1)
+            noticed_at = time.monotonic()
+            metrics = httpx.get(f"{gateway.server.url}/metrics").text
+            assert f'prefixgate_worker_up{{worker="{workers[0].url}"}} 0.0' in metrics
+            time.sleep(3)
+            stop.set()
+        assert all(answered - sent < 30 for sent, answered, _ in outcomes)  # none hung
+        before = [o for sent, _, o in outcomes if sent < killed_at]
+        after = [o for sent, _, o in outcomes if sent > noticed_at]
+        failed = [o for _, _, o in outcomes if o != "ok"]
+        print(f"{len(before)} sent before the kill, {len(after)} after it was noticed: {failed}")
+        assert before and after
+        assert all(outcome == "ok" for outcome in after), after
+        # Those in flight at the kill either moved to the other worker (nothing streamed yet)
+        # or failed with a clean OpenAI error, never a hang or a dropped connection.
+        assert all(o in ("500", "503") or o.startswith("stream error") for o in failed), failed
+        assert len(failed) <= 6
+
+
+def test_a_worker_that_was_away_gets_the_purge_it_missed_before_it_serves_again(
+    migrated_template: str, tiny_chat_dir: Path, tmp_path: Path
+) -> None:
+    environment = {"PREFIXGATE_DTYPE": "float32", "OMP_NUM_THREADS": "1"}
+    with ExitStack() as stack:
+        workers = stack.enter_context(
+            worker_processes(2, tiny_chat_dir, SECRET, tmp_path, environment=environment)
+        )
+        host, port = workers[1].url.removeprefix("http://").split(":")
+        link = TcpProxy(host, int(port)).start()  # the network between gateway and worker 1
+        stack.callback(link.stop)
+        gateway = stack.enter_context(
+            start_gateway(
+                migrated_template, tiny_chat_dir, tmp_path, TENANTS,
+                workers=[workers[0].url, f"http://127.0.0.1:{link.port}"],
+                worker_secret=SECRET, worker_poll_s=0.25, worker_timeout_s=2.0,
+            )
+        )  # fmt: skip
+        # Private conversations of many users: by rendezvous hashing, some land on each worker.
+        for index in range(12):
+            message = {"role": "user", "content": f"Secret plan number {index}. " * 10}
+            cached_tokens(gateway, "globex", f"user-{index}", [message])
+        tenant_id = gateway_tenant_id(gateway, "globex")
+        assert all(cached_blocks(worker, tenant_id) > 0 for worker in workers)
+        link.stop()
+        within(5, lambda: gateway_workers_up(gateway) == 1)
+        with admin_client(gateway) as admin:
+            assert admin.delete(f"/tenants/{tenant_id}").status_code == 204
+        within(5, lambda: cached_blocks(workers[0], tenant_id) == 0)
+        assert cached_blocks(workers[1], tenant_id) > 0  # away: it could not be told
+        link.start()
+        within(10, lambda: gateway_workers_up(gateway) == 2)
+        assert cached_blocks(workers[1], tenant_id) == 0  # told before it was routable again
+
+
+def gateway_tenant_id(gateway: Gateway, slug: str) -> str:
+    with admin_client(gateway) as admin:
+        tenant = next(t for t in admin.get("/tenants").json()["data"] if t["slug"] == slug)
+    return str(tenant["id"])
+
+
+def cached_blocks(worker: LocalWorker, tenant_id: str) -> int:
+    state = httpx.get(
+        f"{worker.url}/internal/v1/state", headers={"Authorization": f"Bearer {SECRET}"}
+    ).json()
+    owner = state["stats"]["owners"].get(tenant_id)
+    return 0 if owner is None else int(owner["cached_blocks"]) + int(owner["active_blocks"])
+
+
+def gateway_workers_up(gateway: Gateway) -> int:
+    ready = httpx.get(f"{gateway.server.url}/readyz").json()
+    return int(ready["engine"]["workers_up"])
+
+
+def within(seconds: float, check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.05)
