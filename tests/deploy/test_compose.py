@@ -1,0 +1,187 @@
+"""deploy/compose.yaml (and its GPU override): valid Compose files by the Compose
+Specification's own JSON schema (the copy check-jsonschema bundles; `docker compose config`
+needs the compose plugin, which this machine lacks), before and after interpolation, wired as
+the README says: migration first, workers only on an internal network, secrets from the env
+file and never written into the compose file."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy.tools import DEPLOY, REPO, run
+
+COMPOSE = DEPLOY / "compose.yaml"
+COMPOSE_GPU = DEPLOY / "compose.gpu.yaml"
+ENV_EXAMPLE = DEPLOY / "compose.env.example"
+PREFIXGATE_SERVICES = ("migrate", "gateway", "worker-1", "worker-2")
+WORKERS = ("worker-1", "worker-2")
+SECRETISH = re.compile(r"SECRET|KEY|TOKEN|PASSWORD|DATABASE_URL")
+# Compose's ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?error}, ${NAME?error}
+VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
+
+
+def interpolate(value: Any, env: dict[str, str]) -> Any:
+    """`value` (a parsed compose file) with variables replaced as Compose does, after parsing."""
+    if isinstance(value, dict):
+        return {key: interpolate(item, env) for key, item in value.items()}
+    if isinstance(value, list):
+        return [interpolate(item, env) for item in value]
+    if not isinstance(value, str):
+        return value
+
+    def substitute(match: re.Match[str]) -> str:
+        name, op, arg = match["name"], match["op"], match["arg"]
+        present = name in env and (env[name] != "" or not (op or "").startswith(":"))
+        if op is None:
+            return env.get(name, "")
+        if op.endswith("-"):
+            return env[name] if present else arg
+        if not present:
+            raise KeyError(f"{name} is required: {arg}")
+        return env[name]
+
+    return VARIABLE.sub(substitute, value)
+
+
+def required_variables(path: Path) -> set[str]:
+    return {m["name"] for m in VARIABLE.finditer(path.read_text()) if (m["op"] or "").endswith("?")}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The env file an operator makes from the committed example."""
+    path = tmp_path_factory.mktemp("compose") / "compose.env"
+    subprocess.run(
+        [sys.executable, str(DEPLOY / "generate_secrets.py"), str(ENV_EXAMPLE), str(path)],
+        check=True,
+        capture_output=True,
+    )
+    lines = [line for line in path.read_text().splitlines() if line and not line.startswith("#")]
+    return dict(line.split("=", 1) for line in lines)
+
+
+@pytest.fixture(scope="module")
+def compose(env: dict[str, str]) -> dict[str, Any]:
+    loaded: dict[str, Any] = interpolate(yaml.safe_load(COMPOSE.read_text()), env)
+    return loaded
+
+
+def schema_check(*paths: Path) -> None:
+    result = run("check-jsonschema", "--builtin-schema", "vendor.compose-spec", *map(str, paths))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_compose_files_pass_the_compose_spec_schema() -> None:
+    schema_check(COMPOSE, COMPOSE_GPU)
+
+
+def test_interpolated_compose_files_pass_the_compose_spec_schema(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    written = []
+    for source in (COMPOSE, COMPOSE_GPU):
+        target = tmp_path / source.name
+        target.write_text(yaml.safe_dump(interpolate(yaml.safe_load(source.read_text()), env)))
+        written.append(target)
+    schema_check(*written)
+
+
+def test_the_schema_check_rejects_a_misspelt_key(tmp_path: Path) -> None:
+    broken = tmp_path / "compose.yaml"
+    broken.write_text(COMPOSE.read_text().replace("depends_on:", "depend_on:", 1))
+    result = run("check-jsonschema", "--builtin-schema", "vendor.compose-spec", str(broken))
+    assert result.returncode != 0
+
+
+def test_every_required_variable_is_in_the_env_example() -> None:
+    example = ENV_EXAMPLE.read_text()
+    defined = {line.split("=", 1)[0] for line in example.splitlines() if "=" in line}
+    assert required_variables(COMPOSE) <= defined
+    for line in example.splitlines():
+        if line and not line.startswith("#"):
+            assert line.split("=", 1)[1] == "CHANGE_ME", f"not a placeholder: {line}"
+
+
+def test_secrets_come_from_the_env_file(env: dict[str, str]) -> None:
+    raw = yaml.safe_load(COMPOSE.read_text())
+    for name, service in raw["services"].items():
+        for variable, value in service.get("environment", {}).items():
+            if SECRETISH.search(variable):
+                assert "${" in str(value), f"{name}: {variable} is written into compose.yaml"
+
+
+def test_migration_runs_before_the_gateway(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert services["migrate"]["command"] == ["db", "upgrade"]
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert services["migrate"]["restart"] == "no"
+    needs = services["gateway"]["depends_on"]
+    assert needs["migrate"]["condition"] == "service_completed_successfully"
+    for worker in WORKERS:
+        assert needs[worker]["condition"] == "service_healthy"
+
+
+def test_gateway_routes_to_both_workers_on_their_port(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    workers = services["gateway"]["environment"]["PREFIXGATE_WORKERS"].split(",")
+    assert workers == [f"http://{worker}:8001" for worker in WORKERS]
+    for worker in WORKERS:
+        command = services[worker]["command"]
+        assert command[0] == "worker" and command[command.index("--port") + 1] == "8001"
+        # The health check reads PREFIXGATE_PORT; the worker listens on --port.
+        assert services[worker]["environment"]["PREFIXGATE_PORT"] == "8001"
+        assert (
+            services[worker]["environment"]["PREFIXGATE_WORKER_SECRET"]
+            == (services["gateway"]["environment"]["PREFIXGATE_WORKER_SECRET"])
+        )
+
+
+def test_workers_are_isolated_from_the_database_and_the_outside(compose: dict[str, Any]) -> None:
+    services, networks = compose["services"], compose["networks"]
+    database_networks = set(services["postgres"]["networks"])
+    for worker in WORKERS:
+        joined = set(services[worker]["networks"])
+        assert not joined & database_networks
+        assert all(networks[network].get("internal") for network in joined)
+        assert "ports" not in services[worker]
+        secret_names = {name for name in services[worker]["environment"] if SECRETISH.search(name)}
+        assert secret_names == {"PREFIXGATE_WORKER_SECRET"}
+    assert set(services["gateway"]["networks"]) >= database_networks | set(
+        services["worker-1"]["networks"]
+    )
+    for published in services["gateway"]["ports"]:
+        assert published.startswith("127.0.0.1:"), "a laptop's gateway listens on loopback only"
+
+
+def test_services_are_hardened_and_checked(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    for name in PREFIXGATE_SERVICES:
+        service = services[name]
+        assert service["read_only"] is True and service["cap_drop"] == ["ALL"], name
+        assert "no-new-privileges:true" in service["security_opt"], name
+        build = service["build"]
+        assert (COMPOSE.parent / build["context"]).resolve() == REPO
+        assert (REPO / build["dockerfile"]).is_file()
+    for name in ("postgres", "gateway", *WORKERS):
+        assert services[name]["healthcheck"]["test"], name
+    for name in ("gateway", *WORKERS):
+        test = services[name]["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "/opt/prefixgate/healthcheck.py"], name
+
+
+def test_gpu_override_gives_each_worker_a_gpu_and_the_cuda_image(env: dict[str, str]) -> None:
+    override = interpolate(yaml.safe_load(COMPOSE_GPU.read_text()), env)
+    assert set(override["services"]) == set(WORKERS)
+    for worker in WORKERS:
+        service = override["services"][worker]
+        assert service["build"]["dockerfile"] == "deploy/Dockerfile.cuda"
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        assert service["environment"]["PREFIXGATE_DEVICE"] == "cuda"
