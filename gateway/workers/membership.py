@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -31,6 +32,8 @@ logger = logging.getLogger(__name__)
 # How long keys of a request just sent to a worker count as held there (it publishes them
 # with its next poll, once the prefill has run).
 PENDING_KEYS_S = 30.0
+# Workers polled at once (more than this wait for a free poller within the round).
+_POLLERS = 16
 
 
 class WorkerRefused(ValueError):
@@ -135,6 +138,7 @@ class WorkerSet:
         self._budgets: dict[Owner, TenantBudget] = {}
         self.headers = {"Authorization": f"Bearer {secret}"}
         self._client = httpx.Client(headers=self.headers, timeout=timeout_s)
+        self._pollers = ThreadPoolExecutor(_POLLERS, thread_name_prefix="prefixgate-poll")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.changed = threading.Condition(self.lock)  # notified after every poll round
@@ -151,6 +155,7 @@ class WorkerSet:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.timeout_s + self._poll_s)
+        self._pollers.shutdown(wait=True)
         self._client.close()
 
     def wait_for_any(self, timeout_s: float) -> bool:
@@ -187,8 +192,8 @@ class WorkerSet:
                     logger.info("worker %s is no longer listed", url)
                     del self.workers[url]
             todo = list(self.workers.values())
-        for worker in todo:
-            self._poll(worker)
+        # Side by side: a worker that hangs until the timeout delays no other's poll.
+        list(self._pollers.map(self._poll, todo))
         with self.changed:
             self.changed.notify_all()
 

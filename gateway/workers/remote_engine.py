@@ -19,9 +19,9 @@ import contextlib
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -39,6 +39,7 @@ from gateway.workers.membership import PENDING_KEYS_S, Worker, WorkerSet
 
 # How often a stream waiting on a worker checks that the worker is still in routing.
 _LIVENESS_CHECK_S = 1.0
+T = TypeVar("T")
 _DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
 
 
@@ -206,9 +207,9 @@ class RemoteEngine:
                 "POST", f"{worker.url}/internal/v1/generate", json=body,
                 headers=self.workers.headers,
             )  # fmt: skip
-            try:
-                response = await client.send(request, stream=True)
-            except httpx.HTTPError as error:
+            try:  # a hung worker accepts the connection (the kernel does) and never answers
+                response = await _while_in_routing(worker, client.send(request, stream=True))
+            except (httpx.HTTPError, _WorkerLost) as error:
                 self.workers.mark_down(worker, f"request failed: {error}")
                 raise _TryElsewhere from None
             try:
@@ -217,7 +218,7 @@ class RemoteEngine:
                 lines = response.aiter_lines()
                 while True:
                     try:
-                        line = await self._next_line(worker, lines)
+                        line = await _while_in_routing(worker, anext(lines))
                     except StopAsyncIteration:
                         if streamed:
                             return
@@ -241,22 +242,6 @@ class RemoteEngine:
         finally:
             with self.workers.lock:
                 worker.in_flight -= 1
-
-    async def _next_line(self, worker: Worker, lines: AsyncIterator[str]) -> str:
-        """The next line, unless the worker leaves routing first (`_WorkerLost`)."""
-        task = asyncio.ensure_future(anext(lines))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=_LIVENESS_CHECK_S)
-                if done:
-                    return task.result()
-                if not worker.up:
-                    raise _WorkerLost(f"{worker.url} left routing")
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
 
     def _refusal(self, worker: Worker, status: int, body: bytes) -> Exception:
         """A worker's refusal before anything streamed: try elsewhere, or the engine error."""
@@ -369,6 +354,23 @@ def _add_owner(a: OwnerStats, b: OwnerStats) -> OwnerStats:
         quota_blocks=a.quota_blocks + b.quota_blocks,
         counters=counters,
     )
+
+
+async def _while_in_routing(worker: Worker, work: Awaitable[T]) -> T:
+    """`work`'s result, unless the worker leaves routing first (`_WorkerLost`)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_LIVENESS_CHECK_S)
+            if done:
+                return task.result()
+            if not worker.up:
+                raise _WorkerLost(f"{worker.url} left routing")
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 def _chain_of(worker: Worker) -> tuple[str, int] | None:

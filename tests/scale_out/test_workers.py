@@ -4,6 +4,7 @@ a worker that dies takes down nothing but its own streams."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -306,6 +307,47 @@ def test_a_worker_that_was_away_gets_the_purge_it_missed_before_it_serves_again(
         link.start()
         within(10, lambda: gateway_workers_up(gateway) == 2)
         assert cached_blocks(workers[1], tenant_id) == 0  # told before it was routable again
+
+
+def test_a_worker_that_hangs_is_dropped_and_a_drained_one_takes_no_new_requests(
+    migrated_template: str, tiny_chat_dir: Path, tmp_path: Path
+) -> None:
+    """SIGSTOP: the worker keeps its sockets open and answers nothing, as a hung machine."""
+    with routed(migrated_template, tiny_chat_dir, tmp_path, 16 << 20) as (gateway, workers):
+        client = openai.OpenAI(
+            base_url=gateway.base_url, api_key=gateway.keys["acme"], max_retries=0, timeout=60
+        )
+
+        def ask(index: int) -> str:
+            try:
+                client.chat.completions.create(
+                    model=MODEL, max_tokens=32, temperature=0, user=f"user-{index}",
+                    messages=[{"role": "user", "content": f"Tell me a story {index}."}],
+                )  # fmt: skip
+                return "ok"
+            except openai.APIStatusError as error:
+                return str(error.status_code)
+
+        hung = workers[0]
+        hung.process.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            with ThreadPoolExecutor(4) as pool:
+                outcomes = list(pool.map(ask, range(8)))
+            # Those sent to the hung worker moved on once it was dropped (nothing had streamed).
+            assert outcomes == ["ok"] * 8, outcomes
+            assert time.monotonic() - started < 20
+            assert gateway_workers_up(gateway) == 1
+        finally:
+            hung.process.send_signal(signal.SIGCONT)
+        within(10, lambda: gateway_workers_up(gateway) == 2)
+        drained = httpx.post(
+            f"{workers[1].url}/internal/v1/drain", headers={"Authorization": f"Bearer {SECRET}"}
+        )
+        assert drained.status_code == 200
+        within(5, lambda: gateway_workers_up(gateway) == 1)
+        assert [ask(index) for index in range(4)] == ["ok"] * 4
+        assert httpx.get(f"{workers[1].url}/readyz").status_code == 503
 
 
 def gateway_tenant_id(gateway: Gateway, slug: str) -> str:
