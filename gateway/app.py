@@ -84,6 +84,8 @@ def create_app(
                     await task
             state.draining = True
             await run_in_threadpool(shutdown_state, state)
+            if isinstance(state.engine, RemoteEngine):
+                await state.engine.close_connections()
 
     app = FastAPI(title="PrefixGate", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)

@@ -177,7 +177,7 @@ def _worker_metrics(engine: RemoteEngine) -> Iterator[Metric]:
         "This gateway's requests on the engine worker now.",
         labels=["worker"],
     )
-    for row in engine.describe()["workers"]:
+    for row in engine.worker_rows():
         up.add_metric([row["url"]], 1 if row["up"] else 0)
         in_flight.add_metric([row["url"]], row["in_flight"])
     yield up

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 # How long keys of a request just sent to a worker count as held there (it publishes them
 # with its next poll, once the prefill has run).
 PENDING_KEYS_S = 30.0
+# A worker that discovery stopped naming is kept this long (with the changes it missed).
+FORGET_UNLISTED_S = 3600.0
 # Workers polled at once (more than this wait for a free poller within the round).
 _POLLERS = 16
 
@@ -60,22 +62,25 @@ def parse_worker_spec(spec: str) -> tuple[str, str, int]:
     return parts.scheme, parts.hostname, port
 
 
-def resolve(specs: list[str]) -> list[str]:
-    """Base URLs of the workers `specs` name now (dns:// entries resolved; none if not found)."""
-    urls: list[str] = []
-    for spec in specs:
-        scheme, host, port = parse_worker_spec(spec)
-        if scheme != "dns":
-            urls.append(f"{scheme}://{host}:{port}")
-            continue
-        try:
-            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError:
-            continue  # no ready pod yet, or the resolver is away: nothing to route to there
-        for address in sorted({info[4][0] for info in infos}):
-            shown = f"[{address}]" if ":" in str(address) else address
-            urls.append(f"http://{shown}:{port}")
-    return list(dict.fromkeys(urls))
+def resolve(spec: str) -> list[str] | None:
+    """Base URLs of the workers `spec` names now: itself, or every address a dns:// name
+    resolves to (None when the resolver fails: the caller keeps what it had)."""
+    scheme, host, port = parse_worker_spec(spec)
+    if scheme != "dns":
+        return [f"{scheme}://{host}:{port}"]
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        if error.errno == socket.EAI_NONAME:
+            return []  # the name has no address: no ready worker behind it
+        return None
+    except OSError:
+        return None
+    urls = []
+    for address in sorted({str(info[4][0]) for info in infos}):
+        shown = f"[{address}]" if ":" in address else address
+        urls.append(f"http://{shown}:{port}")
+    return urls
 
 
 @dataclass
@@ -97,6 +102,7 @@ class Worker:
     missed: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # admin actions
     resync: bool = True  # budgets must be pushed before it is routable
     last_error: str = ""  # why it was last taken out of routing
+    unlisted_since: float | None = None  # when discovery stopped naming it
 
     @property
     def load(self) -> int:
@@ -139,6 +145,8 @@ class WorkerSet:
         self.headers = {"Authorization": f"Bearer {secret}"}
         self._client = httpx.Client(headers=self.headers, timeout=timeout_s)
         self._pollers = ThreadPoolExecutor(_POLLERS, thread_name_prefix="prefixgate-poll")
+        self._resolved: dict[str, list[str]] = {}  # the last good answer for each spec
+        self._changes = 0  # admin changes so far, so a catch-up can tell it missed none
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.changed = threading.Condition(self.lock)  # notified after every poll round
@@ -178,20 +186,35 @@ class WorkerSet:
     def _loop(self) -> None:
         while not self._stop.is_set():
             started = time.monotonic()
-            self.poll_once()
+            try:
+                self.poll_once()
+            except Exception:  # never let one bad round end routing's view of the workers
+                logger.exception("polling the engine workers failed")
             self._stop.wait(max(0.0, self._poll_s - (time.monotonic() - started)))
 
     def poll_once(self) -> None:
         """Resolve the workers, then read each one's state (one round)."""
-        urls = resolve(self._specs)
+        listed: list[str] = []
+        for spec in self._specs:
+            urls = resolve(spec)
+            if urls is not None:
+                self._resolved[spec] = urls
+            listed += self._resolved.get(spec, [])
+        now = time.monotonic()
         with self.lock:
-            for url in urls:
-                self.workers.setdefault(url, Worker(url))
-            for url in list(self.workers):
-                if url not in urls:
-                    logger.info("worker %s is no longer listed", url)
+            for url in listed:
+                worker = self.workers.setdefault(url, Worker(url))
+                worker.unlisted_since = None
+            for url, worker in list(self.workers.items()):
+                if url in listed:
+                    continue
+                if worker.unlisted_since is None:
+                    # Kept (and told what it misses) in case the name lists it again.
+                    worker.unlisted_since = now
+                    self._take_out(worker, "no longer listed")
+                elif now - worker.unlisted_since > FORGET_UNLISTED_S:
                     del self.workers[url]
-            todo = list(self.workers.values())
+            todo = [w for w in self.workers.values() if w.unlisted_since is None]
         # Side by side: a worker that hangs until the timeout delays no other's poll.
         list(self._pollers.map(self._poll, todo))
         with self.changed:
@@ -205,66 +228,78 @@ class WorkerSet:
             response.raise_for_status()
             state = response.json()
             stats = wire.read_stats(state["stats"])
-        except (httpx.HTTPError, ValueError, KeyError) as error:
-            self.mark_down(worker, f"poll failed: {error}")
+            ready = bool(state["ready"])
+            in_flight = int(state["in_flight"])
+            keys = state["keys"]
+            epoch, seq, full = str(keys["epoch"]), int(keys["seq"]), bool(keys["full"])
+            added, removed = list(keys["added"]), list(keys["removed"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+            self.mark_down(worker, f"poll failed: {error!r}")
             return
-        keys = state["keys"]
         with self.lock:
-            if keys["full"] or keys["epoch"] != worker.epoch:
-                worker.keys = set(keys["added"])
+            if full or epoch != worker.epoch:
+                worker.keys = set(added)
             else:
-                worker.keys.difference_update(keys["removed"])
-                worker.keys.update(keys["added"])
-            restarted = worker.epoch is not None and keys["epoch"] != worker.epoch
-            worker.epoch, worker.seq = keys["epoch"], keys["seq"]
-            worker.reported_load = int(state["in_flight"])
+                worker.keys.difference_update(removed)
+                worker.keys.update(added)
+            if worker.epoch is not None and epoch != worker.epoch:
+                worker.resync = True  # a new process: it knows no budget yet
+            worker.epoch, worker.seq = epoch, seq
+            worker.reported_load = in_flight
             worker.own_at_poll = worker.in_flight
             worker.forget_pending(time.monotonic())
             worker.free_blocks = stats.free_blocks
             worker.stats = stats
             worker.state = state
-            if restarted:
-                worker.resync = True  # a new process: it knows no budget yet
-            needs_resync = worker.resync or not worker.up
-        if needs_resync and not self._resync(worker):
-            return
-        with self.lock:
-            if not worker.up:
-                logger.info("worker %s is up", worker.url)
-            worker.up = bool(state["ready"])
+            if not worker.resync and worker.up:
+                worker.up = ready
+                return
+        self._catch_up(worker, ready)
+
+    def _catch_up(self, worker: Worker, ready: bool) -> None:
+        """Give a worker that was away every budget and each action it missed, then let it
+        into routing; again if an admin change arrived meanwhile (none is ever lost)."""
+        while True:
+            with self.lock:
+                seen = self._changes
+                budgets = dict(self._budgets)
+                missed = list(worker.missed)
+            try:
+                for path, body in [("budgets", _budgets_body(budgets)), *missed]:
+                    try:
+                        self._post(worker, path, body)
+                    except WorkerRefused as error:  # the worker is fine; the change is not
+                        logger.warning("worker %s refused %s: %s", worker.url, path, error)
+            except (httpx.HTTPError, ValueError) as error:
+                self.mark_down(worker, f"could not catch up: {error!r}")
+                return
+            with self.lock:
+                del worker.missed[: len(missed)]
+                if self._changes == seen:
+                    worker.resync = False
+                    if ready and not worker.up:
+                        logger.info("worker %s is up", worker.url)
+                    worker.up = ready
+                    return
 
     def mark_down(self, worker: Worker, why: str) -> None:
         with self.lock:
-            worker.last_error = why
-            if worker.up:
-                logger.warning("worker %s is out of routing: %s", worker.url, why)
-            worker.up = False
-            worker.resync = True
+            self._take_out(worker, why)
+
+    def _take_out(self, worker: Worker, why: str) -> None:
+        """Out of routing (its streams end), and caught up before it comes back (locked)."""
+        worker.last_error = why
+        if worker.up:
+            logger.warning("worker %s is out of routing: %s", worker.url, why)
+        worker.up = False
+        worker.resync = True
 
     # -- admin actions, on every worker -------------------------------------------------------
-
-    def _resync(self, worker: Worker) -> bool:
-        """Give a worker that was away every budget and each action it missed."""
-        with self.lock:
-            budgets = dict(self._budgets)
-            missed = list(worker.missed)
-        try:
-            for path, body in [("budgets", _budgets_body(budgets)), *missed]:
-                try:
-                    self._post(worker, path, body)
-                except WorkerRefused as error:  # the worker is fine; the change is not
-                    logger.warning("worker %s refused %s: %s", worker.url, path, error)
-        except httpx.HTTPError as error:
-            self.mark_down(worker, f"could not catch up: {error}")
-            return False
-        with self.lock:
-            del worker.missed[: len(missed)]
-            worker.resync = False
-        return True
 
     def set_budget(self, owner: Owner, budget: TenantBudget) -> int:
         with self.lock:
             self._budgets[owner] = budget
+            self._changes += 1
         return self._everywhere("budgets", _budgets_body({owner: budget}), remember=False)
 
     def purge(self, tenant_id: str) -> int:
@@ -278,6 +313,7 @@ class WorkerSet:
         """Send an action to every worker that is up; the blocks it freed, summed. A worker
         that is away, or cannot take it now, is out of routing until it has caught up."""
         with self.lock:
+            self._changes += 1
             workers = []
             for worker in self.workers.values():
                 if worker.up:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+import anyio
 import httpx
 
 from engine import errors
@@ -125,7 +126,14 @@ class RemoteEngine:
         return bool(self.workers.routable())
 
     def stop(self, timeout: float | None = None) -> None:
+        """Stop polling (in-flight streams finish on their own)."""
         self.workers.stop()
+
+    async def close_connections(self) -> None:
+        """Close the connections to the workers (on the event loop that opened them)."""
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
 
     # -- generation ---------------------------------------------------------------------------
 
@@ -134,9 +142,9 @@ class RemoteEngine:
         body = await asyncio.to_thread(wire.request_json, request)
         tried: set[str] = set()
         while True:
-            worker, keys = self._pick(request, tried)
+            worker = self._pick(request, tried)
             tried.add(worker.url)
-            stream = self._attempt(worker, keys, body)
+            stream = self._attempt(worker, body)
             try:
                 first = await anext(stream)
             except _TryElsewhere:
@@ -147,13 +155,14 @@ class RemoteEngine:
                 yield first
                 async for delta in stream:
                     yield delta
-            finally:
-                await stream.aclose()  # type: ignore[attr-defined]
+            finally:  # shielded: a stream response's task group cancels every later await
+                with anyio.CancelScope(shield=True):
+                    await stream.aclose()  # type: ignore[attr-defined]
             return
 
-    def _pick(self, request: GenerationRequest, tried: set[str]) -> tuple[Worker, list[str]]:
-        """The best worker not yet tried, and the request's keys there; it counts the request
-        as in flight there from now."""
+    def _pick(self, request: GenerationRequest, tried: set[str]) -> Worker:
+        """The best worker not yet tried; the request counts as in flight there from now, and
+        its keys as held there (until the worker publishes them or `PENDING_KEYS_S`)."""
         cache_aware = self.config.mode == "cache_aware"
         chains: dict[tuple[str, int], list[str]] = {}
         if cache_aware:  # hashed outside the lock: workers of one model share one chain
@@ -193,10 +202,10 @@ class RemoteEngine:
             worker.in_flight += 1
             keys = chains.get(_chain_of(worker) or ("", 0), [])
             worker.pending.update(dict.fromkeys(keys, now + PENDING_KEYS_S))
-        return worker, keys
+        return worker
 
     async def _attempt(
-        self, worker: Worker, keys: list[str], body: dict[str, Any]
+        self, worker: Worker, body: dict[str, Any]
     ) -> AsyncIterator[GenerationDelta]:
         """One worker's stream. Raises `_TryElsewhere` where nothing was streamed and another
         worker may serve the request; an engine error where no worker could."""
@@ -232,13 +241,20 @@ class RemoteEngine:
                         raise _TryElsewhere from None
                     if not line:
                         continue
-                    message = json.loads(line)
-                    if "error" in message:
+                    try:
+                        message = json.loads(line)
+                        delta = None if "error" in message else wire.read_delta(message["delta"])
+                    except (ValueError, KeyError, TypeError):  # another version's worker
+                        raise errors.RequestFailed(
+                            "the engine worker sent a malformed answer"
+                        ) from None
+                    if delta is None:
                         raise wire.read_error(message["error"])
                     streamed = True
-                    yield wire.read_delta(message["delta"])
-            finally:
-                await response.aclose()
+                    yield delta
+            finally:  # closing the connection is what cancels the request on the worker
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
         finally:
             with self.workers.lock:
                 worker.in_flight -= 1
@@ -298,22 +314,37 @@ class RemoteEngine:
         rows = self.workers.snapshot(lambda w: int(w.state.get("describe", {}).get("restarts", 0)))
         return sum(rows)
 
-    def describe(self) -> dict[str, Any]:
+    def worker_rows(self) -> list[dict[str, Any]]:
+        """Each worker that discovery names: address, whether it is in routing, its load."""
         rows = self.workers.snapshot(
-            lambda w: {
-                "url": w.url,
-                "up": w.up,
-                "in_flight": w.in_flight,
-                "load": w.reported_load,
-                "cached_keys": len(w.keys),
-                **{k: w.state.get("describe", {}).get(k) for k in ("device", "dtype", "kv_blocks")},
-            }
+            lambda w: (
+                None
+                if w.unlisted_since is not None
+                else {
+                    "url": w.url,
+                    "up": w.up,
+                    "in_flight": w.in_flight,
+                    "load": w.reported_load,
+                    "cached_keys": len(w.keys),
+                    "last_error": w.last_error,
+                }
+            )
+        )
+        return [row for row in rows if row is not None]
+
+    def describe(self) -> dict[str, Any]:
+        """What serves, for /readyz and the start-up log: counts, not the workers' addresses
+        (/metrics names them; /readyz is public)."""
+        rows = self.worker_rows()
+        first: dict[str, Any] = next(
+            (w.state.get("describe", {}) for w in self.workers.routable()), {}
         )
         return {
             "model": self.loaded.name,
             "routing": self.config.mode,
+            "workers": len(rows),
             "workers_up": sum(1 for row in rows if row["up"]),
-            "workers": rows,
+            **{key: first.get(key) for key in ("device", "dtype", "kv_dtype", "kv_blocks")},
         }
 
 
@@ -369,7 +400,10 @@ async def _while_in_routing(worker: Worker, work: Awaitable[T]) -> T:
     finally:
         if not task.done():
             task.cancel()
-            with contextlib.suppress(BaseException):
+            # Shielded: the task must finish its own cleanup (httpcore closes the connection
+            # there) before the caller goes on; a cancelled caller would otherwise leave it
+            # pending, unreferenced, and the connection to the worker open.
+            with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
                 await task
 
 

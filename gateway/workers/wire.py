@@ -61,7 +61,12 @@ def budget_json(budget: TenantBudget) -> Json:
 
 
 def read_budget(data: Json) -> TenantBudget:
-    return TenantBudget(_int(data, "quota_blocks"), _int(data, "reserved_blocks"))
+    try:
+        return TenantBudget(_int(data, "quota_blocks"), _int(data, "reserved_blocks"))
+    except WireError:
+        raise
+    except ValueError as error:  # negative, or a reservation over the quota
+        raise WireError(f"budget: {error}") from None
 
 
 def owner_json(owner: Owner) -> str:
@@ -114,6 +119,15 @@ def read_request(data: Json, compile_grammar: Any) -> GenerationRequest:
             Segment(_int(s, "start"), _int(s, "end"), read_scope(s["scope"]))
             for s in data["segments"]
         ]
+        ends = [(segment.start, segment.end) for segment in segments]
+        if segments and [0, *(end for _, end in ends)] != [
+            *(start for start, _ in ends),
+            len(token_ids),
+        ]:
+            raise WireError("segments must tile the prompt, in order")
+        prompt_logprobs = data.get("prompt_logprobs")
+        if prompt_logprobs is not None and type(prompt_logprobs) is not int:
+            raise WireError("prompt_logprobs must be null or an integer")
         budget = None if data.get("budget") is None else read_budget(data["budget"])
         grammar_text = data.get("grammar")
         return GenerationRequest(
@@ -126,10 +140,12 @@ def read_request(data: Json, compile_grammar: Any) -> GenerationRequest:
             budget=budget,
             grammar=None if grammar_text is None else compile_grammar(str(grammar_text)),
             n=_int(data, "n"),
-            prompt_logprobs=data.get("prompt_logprobs"),
+            prompt_logprobs=prompt_logprobs,
         )
-    except (KeyError, TypeError, AttributeError) as error:
-        raise WireError(f"malformed request: {error!r}") from None
+    except KeyError as error:
+        raise WireError(f"malformed request: {error.args[0]} is missing") from None
+    except (TypeError, AttributeError) as error:
+        raise WireError(f"malformed request: {error}") from None
 
 
 # -- deltas -----------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import anyio
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -41,6 +42,7 @@ from gateway.workers import wire
 from gateway.workers.key_log import KeyLog
 
 logger = logging.getLogger(__name__)
+_DISCONNECT_POLL_S = 0.1
 
 # The HTTP status of an engine refusal made before anything streamed. 503 tells a gateway to
 # try another worker; 4xx are the request's own fault and would fail anywhere.
@@ -65,9 +67,8 @@ def status_of(error: errors.EngineError) -> int:
 class WorkerState:
     """The engine, its key log, and whether the worker still takes requests."""
 
-    def __init__(self, engine: Engine, loaded: LoadedModel) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.loaded = loaded
         self.keys = KeyLog(engine.cached_keys)
         self.draining = False
 
@@ -82,11 +83,11 @@ def create_worker_app(settings: Settings, loaded: LoadedModel | None = None) -> 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        model, engine = await run_in_threadpool(
+        _, engine = await run_in_threadpool(
             on_passing_thread, lambda: start_engine(settings, loaded)
         )
         logger.info("worker engine: %s", engine.describe())
-        app.state.worker = WorkerState(engine, model)
+        app.state.worker = WorkerState(engine)
         try:
             yield
         finally:
@@ -94,8 +95,8 @@ def create_worker_app(settings: Settings, loaded: LoadedModel | None = None) -> 
             await run_in_threadpool(engine.stop, settings.shutdown_grace_s)
 
     def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
-        offered = (authorization or "").removeprefix("Bearer ").encode()
-        if not hmac.compare_digest(offered, secret):
+        scheme, _, offered = (authorization or "").partition(" ")
+        if scheme != "Bearer" or not hmac.compare_digest(offered.encode(), secret):
             raise _Refused(401, "invalid worker secret")
 
     def worker(request: Request) -> WorkerState:
@@ -141,9 +142,14 @@ def create_worker_app(settings: Settings, loaded: LoadedModel | None = None) -> 
             return _error(error)
         stream = state.engine.generate(generation)
         try:
-            first = await anext(stream)
+            first = await _first_unless_gone(request, stream)
+        except _GatewayGone:  # it went away while the request waited: nobody to answer
+            return Response(status_code=499)
         except errors.EngineError as error:
             return _error(error)
+        except Exception:
+            logger.exception("a request failed in the worker before its first delta")
+            return _error(errors.EngineError("the worker failed"))
         return StreamingResponse(_lines(first, stream), media_type="application/x-ndjson")
 
     @app.get("/internal/v1/state", dependencies=guarded)
@@ -217,6 +223,32 @@ def create_worker_app(settings: Settings, loaded: LoadedModel | None = None) -> 
     return app
 
 
+class _GatewayGone(Exception):
+    """The gateway closed the connection before the request's first delta."""
+
+
+async def _first_unless_gone(request: Request, stream: AsyncIterator[Any]) -> Any:
+    """The stream's first delta; if the gateway leaves first (the engine may still be queueing
+    or prefilling), the request is cancelled at once and `_GatewayGone` raised. The stream is
+    closed on every way out but success."""
+    task = asyncio.ensure_future(anext(stream))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise _GatewayGone
+    except BaseException:
+        if not task.done():
+            task.cancel()
+            with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
+                await task
+        with contextlib.suppress(Exception):
+            await stream.aclose()  # type: ignore[attr-defined]
+        raise
+
+
 class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
@@ -252,8 +284,8 @@ async def _lines(first: Any, stream: AsyncIterator[Any]) -> AsyncIterator[bytes]
     except Exception:
         logger.exception("a streamed request failed in the worker")
         yield _line({"error": wire.error_json(errors.EngineError("the worker failed"))})
-    finally:
-        with contextlib.suppress(Exception):
+    finally:  # shielded: the response's task group cancels every await once the gateway left
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
             await stream.aclose()  # type: ignore[attr-defined]
 
 

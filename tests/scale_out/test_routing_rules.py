@@ -155,8 +155,9 @@ def test_worker_addresses() -> None:
     for bad in ("10.0.0.5:8001", "http://host", "ftp://host:1", "http://host:1/path"):
         with pytest.raises(WorkerSpecError):
             parse_worker_spec(bad)
-    assert resolve(["dns://localhost:8001"])[0].endswith(":8001")
-    assert resolve(["dns://no-such-name.invalid:8001"]) == []  # nothing to route to yet
+    assert resolve("http://10.0.0.5:8001") == ["http://10.0.0.5:8001"]
+    assert resolve("dns://localhost:8001") == ["http://127.0.0.1:8001"]
+    assert resolve("dns://no-such-name.invalid:8001") == []  # no ready worker behind it yet
 
 
 def test_requests_and_deltas_cross_the_wire_unchanged() -> None:
@@ -186,6 +187,10 @@ def test_malformed_requests_are_refused_by_name() -> None:
         {**good, "prompt_token_ids": [1, "2"]},
         {**good, "n": "2"},
         {**good, "tail_scope": {"kind": "everyone"}},
+        {**good, "budget": {"quota_blocks": -1, "reserved_blocks": 0}},
+        {**good, "prompt_logprobs": "x"},
+        {**good, "segments": [{"start": 0, "end": 1000, "scope": {"kind": "none"}}]},
+        {**good, "segments": [{"start": 1, "end": 3, "scope": {"kind": "none"}}]},
         {k: v for k, v in good.items() if k != "sampling"},
     ):
         with pytest.raises(wire.WireError):

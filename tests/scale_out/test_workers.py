@@ -26,7 +26,9 @@ from tests.support.gateway import MODEL, SYSTEM_PROMPT, Gateway, openai_client, 
 from tests.support.tcp_proxy import TcpProxy
 
 SECRET = "scale-out-test-worker-secret"
-SIZES = Workloads(groups=6, per_group=5, system_words=120, conversations=6, turns=4)
+# One request at a time: round robin's turns then alternate strictly, so both shares are the
+# same on every run (with requests side by side they vary by +-0.1).
+SIZES = Workloads(groups=6, per_group=5, system_words=120, conversations=6, turns=4, concurrency=1)
 TENANTS = [
     *[(slug, "tenant", TenantLimits()) for slug in SIZES.gsp_tenants()],
     ("chat", "user", TenantLimits()),
@@ -192,6 +194,35 @@ def test_the_worker_api_needs_the_secret_and_refuses_garbage(
         assert answer.status_code == 400, answer.text
         assert "error" in answer.json()
     assert httpx.get(f"{url}/openapi.json").status_code == 404  # nothing advertised
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_request_on_the_worker(
+    cluster: tuple[Gateway, list[LocalWorker]],
+) -> None:
+    gateway, workers = cluster
+    body = {
+        "model": MODEL, "stream": True, "max_tokens": 1500, "temperature": 0.9,
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+    }  # fmt: skip
+    headers = {"Authorization": f"Bearer {gateway.keys['acme']}"}
+    with (
+        httpx.Client(base_url=gateway.server.url, timeout=30) as client,
+        client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response,
+    ):
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        for _ in range(5):
+            next(lines)
+        assert sum(worker_in_flight(worker) for worker in workers) == 1
+    # Gone: the worker's engine drops the request at once (1,500 tokens take about 5 s).
+    within(2, lambda: sum(worker_in_flight(worker) for worker in workers) == 0)
+
+
+def worker_in_flight(worker: LocalWorker) -> int:
+    state = httpx.get(
+        f"{worker.url}/internal/v1/state", headers={"Authorization": f"Bearer {SECRET}"}
+    ).json()
+    return int(state["in_flight"])
 
 
 def test_client_mistakes_get_the_same_answers_as_in_one_process(
