@@ -92,6 +92,9 @@ class Engine:
         # Every request in flight, from `submit` until `_settle`, guarded by the inbox's lock.
         self._requests: dict[str, Sequence] = {}
         self._cache_stats = snapshot(self.cache)
+        # The prefix cache's keys for `cached_keys`, copied at a step's end when asked for.
+        self._keys_snapshot: list[BlockHash] = []
+        self._keys_wanted = False
 
     def _install(self, pool: BlockPool) -> None:
         """Serve from `pool` with a new cache manager and scheduler: nothing cached, nobody
@@ -319,12 +322,17 @@ class Engine:
         return self._cache_stats
 
     def cached_keys(self) -> list[BlockHash]:
-        """The key of every block in the prefix cache, read at the next step boundary.
+        """The key of every block in the prefix cache, without waiting for a running step.
 
-        Scope is part of every key, so a router that matches these against a request's own
-        keys can never be drawn to another tenant's private blocks.
+        An idle engine reads them at once; a busy one answers with the keys as of the end of
+        the last step after the previous call (the next step's end takes a fresh copy). Scope
+        is part of every key, so a router that matches these against a request's own keys can
+        never be drawn to another tenant's private blocks.
         """
-        return self._inbox.call(self.cache.prefix_cache.keys)
+        if not self.scheduler.has_work():
+            return self._inbox.call(self.cache.prefix_cache.keys)
+        self._keys_wanted = True
+        return self._keys_snapshot
 
     @property
     def root_key(self) -> BlockHash:
@@ -359,6 +367,9 @@ class Engine:
             self._execute(output)
         self.cache.end_step()
         self._cache_stats = snapshot(self.cache)
+        if self._keys_wanted:
+            self._keys_wanted = False
+            self._keys_snapshot = self.cache.prefix_cache.keys()
         self.metrics.record_step(
             time.perf_counter() - started,
             sum(chunk.num_tokens for chunk in output.chunks),

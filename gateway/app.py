@@ -165,6 +165,7 @@ def start_routing(
         settings.worker_secret.get_secret_value(),
         settings.worker_poll_s,
         settings.worker_timeout_s,
+        loaded.fingerprint,
     )
     config = RoutingConfig(
         settings.routing, settings.routing_load_tokens, settings.routing_max_imbalance

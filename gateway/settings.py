@@ -207,8 +207,8 @@ class Settings(BaseSettings):
     worker_poll_s: float = Field(default=1.0, gt=0)
     """How often a gateway reads each worker's cached block keys and load."""
     worker_timeout_s: float = Field(default=5.0, gt=0)
-    """A worker that does not answer (connect, poll, or first byte of a request) within this
-    long is dropped from routing until it answers again."""
+    """A worker that does not accept a connection or answer a poll within this long is out of
+    routing until it answers again (the streams waiting on one that answers nothing end)."""
     worker_start_timeout_s: float = Field(default=300.0, gt=0)
     """How long a starting gateway waits for its first worker to answer."""
     routing: Literal["cache_aware", "round_robin"] = "cache_aware"

@@ -93,13 +93,16 @@ def serve(
 
 def _wait_for_a_worker(settings: Any) -> None:
     """Before anything starts: a worker answers (with the secret), or one line says why not."""
+    from engine.model_loader import embedded_model_dir, fingerprint
     from gateway.workers.membership import WorkerSet
 
+    model_dir = settings.model_dir or embedded_model_dir()
     probe = WorkerSet(
         settings.workers,
         settings.worker_secret.get_secret_value(),
         settings.worker_poll_s,
         settings.worker_timeout_s,
+        fingerprint(model_dir),
     )
     probe.start()
     try:

@@ -88,7 +88,9 @@ class Worker:
     """What the gateway knows of one worker (guarded by the `WorkerSet`'s lock)."""
 
     url: str
-    up: bool = False
+    up: bool = False  # in routing: answering, caught up, ready and listed
+    lost: bool = True  # its last poll or admin call failed (or none has succeeded yet)
+    silent: bool = False  # ... because it answered nothing in time: a hung machine
     epoch: str | None = None
     seq: int = 0
     keys: set[str] = field(default_factory=set)
@@ -133,10 +135,19 @@ class Held:
 class WorkerSet:
     """The workers named by the settings, polled on a thread of their own."""
 
-    def __init__(self, specs: list[str], secret: str, poll_s: float, timeout_s: float) -> None:
+    def __init__(
+        self,
+        specs: list[str],
+        secret: str,
+        poll_s: float,
+        timeout_s: float,
+        model_fingerprint: str | None = None,
+    ) -> None:
         for spec in specs:
             parse_worker_spec(spec)
         self._specs = specs
+        # The gateway tokenizes for this model: a worker serving another one is never routed to.
+        self._model = model_fingerprint
         self._poll_s = poll_s
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
@@ -209,12 +220,14 @@ class WorkerSet:
                 if url in listed:
                     continue
                 if worker.unlisted_since is None:
-                    # Kept (and told what it misses) in case the name lists it again.
+                    # No new requests; kept (and told what it misses) in case the name lists
+                    # it again. Its streams go on: a pod leaves DNS when it starts draining.
                     worker.unlisted_since = now
                     self._take_out(worker, "no longer listed")
-                elif now - worker.unlisted_since > FORGET_UNLISTED_S:
+                elif now - worker.unlisted_since > FORGET_UNLISTED_S and not worker.in_flight:
                     del self.workers[url]
-            todo = [w for w in self.workers.values() if w.unlisted_since is None]
+            # An unlisted worker is still polled while this gateway has requests there.
+            todo = [w for w in self.workers.values() if w.unlisted_since is None or w.in_flight]
         # Side by side: a worker that hangs until the timeout delays no other's poll.
         list(self._pollers.map(self._poll, todo))
         with self.changed:
@@ -233,8 +246,16 @@ class WorkerSet:
             keys = state["keys"]
             epoch, seq, full = str(keys["epoch"]), int(keys["seq"]), bool(keys["full"])
             added, removed = list(keys["added"]), list(keys["removed"])
+            model = str(state["fingerprint"])
+        except httpx.TimeoutException as error:
+            self.mark_down(worker, f"poll got no answer: {error!r}", silent=True)
+            return
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
             self.mark_down(worker, f"poll failed: {error!r}")
+            return
+        if self._model is not None and model != self._model:
+            name = state.get("describe", {}).get("model")
+            self.mark_down(worker, f"it serves another model ({name}) than this gateway")
             return
         with self.lock:
             if full or epoch != worker.epoch:
@@ -243,16 +264,19 @@ class WorkerSet:
                 worker.keys.difference_update(removed)
                 worker.keys.update(added)
             if worker.epoch is not None and epoch != worker.epoch:
-                worker.resync = True  # a new process: it knows no budget yet
+                # A new process: it knows no budget yet, and holds none of the keys sent there.
+                self._take_out(worker, "restarted")
+                worker.pending.clear()
             worker.epoch, worker.seq = epoch, seq
+            worker.lost = worker.silent = False
             worker.reported_load = in_flight
             worker.own_at_poll = worker.in_flight
             worker.forget_pending(time.monotonic())
             worker.free_blocks = stats.free_blocks
             worker.stats = stats
             worker.state = state
-            if not worker.resync and worker.up:
-                worker.up = ready
+            if not worker.resync:
+                self._set_up(worker, ready)
                 return
         self._catch_up(worker, ready)
 
@@ -277,17 +301,26 @@ class WorkerSet:
                 del worker.missed[: len(missed)]
                 if self._changes == seen:
                     worker.resync = False
-                    if ready and not worker.up:
-                        logger.info("worker %s is up", worker.url)
-                    worker.up = ready
+                    self._set_up(worker, ready)
                     return
 
-    def mark_down(self, worker: Worker, why: str) -> None:
+    def _set_up(self, worker: Worker, ready: bool) -> None:
+        """In routing if it is ready and listed (locked; it has caught up)."""
+        up = ready and worker.unlisted_since is None
+        if up and not worker.up:
+            logger.info("worker %s is up", worker.url)
+        worker.up = up
+
+    def mark_down(self, worker: Worker, why: str, silent: bool = False) -> None:
+        """It failed to answer: out of routing until a poll succeeds and it has caught up.
+        `silent` (it answered nothing in time) also ends the streams waiting on it."""
         with self.lock:
             self._take_out(worker, why)
+            worker.lost = True
+            worker.silent = worker.silent or silent  # a successful poll clears it
 
     def _take_out(self, worker: Worker, why: str) -> None:
-        """Out of routing (its streams end), and caught up before it comes back (locked)."""
+        """No new requests, and caught up before it takes any again (locked)."""
         worker.last_error = why
         if worker.up:
             logger.warning("worker %s is out of routing: %s", worker.url, why)
@@ -310,16 +343,19 @@ class WorkerSet:
         return self._everywhere("drop-public-prefix", body, remember=True)
 
     def _everywhere(self, path: str, body: dict[str, Any], remember: bool) -> int:
-        """Send an action to every worker that is up; the blocks it freed, summed. A worker
-        that is away, or cannot take it now, is out of routing until it has caught up."""
+        """Send an action to every worker that answers and has caught up (draining ones too);
+        the blocks it freed, summed. Any other worker gets it when it catches up (a budget is
+        always resent then), and is out of routing until it has."""
         with self.lock:
             self._changes += 1
             workers = []
             for worker in self.workers.values():
-                if worker.up:
+                if not worker.lost and not worker.resync and worker.unlisted_since is None:
                     workers.append(worker)
-                elif remember:  # told when it is back (a budget is resent anyway)
-                    worker.missed.append((path, body))
+                else:
+                    if remember:
+                        worker.missed.append((path, body))
+                    worker.resync = True
         total = 0
         refused: WorkerRefused | None = None
         for worker in workers:
@@ -327,11 +363,13 @@ class WorkerSet:
                 total += int(self._post(worker, path, body).get("blocks", 0))
             except WorkerRefused as error:  # the same change fails on every worker
                 refused = error
-            except httpx.HTTPError as error:
-                with self.lock:
+            except (httpx.HTTPError, ValueError) as error:
+                with self.lock:  # one step, so a catch-up cannot slip in between
                     if remember:
                         worker.missed.append((path, body))
-                self.mark_down(worker, f"missed {path}: {error}")
+                    self._changes += 1
+                    self._take_out(worker, f"missed {path}: {error!r}")
+                    worker.lost = True
         if refused is not None:
             raise refused
         return total

@@ -18,8 +18,9 @@ import asyncio
 import contextlib
 import itertools
 import json
+import sys
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -144,7 +145,7 @@ class RemoteEngine:
         while True:
             worker = self._pick(request, tried)
             tried.add(worker.url)
-            stream = self._attempt(worker, body)
+            stream = self._attempt(worker, body, request.n)
             try:
                 first = await anext(stream)
             except _TryElsewhere:
@@ -161,8 +162,8 @@ class RemoteEngine:
             return
 
     def _pick(self, request: GenerationRequest, tried: set[str]) -> Worker:
-        """The best worker not yet tried; the request counts as in flight there from now, and
-        its keys as held there (until the worker publishes them or `PENDING_KEYS_S`)."""
+        """The best worker not yet tried; the request's choices count as in flight there from
+        now, and its keys as held there (until the worker publishes them or `PENDING_KEYS_S`)."""
         cache_aware = self.config.mode == "cache_aware"
         chains: dict[tuple[str, int], list[str]] = {}
         if cache_aware:  # hashed outside the lock: workers of one model share one chain
@@ -199,13 +200,13 @@ class RemoteEngine:
                     sticky,
                 )
             worker = self.workers.workers[ranked[0].name]
-            worker.in_flight += 1
+            worker.in_flight += request.n  # sequences, as the worker counts them
             keys = chains.get(_chain_of(worker) or ("", 0), [])
             worker.pending.update(dict.fromkeys(keys, now + PENDING_KEYS_S))
         return worker
 
     async def _attempt(
-        self, worker: Worker, body: dict[str, Any]
+        self, worker: Worker, body: dict[str, Any], sequences: int
     ) -> AsyncIterator[GenerationDelta]:
         """One worker's stream. Raises `_TryElsewhere` where nothing was streamed and another
         worker may serve the request; an engine error where no worker could."""
@@ -217,9 +218,10 @@ class RemoteEngine:
                 headers=self.workers.headers,
             )  # fmt: skip
             try:  # a hung worker accepts the connection (the kernel does) and never answers
-                response = await _while_in_routing(worker, client.send(request, stream=True))
+                sending = client.send(request, stream=True)
+                response = await _unless_silent(worker, sending, discard=_close_response)
             except (httpx.HTTPError, _WorkerLost) as error:
-                self.workers.mark_down(worker, f"request failed: {error}")
+                self.workers.mark_down(worker, f"request failed: {error!r}")
                 raise _TryElsewhere from None
             try:
                 if response.status_code != 200:
@@ -227,7 +229,7 @@ class RemoteEngine:
                 lines = response.aiter_lines()
                 while True:
                     try:
-                        line = await _while_in_routing(worker, anext(lines))
+                        line = await _unless_silent(worker, anext(lines))
                     except StopAsyncIteration:
                         if streamed:
                             return
@@ -257,7 +259,7 @@ class RemoteEngine:
                     await response.aclose()
         finally:
             with self.workers.lock:
-                worker.in_flight -= 1
+                worker.in_flight -= sequences
 
     def _refusal(self, worker: Worker, status: int, body: bytes) -> Exception:
         """A worker's refusal before anything streamed: try elsewhere, or the engine error."""
@@ -387,24 +389,41 @@ def _add_owner(a: OwnerStats, b: OwnerStats) -> OwnerStats:
     )
 
 
-async def _while_in_routing(worker: Worker, work: Awaitable[T]) -> T:
-    """`work`'s result, unless the worker leaves routing first (`_WorkerLost`)."""
+async def _unless_silent(
+    worker: Worker,
+    work: Awaitable[T],
+    discard: Callable[[T], Awaitable[None]] | None = None,
+) -> T:
+    """`work`'s result, unless the worker goes silent first (`_WorkerLost`): polls found it
+    answering nothing, as a hung machine. A worker that only drains or leaves DNS keeps its
+    streams. `discard` cleans up a result that arrives after the caller gave up."""
     task = asyncio.ensure_future(work)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=_LIVENESS_CHECK_S)
             if done:
                 return task.result()
-            if not worker.up:
-                raise _WorkerLost(f"{worker.url} left routing")
+            if worker.silent:
+                raise _WorkerLost(f"{worker.url} stopped answering")
     finally:
-        if not task.done():
-            task.cancel()
-            # Shielded: the task must finish its own cleanup (httpcore closes the connection
-            # there) before the caller goes on; a cancelled caller would otherwise leave it
-            # pending, unreferenced, and the connection to the worker open.
-            with anyio.CancelScope(shield=True), contextlib.suppress(BaseException):
-                await task
+        # Shielded: the task must finish its own cleanup (httpcore closes the connection
+        # there) before the caller goes on; a cancelled caller would otherwise leave it
+        # pending, unreferenced, and the connection to the worker open.
+        with anyio.CancelScope(shield=True):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            elif discard is not None and sys.exc_info()[0] is not None and _succeeded(task):
+                await discard(task.result())
+
+
+def _succeeded(task: asyncio.Future[Any]) -> bool:
+    return not task.cancelled() and task.exception() is None
+
+
+async def _close_response(response: httpx.Response) -> None:
+    await response.aclose()
 
 
 def _chain_of(worker: Worker) -> tuple[str, int] | None:

@@ -161,6 +161,7 @@ def create_worker_app(settings: Settings, loaded: LoadedModel | None = None) -> 
         return {
             "ready": engine.running and not state.draining,
             "root": engine.root_key.hex(),
+            "fingerprint": engine.loaded.fingerprint,
             "block_size": engine.pool.spec.block_size,
             "waiting": waiting,
             "running": running,
