@@ -124,25 +124,22 @@ def test_workers_publish_the_keys_they_cache(cluster: tuple[Gateway, list[LocalW
     engine = gateway.server.gateway.engine
     assert isinstance(engine, RemoteEngine)
 
+    def sent() -> dict[str, set[str]]:  # keys the gateway counts as held since it sent them
+        return dict(engine.workers.snapshot(lambda w: (w.url, set(w.pending))))
+
     def published() -> dict[str, set[str]]:
         return dict(engine.workers.snapshot(lambda w: (w.url, set(w.keys))))
 
-    before = published()
+    before = sent()
     message = {"role": "user", "content": "A private note to publish, block by block. " * 16}
     assert cached_tokens(gateway, "acme", "publisher", [message]) == 0
-
-    def grew() -> dict[str, set[str]]:
-        now = published()
-        return {
-            url: now[url] - before.get(url, set())
-            for url in now
-            if now[url] - before.get(url, set())
-        }
-
-    within(5, lambda: bool(grew()))
-    new = grew()
-    assert len(new) == 1  # on the worker that served it, and on no other
-    assert len(next(iter(new.values()))) >= 8  # about 10 full blocks of 16 tokens
+    after = sent()
+    ours = {url: after[url] - before.get(url, set()) for url in after}
+    served = [url for url, keys in ours.items() if keys]
+    assert len(served) == 1 and len(ours[served[0]]) >= 8  # about 10 blocks of 16 tokens
+    mine = ours[served[0]]
+    within(5, lambda: mine <= published()[served[0]])  # the worker published them itself
+    assert not any(mine & keys for url, keys in published().items() if url != served[0])
 
 
 def test_a_public_system_prompt_is_reused_across_tenants_through_the_router(
