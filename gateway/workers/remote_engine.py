@@ -7,9 +7,9 @@ process or on other machines.
 A request goes to the best worker `routing.rank` finds. If that worker cannot take it (it is
 unreachable, draining, overloaded or restarting) or its stream ends before the first delta,
 the request goes to the next one: nothing had been streamed, so nothing is lost or repeated. A
-worker that fails after the first delta fails that request cleanly. A worker the poller drops
-from routing ends the streams still waiting on it within a second, so no request hangs on a
-machine that stopped answering.
+worker that fails after the first delta fails that request cleanly. A worker whose polls get no
+answer (a hung machine) ends the streams still waiting on it within a second, so no request
+hangs on it; one that only drains or leaves DNS finishes its streams.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from engine.request import GenerationDelta, GenerationRequest
 from gateway.workers import routing, wire
 from gateway.workers.membership import PENDING_KEYS_S, Worker, WorkerSet
 
-# How often a stream waiting on a worker checks that the worker is still in routing.
+# How often a stream waiting on a worker checks that the worker still answers its polls.
 _LIVENESS_CHECK_S = 1.0
 T = TypeVar("T")
 _DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
@@ -295,8 +295,9 @@ class RemoteEngine:
     # -- what the gateway reads ---------------------------------------------------------------
 
     def worker_stats(self) -> dict[str, CacheStats]:
-        """Each worker's cache statistics as of its last poll (workers that are up)."""
-        rows = self.workers.snapshot(lambda w: (w.url, w.stats) if w.up else None)
+        """Each worker's cache statistics as of its last poll (those that answer, draining
+        ones too: they still hold blocks)."""
+        rows = self.workers.snapshot(lambda w: None if w.lost else (w.url, w.stats))
         return {url: stats for url, stats in (row for row in rows if row) if stats is not None}
 
     def cache_stats(self) -> CacheStats:
@@ -306,7 +307,9 @@ class RemoteEngine:
     def queue_depth(self) -> tuple[int, int]:
         rows = self.workers.snapshot(
             lambda w: (
-                (int(w.state.get("waiting", 0)), int(w.state.get("running", 0))) if w.up else (0, 0)
+                (0, 0)
+                if w.lost
+                else (int(w.state.get("waiting", 0)), int(w.state.get("running", 0)))
             )
         )
         return sum(r[0] for r in rows), sum(r[1] for r in rows)
