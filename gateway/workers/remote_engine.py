@@ -42,7 +42,7 @@ from gateway.workers.membership import PENDING_KEYS_S, Worker, WorkerSet
 # How often a stream waiting on a worker checks that the worker still answers its polls.
 _LIVENESS_CHECK_S = 1.0
 T = TypeVar("T")
-_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+_KV_DTYPES = frozenset({"bfloat16", "float32", "float16"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +81,7 @@ class RemotePool:
         states = self._states()
         kv_dtype = states[0]["describe"]["kv_dtype"] if states else "float32"
         block_size = int(states[0]["block_size"]) if states else 16
-        dtype = getattr(torch, _DTYPES.get(kv_dtype, "float32"))
+        dtype = getattr(torch, kv_dtype if kv_dtype in _KV_DTYPES else "float32")
         loaded = self._loaded
         return KVSpec(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, dtype, block_size)
 

@@ -194,10 +194,18 @@ def test_metrics_list_each_worker(cluster: tuple[Gateway, list[LocalWorker]]) ->
         assert f'prefixgate_worker_up{{worker="{worker.url}"}} 1.0' in text
 
 
-def worker_quota(worker: LocalWorker, tenant_id: str) -> int | None:
-    state = httpx.get(
+def worker_state(worker: LocalWorker) -> dict[str, Any]:
+    """The worker's own account of itself (its state endpoint, with the secret)."""
+    answer = httpx.get(
         f"{worker.url}/internal/v1/state", headers={"Authorization": f"Bearer {SECRET}"}
-    ).json()
+    )
+    assert answer.status_code == 200, answer.text
+    state: dict[str, Any] = answer.json()
+    return state
+
+
+def worker_quota(worker: LocalWorker, tenant_id: str) -> int | None:
+    state = worker_state(worker)
     owner = state["stats"]["owners"].get(tenant_id)
     return None if owner is None else int(owner["quota_blocks"])
 
@@ -253,9 +261,7 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request_on_the_worker(
 
 
 def worker_in_flight(worker: LocalWorker) -> int:
-    state = httpx.get(
-        f"{worker.url}/internal/v1/state", headers={"Authorization": f"Bearer {SECRET}"}
-    ).json()
+    state = worker_state(worker)
     return int(state["in_flight"])
 
 
@@ -441,9 +447,7 @@ def gateway_tenant_id(gateway: Gateway, slug: str) -> str:
 
 
 def cached_blocks(worker: LocalWorker, tenant_id: str) -> int:
-    state = httpx.get(
-        f"{worker.url}/internal/v1/state", headers={"Authorization": f"Bearer {SECRET}"}
-    ).json()
+    state = worker_state(worker)
     owner = state["stats"]["owners"].get(tenant_id)
     return 0 if owner is None else int(owner["cached_blocks"]) + int(owner["active_blocks"])
 
