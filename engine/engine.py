@@ -46,6 +46,7 @@ from engine.math_utils import cdiv
 from engine.metrics import EngineMetrics
 from engine.model_loader import LoadedModel
 from engine.model_runner import Chunk, ModelRunner
+from engine.openmp import ThreadGovernor
 from engine.request import GenerationDelta, GenerationRequest
 from engine.sampler import TokenLogprobs
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
@@ -81,6 +82,8 @@ class Engine:
         self._restarting = False
         self._install(BlockPool(spec, num_blocks, self.device, backend.zero_blocks))
         self.runner = ModelRunner(model, self.pool.kv, backend)
+        # Fewer CPU threads while something else wants the CPUs (None: nothing to govern).
+        self.threads = ThreadGovernor.for_device(self.device)
         logger.info("engine: %s", self.describe())
         self.limits = ModelLimits(
             loaded.vocab_size, self.max_model_len, loaded.tokenizer is not None
@@ -363,8 +366,10 @@ class Engine:
         output = self.scheduler.schedule()
         for sequence, error in output.failed:
             self._settle(sequence, error)
+        tokens = sum(chunk.num_tokens for chunk in output.chunks)
         if output.chunks:
-            self._execute(output)
+            with self.threads.step(tokens) if self.threads else contextlib.nullcontext():
+                self._execute(output)
         self.cache.end_step()
         self._cache_stats = snapshot(self.cache)
         if self._keys_wanted:
@@ -372,7 +377,7 @@ class Engine:
             self._keys_snapshot = self.cache.prefix_cache.keys()
         self.metrics.record_step(
             time.perf_counter() - started,
-            sum(chunk.num_tokens for chunk in output.chunks),
+            tokens,
             output.preempted,
             len(self.scheduler.waiting),
             len(self.scheduler.running),

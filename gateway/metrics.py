@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.budget import PUBLIC_OWNER, Owner
+from engine.openmp import ThreadGovernor
 from gateway.workers.remote_engine import RemoteEngine, ServingEngine
 from tenancy.audit_log import AuditLog
 
@@ -165,6 +166,22 @@ class EngineCollector(Collector):
         )
         if isinstance(self._engine, RemoteEngine):
             yield from _worker_metrics(self._engine)
+        elif self._engine.threads is not None:
+            yield from _thread_metrics(self._engine.threads)
+
+
+def _thread_metrics(threads: ThreadGovernor) -> Iterator[Metric]:
+    """The CPU threads the engine computes with (engine/openmp.py `ThreadGovernor`)."""
+    yield GaugeMetricFamily(
+        "prefixgate_engine_cpu_threads",
+        "OpenMP threads the engine's steps compute with now (fewer while the CPUs are busy).",
+        value=threads.threads,
+    )
+    yield CounterMetricFamily(
+        "prefixgate_engine_cpu_narrowings",
+        "Times the engine computed with fewer threads because another thread took its CPU.",
+        value=threads.narrowed,
+    )
 
 
 def _worker_metrics(engine: RemoteEngine) -> Iterator[Metric]:

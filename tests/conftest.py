@@ -8,7 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+
+# isort: off
+import engine  # noqa: F401 - before torch: its OpenMP defaults act when torch loads libgomp
 import torch
+
+# isort: on
 
 if TYPE_CHECKING:
     from tests.support.gateway import Gateway

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 
+from engine.engine import Engine
 from engine.kv_spec import dtype_name
 from engine.precision import resolve_dtype
 from tests.support.gateway import METRICS_TOKEN, MODEL, Gateway, openai_client
@@ -48,6 +49,11 @@ def test_metrics_for_the_scraper_count_requests_tokens_and_cache_per_tenant(
         'prefixgate_queue_depth{state="waiting"}',
     ):
         assert name in text, name
+    engine = gateway.server.gateway.engine
+    assert isinstance(engine, Engine)
+    if engine.threads is not None:  # a CPU engine whose threads spin: the count it computes with
+        assert f"prefixgate_engine_cpu_threads {float(engine.threads.threads)}" in text
+        assert f"prefixgate_engine_cpu_narrowings_total {float(engine.threads.narrowed)}" in text
 
 
 def test_metrics_without_the_token_name_no_tenant(gateway: Gateway) -> None:

@@ -1,0 +1,80 @@
+"""The engine computes with fewer CPU threads while other processes take its CPUs, and with
+all of them again once they stop (engine/openmp.py `ThreadGovernor`): the real embedded model,
+real busy processes, the engine thread's real CPU clock."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model_loader import LoadedModel
+from engine.openmp import ThreadGovernor
+from tests.support.models import Collector, make_request
+
+pytestmark = pytest.mark.slow
+
+BUSY = "while True: pass"
+
+
+@pytest.fixture
+def engine(smollm2: LoadedModel) -> Iterator[Engine]:
+    threads = torch.get_num_threads()
+    engine = Engine(smollm2, EngineConfig(num_blocks=512))
+    if engine.threads is None:
+        pytest.skip("one CPU thread, or threads that sleep: nothing to govern")
+    try:
+        yield engine
+    finally:
+        torch.set_num_threads(threads)  # the governor sets this (the test's) thread's count
+
+
+def decode_steps(
+    engine: Engine, tag: str, seconds: float, until: Callable[[int], bool] = lambda _: False
+) -> list[int]:
+    """Decode one long request for about `seconds`, or until the thread count after a step
+    satisfies `until`; the thread count after each step."""
+    request = make_request(tag, list(range(1000, 1400)), max_tokens=2000)
+    engine.submit(request, Collector())
+    counts: list[int] = []
+    ends = time.monotonic() + seconds
+    while time.monotonic() < ends and not (counts and until(counts[-1])):
+        engine.step()
+        assert engine.threads is not None
+        counts.append(engine.threads.threads)
+    engine.cancel(tag)
+    while engine.step():
+        pass
+    return counts
+
+
+def test_busy_processes_narrow_the_engine_and_it_widens_again_once_they_stop(
+    engine: Engine,
+) -> None:
+    governor = engine.threads
+    assert governor is not None
+    alone = decode_steps(engine, "alone", 1.0)
+    assert set(alone) == {governor.all_threads}
+    # As many busy processes as the engine has threads: its thread gets about half a CPU.
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(governor.all_threads)]
+    try:
+        crowded = decode_steps(engine, "crowded", 2.0)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert governor.narrowed >= 1
+    assert min(crowded) < governor.all_threads
+    assert crowded[-1] < governor.all_threads  # its tries found the CPUs still busy
+    # The next try comes at most LAST_RETRY_S after the last failed one.
+    everything = governor.all_threads
+    freed = decode_steps(
+        engine, "freed", ThreadGovernor.LAST_RETRY_S + 2, lambda n: n == everything
+    )
+    assert freed[-1] == everything
