@@ -16,8 +16,8 @@ Each new token is timestamped when `step()` hands it over: the streaming view an
 client would have, like PrefixGate's engine driven by `Engine.step()`.
 
 `bench.peers` starts it without what PrefixGate's engine adds to the environment
-(`OMP_WAIT_POLICY=PASSIVE`, engine/openmp.py), so vLLM's threads wait between operations as
-vLLM's own defaults have them.
+(`GOMP_SPINCOUNT`, engine/openmp.py), so vLLM's threads wait between operations as vLLM's own
+defaults have them.
 
 CPU settings (set only when the caller has not): `VLLM_CPU_OMP_THREADS_BIND` binds the
 worker's OpenMP threads to every CPU this process may use (vLLM's `auto` reserves one core per

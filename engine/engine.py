@@ -183,6 +183,8 @@ class Engine:
     def stop(self, timeout: float | None = None) -> None:
         """Finish what is running and waiting, then stop the thread."""
         self._inbox.stop(timeout)
+        if self.threads is not None and not self._inbox.running:
+            self.threads.restore()  # torch gives later threads the count it was last set to
 
     # -- submitting ---------------------------------------------------------------------------
 

@@ -1,20 +1,22 @@
 """How the engine uses torch's OpenMP threads on the CPU.
 
-Three measured rules (2-core machine, SmolLM2-135M in bf16, 1,536-token contexts):
+Three measured rules (2-core Xeon, SmolLM2-135M in bf16, 1,536-token contexts):
 - Idle OpenMP threads spin briefly before they sleep. A decode step runs about 250 parallel
   regions (eight a layer), and a sleeping thread must be woken for each: with sleeping threads
   (`OMP_WAIT_POLICY=PASSIVE`) one stream decoded 26 tok/s and sixteen 242; with threads that
-  spin 30,000 pause loops (`GOMP_SPINCOUNT=30000`, about 0.3 ms) 46 and 347. `defaults()` sets
-  that spin count unless the environment already chose how threads wait; it must run before
-  torch is first imported, so `engine/__init__.py` calls it. `foreign_environment()` is the
-  environment without it, for a process of another program (bench.peers' vLLM), which should
-  wait as its own defaults say.
+  spin 30,000 pause loops (`GOMP_SPINCOUNT=30000`; a pause took 9 ns on that CPU, so about
+  0.3 ms, and up to about 2 ms on CPUs with slower pauses) 41-46 and 345. `defaults()` sets
+  that spin count unless the environment already chose how threads wait, or this Linux does
+  not report how long a thread waits for a CPU (then threads sleep, as governing needs that
+  number); it must run before torch is first imported, so `engine/__init__.py` calls it.
+  `foreign_environment()` is the environment without it, for a process of another program
+  (bench.peers' vLLM), which should wait as its own defaults say.
 - Spinning threads must not share their CPUs. Beside one other busy process the same spinning
   threads decoded 7 tok/s (each waits at every region's end for a thread the kernel has
   descheduled); sleeping threads 27, and one thread alone 25-29. `ThreadGovernor` therefore
-  watches each step: when the engine thread was off its CPU for more than a fifth of a step,
+  watches each step: when the engine thread waited for a CPU for more than a fifth of a step,
   something else wants the CPUs, and the engine computes with fewer threads until a later
-  step, tried with all of them again, runs unhindered.
+  step, tried with all of them again, runs without waiting.
 - One thread should do the engine's parallel torch work. libgomp keeps a pool of workers per
   thread that starts parallel regions, and while a second pool lives (the thread that loaded
   the model, say) every region is slower to start: a decode step took 30 ms instead of 21 ms.
@@ -39,16 +41,26 @@ T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
-SPIN_COUNT = "30000"  # pause loops an idle thread spins before it sleeps: about 0.3 ms
+SPIN_COUNT = "30000"  # pause loops an idle thread spins before it sleeps
+SCHEDSTAT = "/proc/thread-self/schedstat"  # on-CPU ns, runnable-but-waiting ns, timeslices
 
 # The settings `defaults()` put into this process's environment (not those it found there):
 # a child process that is not PrefixGate (a benchmark's peer engine) should not inherit them.
 SET_BY_DEFAULTS: set[str] = set()
 
+# torch's thread count before any governor changed it: a governor narrows the count of the
+# thread it runs on, and torch hands that count to threads started later.
+_threads_at_start: list[int] = []
+
 
 def defaults() -> None:
     """OpenMP settings the engine wants, unless the environment already chose."""
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    if waited_for_cpu() is None:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        SET_BY_DEFAULTS.add("OMP_WAIT_POLICY")
+    else:
         os.environ["GOMP_SPINCOUNT"] = SPIN_COUNT
         SET_BY_DEFAULTS.add("GOMP_SPINCOUNT")
 
@@ -60,25 +72,42 @@ def foreign_environment() -> dict[str, str]:
 
 
 def threads_spin() -> bool:
-    """Whether idle OpenMP threads busy-wait here (libgomp spins unless told not to)."""
-    passive = os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == "PASSIVE"
-    return not passive and os.environ.get("GOMP_SPINCOUNT", "").strip() != "0"
+    """Whether idle OpenMP threads busy-wait here: libgomp spins for GOMP_SPINCOUNT pause
+    loops where it is set, else unless told PASSIVE."""
+    count = os.environ.get("GOMP_SPINCOUNT", "").strip()
+    if count:
+        return count != "0"
+    return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() != "PASSIVE"
+
+
+def waited_for_cpu() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU, or None where
+    Linux does not say (no /proc, or a kernel without scheduler statistics)."""
+    try:
+        with open(SCHEDSTAT, "rb") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class ThreadGovernor:
     """How many OpenMP threads the engine's steps compute with: all of them while the CPUs are
     the engine's, fewer while something else wants them.
 
-    Each step is timed on the engine thread (the thread that starts every parallel region):
-    when it was on its CPU for less than `ON_CPU_SHARE` of a step's wall time, another thread
-    took its CPU, and spinning threads would keep waiting for each other. The engine then
-    computes with that share of its threads (at least one), and tries all of them again on a
-    small step after `FIRST_RETRY_S`, then after twice as long each time the try finds the
-    CPUs still busy, up to `LAST_RETRY_S`. Call `step()` on the engine thread only: the
+    Each step is measured on the engine thread (the thread that starts every parallel region):
+    how long the kernel kept it waiting for a CPU, against the step's wall time. Waiting for
+    more than `WAITED_SHARE` of a step means other threads want the CPUs, and spinning threads
+    would keep waiting for each other: the engine then computes with the share of its threads
+    that the step did not wait for (at least one, and one fewer at the most), and measures the
+    narrower steps too. After `FIRST_RETRY_S` it tries all of them again on a small step (any
+    step once a try is `LAST_RETRY_S` overdue), and after twice as long each time a try still
+    waits, up to `LAST_RETRY_S`; a step too short to judge, or a new narrowing soon after the
+    last widening, does not start the schedule over. Waiting for the GIL or at a barrier is
+    not waiting for a CPU and does not count. Call `step()` on the engine thread only: the
     thread count it sets is that thread's.
     """
 
-    ON_CPU_SHARE = 0.8
+    WAITED_SHARE = 0.2
     MIN_STEP_S = 0.005  # a shorter step says too little: one preemption decides its share
     TRY_MAX_TOKENS = 64  # tries run on decode-sized steps, which cost little when they fail
     FIRST_RETRY_S = 0.5
@@ -89,64 +118,90 @@ class ThreadGovernor:
         threads: int,
         *,
         clock: Callable[[], float] = time.perf_counter,
-        cpu_clock: Callable[[], float] = time.thread_time,
+        waited: Callable[[], float | None] = waited_for_cpu,
         set_threads: Callable[[int], None] | None = None,
     ) -> None:
         import torch
 
         self.all_threads = self.threads = threads
-        self.narrowed = 0  # times the engine gave up threads
-        self._clock, self._cpu_clock = clock, cpu_clock
+        self.narrowed = 0  # times the engine gave up threads it had all of
+        self._clock, self._waited = clock, waited
         self._set_threads = set_threads or torch.set_num_threads
         self._retry_s = self.FIRST_RETRY_S
         self._retry_at = 0.0
+        self._widened_at = -self.LAST_RETRY_S
 
     @classmethod
     def for_device(cls, device: torch.device) -> ThreadGovernor | None:
-        """A governor where the engine's threads spin on this device's CPUs, else None."""
+        """A governor where the engine's threads spin on this device's CPUs and Linux reports
+        a thread's wait for a CPU, else None."""
         import torch
 
-        threads = torch.get_num_threads()
+        if not _threads_at_start:
+            _threads_at_start.append(torch.get_num_threads())
+        threads = _threads_at_start[0]
         if device.type != "cpu" or threads < 2 or not threads_spin():
+            return None
+        if waited_for_cpu() is None:
+            logger.warning("engine: threads spin but Linux does not report CPU waits here")
             return None
         return cls(threads)
 
     @contextmanager
     def step(self, tokens: int) -> Iterator[None]:
-        """Time the step run inside; `tokens` is its size (tries run only on small ones)."""
-        trying = (
-            self.threads < self.all_threads
-            and tokens <= self.TRY_MAX_TOKENS
-            and self._clock() >= self._retry_at
+        """Measure the step run inside; `tokens` is its size (tries run on small ones)."""
+        now = self._clock()
+        due = self.threads < self.all_threads and now >= self._retry_at
+        trying = due and (
+            tokens <= self.TRY_MAX_TOKENS or now >= self._retry_at + self.LAST_RETRY_S
         )
+        narrow = self.threads
         if trying:
             self._use(self.all_threads)
-        started, cpu_started = self._clock(), self._cpu_clock()
-        yield
-        wall = self._clock() - started
-        if (self.threads < self.all_threads and not trying) or wall < self.MIN_STEP_S:
+        waited = self._waited() or 0.0
+        try:
+            yield
+        finally:
+            wall = self._clock() - now
+            self._judge(trying, narrow, wall, (self._waited() or 0.0) - waited)
+
+    def _judge(self, trying: bool, narrow: int, wall: float, waited: float) -> None:
+        now = self._clock()
+        if wall < self.MIN_STEP_S:
+            self._use(narrow)  # a try that says nothing: the next small step tries again
             return
-        share = (self._cpu_clock() - cpu_started) / wall
-        if share >= self.ON_CPU_SHARE:
+        share = waited / wall
+        if share <= self.WAITED_SHARE:
             if trying:
                 logger.info(
                     "engine: the CPUs are free again; computing with %d threads", self.threads
                 )
-                self._retry_s = self.FIRST_RETRY_S
+                self._widened_at = now
             return
-        self._retry_s = min(self.LAST_RETRY_S, self._retry_s * 2) if trying else self.FIRST_RETRY_S
-        self._retry_at = self._clock() + self._retry_s
-        fewer = max(1, min(self.all_threads - 1, round(self.all_threads * share)))
-        if not trying:
+        fewer = max(1, min(self.threads - 1, round(self.threads * (1.0 - share))))
+        if trying:
+            self._retry_s = min(self.LAST_RETRY_S, self._retry_s * 2)
+            self._retry_at = now + self._retry_s
+            fewer = min(fewer, narrow)
+        elif self.threads == self.all_threads:
             self.narrowed += 1
+            soon = now - self._widened_at < self.LAST_RETRY_S
+            self._retry_s = (
+                min(self.LAST_RETRY_S, self._retry_s * 2) if soon else self.FIRST_RETRY_S
+            )
+            self._retry_at = now + self._retry_s
             logger.info(
-                "engine: its thread was on CPU for %.0f%% of a step; computing with %d of %d "
-                "threads while the CPUs are busy",
+                "engine: its thread waited for a CPU for %.0f%% of a step; computing with %d of "
+                "%d threads while the CPUs are busy",
                 share * 100,
                 fewer,
                 self.all_threads,
             )
         self._use(fewer)
+
+    def restore(self) -> None:
+        """All threads again, for this thread and the threads torch starts later."""
+        self._use(self.all_threads)
 
     def _use(self, threads: int) -> None:
         if threads != self.threads:

@@ -1,6 +1,6 @@
 """engine/openmp.py: the OpenMP default the engine sets and what another program's process
 inherits from it (a fresh interpreter each: the default acts once, at `import engine`), and
-`ThreadGovernor`'s rule for computing with fewer threads, on a clock the test moves."""
+`ThreadGovernor`'s rule for computing with fewer threads, on clocks the test moves."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from engine.openmp import SPIN_COUNT, ThreadGovernor
+from engine.openmp import SPIN_COUNT, ThreadGovernor, waited_for_cpu
 
 PROBE = (
     "import os, engine\n"
@@ -45,102 +45,161 @@ def test_a_policy_the_environment_chose_is_kept_and_passed_on(policy: str) -> No
 def test_a_spin_count_the_environment_chose_is_kept_and_passed_on(count: str) -> None:
     spins = str(count != "0")
     assert probe(GOMP_SPINCOUNT=count) == ["None", "None", count, count, spins]
+    # libgomp spins for an explicit count even when told PASSIVE.
+    both = probe(OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT=count)
+    assert both == ["PASSIVE", "PASSIVE", count, count, spins]
+
+
+def test_this_linux_reports_a_threads_wait_for_a_cpu() -> None:
+    # Where it does not, threads sleep by default (and the tests above would see PASSIVE).
+    waited = waited_for_cpu()
+    assert waited is not None and waited >= 0
 
 
 class Machine:
-    """A wall clock and an engine-thread CPU clock the test advances, and the thread counts
-    the governor set."""
+    """A wall clock and the engine thread's CPU wait, both moved by the test, and the thread
+    counts the governor set."""
 
     def __init__(self) -> None:
-        self.wall = self.cpu = 100.0
+        self.wall = 100.0
+        self.waited = 0.0
         self.set: list[int] = []
 
     def governor(self, threads: int = 4) -> ThreadGovernor:
         return ThreadGovernor(
             threads,
             clock=lambda: self.wall,
-            cpu_clock=lambda: self.cpu,
+            waited=lambda: self.waited,
             set_threads=self.set.append,
         )
 
     def step(
-        self, governor: ThreadGovernor, seconds: float, on_cpu: float, tokens: int = 16
+        self, governor: ThreadGovernor, seconds: float, waiting: float, tokens: int = 16
     ) -> int:
-        """One step of `seconds` with the engine thread on its CPU for `on_cpu` of it; the
-        threads it ran with."""
+        """One step of `seconds`, `waiting` of it spent waiting for a CPU; the threads it ran
+        with."""
         with governor.step(tokens):
             threads = governor.threads
             self.wall += seconds
-            self.cpu += seconds * on_cpu
+            self.waited += seconds * waiting
         return threads
 
 
-def test_all_threads_while_the_engine_thread_keeps_its_cpu() -> None:
+def test_all_threads_while_the_engine_thread_gets_a_cpu_at_once() -> None:
     machine = Machine()
     governor = machine.governor()
     for _ in range(10):
-        assert machine.step(governor, 0.02, on_cpu=0.95) == 4
+        assert machine.step(governor, 0.02, waiting=0.05) == 4
     assert (governor.threads, governor.narrowed, machine.set) == (4, 0, [])
 
 
-def test_a_step_off_cpu_narrows_to_the_share_it_had_then_retries_after_a_while() -> None:
+def test_waiting_narrows_to_the_share_run_then_all_threads_are_tried_after_a_while() -> None:
     machine = Machine()
     governor = machine.governor()
-    machine.step(governor, 0.02, on_cpu=0.5)
+    machine.step(governor, 0.02, waiting=0.5)
     assert (governor.threads, governor.narrowed, machine.set) == (2, 1, [2])
-    # Narrowed steps are not judged, and no try comes before FIRST_RETRY_S.
-    assert machine.step(governor, 0.2, on_cpu=0.1) == 2
-    assert machine.step(governor, 0.2, on_cpu=1.0) == 2
-    machine.wall += ThreadGovernor.FIRST_RETRY_S + 0.1
-    assert machine.step(governor, 0.02, on_cpu=0.9) == 4  # the try, unhindered: kept
+    # No try before FIRST_RETRY_S; narrowed steps that do not wait keep their count.
+    assert machine.step(governor, 0.2, waiting=0.0) == 2
+    machine.wall += ThreadGovernor.FIRST_RETRY_S
+    assert machine.step(governor, 0.02, waiting=0.1) == 4  # the try, unhindered: kept
     assert (governor.threads, governor.narrowed, machine.set) == (4, 1, [2, 4])
+
+
+def test_narrowed_steps_that_still_wait_narrow_further() -> None:
+    machine = Machine()
+    governor = machine.governor(threads=16)
+    machine.step(governor, 0.02, waiting=0.25)
+    assert governor.threads == 12
+    machine.step(governor, 0.02, waiting=0.5)
+    machine.step(governor, 0.02, waiting=0.9)
+    assert (governor.threads, governor.narrowed, machine.set) == (1, 1, [12, 6, 1])
 
 
 def test_failed_tries_wait_twice_as_long_each_time_up_to_the_last_retry() -> None:
     machine = Machine()
     governor = machine.governor(threads=2)
-    machine.step(governor, 0.02, on_cpu=0.5)
+    machine.step(governor, 0.02, waiting=0.5)
     waits, wait = [], ThreadGovernor.FIRST_RETRY_S
     for _ in range(6):
-        # Just before the retry time nothing is tried; at it, the try fails again.
+        # Just before the retry time nothing is tried; after it, the try waits again.
         machine.wall += wait - 0.1
-        assert machine.step(governor, 0.05, on_cpu=0.5) == 1
+        assert machine.step(governor, 0.05, waiting=0.0) == 1
         machine.wall += 0.1
-        assert machine.step(governor, 0.02, on_cpu=0.5) == 2
+        assert machine.step(governor, 0.02, waiting=0.5) == 2
         assert governor.threads == 1
         waits.append(wait)
         wait = min(ThreadGovernor.LAST_RETRY_S, wait * 2)
     assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0]
     assert governor.narrowed == 1  # a failed try is not a new narrowing
-    # A successful try starts the waits over.
-    machine.wall += ThreadGovernor.LAST_RETRY_S + 0.1
-    assert machine.step(governor, 0.02, on_cpu=1.0) == 2
-    machine.step(governor, 0.02, on_cpu=0.4)
-    machine.wall += ThreadGovernor.FIRST_RETRY_S + 0.1
-    assert machine.step(governor, 0.02, on_cpu=1.0) == 2
-    assert governor.narrowed == 2
 
 
-def test_only_small_steps_try_all_threads_again_and_short_steps_are_not_judged() -> None:
+def test_contention_soon_after_widening_does_not_start_the_schedule_over() -> None:
     machine = Machine()
     governor = machine.governor(threads=2)
-    machine.step(governor, 0.004, on_cpu=0.1)  # under MIN_STEP_S: says nothing
-    assert governor.threads == 2
-    machine.step(governor, 0.02, on_cpu=0.3)
-    assert governor.threads == 1
-    machine.wall += 60
+    machine.step(governor, 0.02, waiting=0.5)
+    machine.wall += 0.6
+    assert machine.step(governor, 0.02, waiting=0.0) == 2  # widened
+    machine.step(governor, 0.02, waiting=0.5)  # narrowed again at once: the next wait doubles
+    machine.wall += ThreadGovernor.FIRST_RETRY_S + 0.1
+    assert machine.step(governor, 0.02, waiting=0.0) == 1
+    machine.wall += 0.5
+    assert machine.step(governor, 0.02, waiting=0.0) == 2
+    # Long after the last widening, a narrowing starts over at FIRST_RETRY_S.
+    machine.wall += ThreadGovernor.LAST_RETRY_S + 1
+    machine.step(governor, 0.02, waiting=0.5)
+    machine.wall += ThreadGovernor.FIRST_RETRY_S + 0.1
+    assert machine.step(governor, 0.02, waiting=0.0) == 2
+    assert governor.narrowed == 3
+
+
+def test_small_steps_try_all_threads_and_a_big_one_only_when_tries_are_long_overdue() -> None:
+    machine = Machine()
+    governor = machine.governor(threads=2)
+    machine.step(governor, 0.02, waiting=0.7)
+    machine.wall += 1.0
     big = ThreadGovernor.TRY_MAX_TOKENS + 1
-    assert machine.step(governor, 0.5, on_cpu=1.0, tokens=big) == 1
-    assert machine.step(governor, 0.02, on_cpu=1.0, tokens=ThreadGovernor.TRY_MAX_TOKENS) == 2
-    assert governor.threads == 2
+    assert machine.step(governor, 0.5, waiting=0.0, tokens=big) == 1
+    assert machine.step(governor, 0.02, waiting=0.0, tokens=ThreadGovernor.TRY_MAX_TOKENS) == 2
+    machine.step(governor, 0.02, waiting=0.7)
+    machine.wall += 2 * ThreadGovernor.LAST_RETRY_S  # past any retry time, by LAST_RETRY_S
+    assert machine.step(governor, 0.5, waiting=0.0, tokens=big) == 2
+
+
+def test_a_step_too_short_to_judge_changes_nothing_and_a_try_of_one_is_taken_back() -> None:
+    machine = Machine()
+    governor = machine.governor(threads=2)
+    machine.step(governor, 0.004, waiting=0.9)  # under MIN_STEP_S
+    assert (governor.threads, machine.set) == (2, [])
+    machine.step(governor, 0.02, waiting=0.5)
+    machine.wall += ThreadGovernor.FIRST_RETRY_S + 0.1
+    assert machine.step(governor, 0.001, waiting=0.0) == 2  # tried, but too short to say
+    assert governor.threads == 1
+    assert machine.step(governor, 0.02, waiting=0.0) == 2  # the next small step tries again
+    assert (governor.threads, machine.set) == (2, [1, 2, 1, 2])
+
+
+def test_a_step_that_raises_is_judged_too() -> None:
+    machine = Machine()
+    governor = machine.governor(threads=2)
+    with pytest.raises(RuntimeError), governor.step(16):
+        machine.wall += 0.02
+        machine.waited += 0.015
+        raise RuntimeError("the model failed")
+    assert governor.threads == 1
 
 
 def test_narrowing_keeps_at_least_one_thread_and_gives_up_at_least_one() -> None:
     machine = Machine()
     few = machine.governor(threads=2)
-    machine.step(few, 0.02, on_cpu=0.05)
-    many = machine.governor(threads=16)
-    machine.step(many, 0.02, on_cpu=0.79)
+    machine.step(few, 0.02, waiting=0.95)
     barely = machine.governor(threads=2)
-    machine.step(barely, 0.02, on_cpu=0.79)  # round(2 * 0.79) is 2: one is given up anyway
-    assert (few.threads, many.threads, barely.threads) == (1, 13, 1)
+    machine.step(barely, 0.02, waiting=0.21)  # round(2 * 0.79) is 2: one is given up anyway
+    assert (few.threads, barely.threads) == (1, 1)
+
+
+def test_restore_gives_back_all_threads() -> None:
+    machine = Machine()
+    governor = machine.governor()
+    machine.step(governor, 0.02, waiting=0.5)
+    governor.restore()
+    assert (governor.threads, machine.set) == (4, [2, 4])

@@ -1,6 +1,6 @@
 """The engine computes with fewer CPU threads while other processes take its CPUs, and with
 all of them again once they stop (engine/openmp.py `ThreadGovernor`): the real embedded model,
-real busy processes, the engine thread's real CPU clock."""
+real busy processes, the engine thread's real wait for a CPU as Linux reports it."""
 
 from __future__ import annotations
 
@@ -25,14 +25,14 @@ BUSY = "while True: pass"
 
 @pytest.fixture
 def engine(smollm2: LoadedModel) -> Iterator[Engine]:
-    threads = torch.get_num_threads()
     engine = Engine(smollm2, EngineConfig(num_blocks=512))
     if engine.threads is None:
-        pytest.skip("one CPU thread, or threads that sleep: nothing to govern")
+        assert torch.get_num_threads() < 2, "threads spin here (tests/conftest.py): governed"
+        pytest.skip("one CPU thread: nothing to govern")
     try:
         yield engine
     finally:
-        torch.set_num_threads(threads)  # the governor sets this (the test's) thread's count
+        engine.threads.restore()  # the governor sets this (the test's) thread's count
 
 
 def decode_steps(
@@ -60,7 +60,8 @@ def test_busy_processes_narrow_the_engine_and_it_widens_again_once_they_stop(
     governor = engine.threads
     assert governor is not None
     alone = decode_steps(engine, "alone", 1.0)
-    assert set(alone) == {governor.all_threads}
+    # Alone, the steps get their CPUs (a stray process on CI may cost one step, not more).
+    assert alone.count(governor.all_threads) >= len(alone) - 2
     # As many busy processes as the engine has threads: its thread gets about half a CPU.
     busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(governor.all_threads)]
     try:
@@ -70,8 +71,8 @@ def test_busy_processes_narrow_the_engine_and_it_widens_again_once_they_stop(
             process.kill()
             process.wait()
     assert governor.narrowed >= 1
-    assert min(crowded) < governor.all_threads
-    assert crowded[-1] < governor.all_threads  # its tries found the CPUs still busy
+    # Mostly narrowed: a try may pass by chance, but most steps run with fewer threads.
+    assert sum(count < governor.all_threads for count in crowded) > len(crowded) / 2
     # The next try comes at most LAST_RETRY_S after the last failed one.
     everything = governor.all_threads
     freed = decode_steps(
