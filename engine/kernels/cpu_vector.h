@@ -83,6 +83,27 @@ inline vfloat vexp2(vfloat y) {
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// 2^y for y <= 0, reaching exact zero far below -126 (kMasked scores need no select): with
+// AVX-512 the integer power is applied by `vscalefps` (no clamp, no exponent bits to build)
+// to a degree-5 least-squares fit of 2^f on [-0.5, 0.5] (relative error below 8e-8, as
+// vexp2's degree-6 Taylor polynomial): 10 operations instead of 17. Elsewhere vexp2.
+inline vfloat vexp2_scaled(vfloat y) {
+#if defined(__AVX512F__)
+  const __m512 wide = (__m512)y;
+  const __m512 n = _mm512_roundscale_ps(wide, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vfloat f = (vfloat)_mm512_sub_ps(wide, n);
+  vfloat p = splat(1.32669704e-3f);
+  p = p * f + 9.67545975e-3f;
+  p = p * f + 5.55074262e-2f;
+  p = p * f + 2.40221218e-1f;
+  p = p * f + 6.93146949e-1f;
+  p = p * f + 1.00000007f;
+  return (vfloat)_mm512_scalef_ps((__m512)p, n);
+#else
+  return vexp2(y);
+#endif
+}
+
 // exp(x) for x <= 0, as 2^(x log2 e).
 inline vfloat vexp(vfloat x) { return vexp2(x * kLog2e); }
 

@@ -158,8 +158,9 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, int64_t 
   const float correction = new_max == s.max[r] ? 1.0f : std::exp(s.max[r] - new_max);
   s.max[r] = new_max;
   vfloat total = splat(0.0f);
+  const float shift = new_max * kLog2e;  // exp(x - max) as 2^(x log2 e - max log2 e), one FMA
   for (int64_t c = 0; c < keys / kLanes; ++c) {
-    const vfloat p = chunks[c] > splat(kMasked) ? vexp(chunks[c] - new_max) : splat(0.0f);
+    const vfloat p = vexp2_scaled(chunks[c] * kLog2e - shift);  // masked keys: exactly 0
     total += p;
     store_bf16(probabilities + c * kLanes, p);
   }
