@@ -14,9 +14,9 @@ Three measured rules (2-core Xeon, SmolLM2-135M in bf16, 1,536-token contexts):
 - Spinning threads must not share their CPUs. Beside one other busy process the same spinning
   threads decoded 7 tok/s (each waits at every region's end for a thread the kernel has
   descheduled); sleeping threads 27, and one thread alone 25-29. `ThreadGovernor` therefore
-  watches each step: when the engine thread waited for a CPU for more than a fifth of a step,
-  something else wants the CPUs, and the engine computes with fewer threads until a later
-  step, tried with all of them again, runs without waiting.
+  watches the steps: when the engine thread waited for a CPU for more than a fifth of a
+  quarter second of steps, something else wants the CPUs, and the engine computes with fewer
+  threads until a later try with all of them runs without waiting.
 - One thread should do the engine's parallel torch work. libgomp keeps a pool of workers per
   thread that starts parallel regions, and while a second pool lives (the thread that loaded
   the model, say) every region is slower to start: a decode step took 30 ms instead of 21 ms.
@@ -94,24 +94,27 @@ class ThreadGovernor:
     """How many OpenMP threads the engine's steps compute with: all of them while the CPUs are
     the engine's, fewer while something else wants them.
 
-    Each step is measured on the engine thread (the thread that starts every parallel region):
-    how long the kernel kept it waiting for a CPU, against the step's wall time. Waiting for
-    more than `WAITED_SHARE` of a step means other threads want the CPUs, and spinning threads
-    would keep waiting for each other: the engine then computes with the share of its threads
-    that the step did not wait for (at least one, and one fewer at the most), and measures the
-    narrower steps too. After `FIRST_RETRY_S` it tries all of them again on a small step (any
-    step once a try is `LAST_RETRY_S` overdue), and after twice as long each time a try still
-    waits, up to `LAST_RETRY_S`; a step too short to judge, or a new narrowing soon after the
-    last widening, does not start the schedule over. Waiting for the GIL or at a barrier is
-    not waiting for a CPU and does not count. Call `step()` on the engine thread only: the
-    thread count it sets is that thread's.
+    Steps are measured on the engine thread (the thread that starts every parallel region):
+    how long the kernel kept it waiting for a CPU, against the steps' wall time, summed over
+    a window of at least `WINDOW_S` of steps (so that a moment's work elsewhere, a client
+    starting or a scrape, is not taken for contention). Waiting for more than `WAITED_SHARE`
+    of a window means other threads want the CPUs, and spinning threads would keep waiting for
+    each other: the engine then computes with the share of its threads that the window did not
+    wait for (at least one, and one fewer at the most), and keeps measuring. After
+    `FIRST_RETRY_S` it tries all of them again, starting on a small step (or any step once
+    the try is `LAST_RETRY_S` overdue) and judging a whole window; each try that still waits
+    doubles the time to the next, up to `LAST_RETRY_S`, and so does a narrowing within
+    `LAST_RETRY_S` of the last widening. Waiting for the GIL or at a barrier is not waiting
+    for a CPU and does not count. While idle, the count stays as the last step left it. Call
+    `step()` on the engine thread only: the thread count it sets is that thread's.
     """
 
     WAITED_SHARE = 0.2
-    MIN_STEP_S = 0.005  # a shorter step says too little: one preemption decides its share
-    TRY_MAX_TOKENS = 64  # tries run on decode-sized steps, which cost little when they fail
+    WINDOW_S = 0.25  # of steps' wall time, judged together
+    TRY_MAX_TOKENS = 64  # tries start on decode-sized steps
     FIRST_RETRY_S = 0.5
     LAST_RETRY_S = 8.0
+    WARN_EVERY_S = 60.0  # a narrowing is logged as a warning at most this often
 
     def __init__(
         self,
@@ -130,6 +133,10 @@ class ThreadGovernor:
         self._retry_s = self.FIRST_RETRY_S
         self._retry_at = 0.0
         self._widened_at = -self.LAST_RETRY_S
+        self._warned_at = -self.WARN_EVERY_S
+        self._trying = False
+        self._narrow = threads  # the count a failed try returns to
+        self._window_wall = self._window_waited = 0.0
 
     @classmethod
     def for_device(cls, device: torch.device) -> ThreadGovernor | None:
@@ -149,40 +156,39 @@ class ThreadGovernor:
 
     @contextmanager
     def step(self, tokens: int) -> Iterator[None]:
-        """Measure the step run inside; `tokens` is its size (tries run on small ones)."""
-        now = self._clock()
-        due = self.threads < self.all_threads and now >= self._retry_at
-        trying = due and (
-            tokens <= self.TRY_MAX_TOKENS or now >= self._retry_at + self.LAST_RETRY_S
-        )
-        narrow = self.threads
-        if trying:
+        """Measure the step run inside; `tokens` is its size (tries start on small ones)."""
+        started = self._clock()
+        due = not self._trying and self.threads < self.all_threads and started >= self._retry_at
+        if due and (tokens <= self.TRY_MAX_TOKENS or started >= self._retry_at + self.LAST_RETRY_S):
+            self._trying, self._narrow = True, self.threads
+            self._window_wall = self._window_waited = 0.0
             self._use(self.all_threads)
         waited = self._waited() or 0.0
         try:
             yield
         finally:
-            wall = self._clock() - now
-            self._judge(trying, narrow, wall, (self._waited() or 0.0) - waited)
+            ended = self._clock()
+            self._window_wall += ended - started
+            self._window_waited += (self._waited() or 0.0) - waited
+            if self._window_wall >= self.WINDOW_S:
+                self._judge(ended)
 
-    def _judge(self, trying: bool, narrow: int, wall: float, waited: float) -> None:
-        now = self._clock()
-        if wall < self.MIN_STEP_S:
-            self._use(narrow)  # a try that says nothing: the next small step tries again
-            return
-        share = waited / wall
+    def _judge(self, now: float) -> None:
+        share = self._window_waited / self._window_wall
+        self._window_wall = self._window_waited = 0.0
+        trying, self._trying = self._trying, False
         if share <= self.WAITED_SHARE:
             if trying:
+                self._widened_at = now
                 logger.info(
                     "engine: the CPUs are free again; computing with %d threads", self.threads
                 )
-                self._widened_at = now
             return
         fewer = max(1, min(self.threads - 1, round(self.threads * (1.0 - share))))
         if trying:
             self._retry_s = min(self.LAST_RETRY_S, self._retry_s * 2)
             self._retry_at = now + self._retry_s
-            fewer = min(fewer, narrow)
+            fewer = min(fewer, self._narrow)
         elif self.threads == self.all_threads:
             self.narrowed += 1
             soon = now - self._widened_at < self.LAST_RETRY_S
@@ -190,13 +196,16 @@ class ThreadGovernor:
                 min(self.LAST_RETRY_S, self._retry_s * 2) if soon else self.FIRST_RETRY_S
             )
             self._retry_at = now + self._retry_s
-            logger.info(
-                "engine: its thread waited for a CPU for %.0f%% of a step; computing with %d of "
-                "%d threads while the CPUs are busy",
-                share * 100,
-                fewer,
-                self.all_threads,
-            )
+            if now - self._warned_at >= self.WARN_EVERY_S:
+                self._warned_at = now
+                logger.warning(
+                    "engine: its thread waited for a CPU for %.0f%% of its recent steps; "
+                    "computing with %d of %d threads while the CPUs are busy (logged at most "
+                    "once a minute; prefixgate_engine_cpu_narrowings_total counts every time)",
+                    share * 100,
+                    fewer,
+                    self.all_threads,
+                )
         self._use(fewer)
 
     def restore(self) -> None:

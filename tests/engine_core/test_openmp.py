@@ -84,48 +84,66 @@ class Machine:
             self.waited += seconds * waiting
         return threads
 
+    def window(self, governor: ThreadGovernor, waiting: float, tokens: int = 16) -> int:
+        """Five 60 ms steps (judged as one window), each `waiting` of it; the threads the
+        first ran with."""
+        first = self.step(governor, 0.06, waiting, tokens)
+        for _ in range(4):
+            self.step(governor, 0.06, waiting, tokens)
+        return first
+
+
+WINDOW = 0.3  # Machine.window's wall time: the fifth step completes a window
+assert 0.24 < ThreadGovernor.WINDOW_S <= WINDOW
+
 
 def test_all_threads_while_the_engine_thread_gets_a_cpu_at_once() -> None:
     machine = Machine()
     governor = machine.governor()
-    for _ in range(10):
-        assert machine.step(governor, 0.02, waiting=0.05) == 4
+    for _ in range(4):
+        assert machine.window(governor, waiting=0.15) == 4
     assert (governor.threads, governor.narrowed, machine.set) == (4, 0, [])
 
 
-def test_waiting_narrows_to_the_share_run_then_all_threads_are_tried_after_a_while() -> None:
+def test_a_moments_wait_is_judged_with_its_window_and_does_not_narrow() -> None:
     machine = Machine()
     governor = machine.governor()
-    machine.step(governor, 0.02, waiting=0.5)
+    machine.step(governor, 0.02, waiting=0.9)  # a client starting, a scrape
+    machine.window(governor, waiting=0.0)
+    assert (governor.threads, governor.narrowed) == (4, 0)
+
+
+def test_a_window_of_waiting_narrows_to_the_share_run_then_all_are_tried_after_a_while() -> None:
+    machine = Machine()
+    governor = machine.governor()
+    machine.window(governor, waiting=0.5)
     assert (governor.threads, governor.narrowed, machine.set) == (2, 1, [2])
-    # No try before FIRST_RETRY_S; narrowed steps that do not wait keep their count.
-    assert machine.step(governor, 0.2, waiting=0.0) == 2
+    assert machine.window(governor, waiting=0.0) == 2  # narrowed windows that do not wait
     machine.wall += ThreadGovernor.FIRST_RETRY_S
-    assert machine.step(governor, 0.02, waiting=0.1) == 4  # the try, unhindered: kept
+    assert machine.window(governor, waiting=0.1) == 4  # the try, a window without waiting
     assert (governor.threads, governor.narrowed, machine.set) == (4, 1, [2, 4])
 
 
-def test_narrowed_steps_that_still_wait_narrow_further() -> None:
+def test_narrowed_windows_that_still_wait_narrow_further() -> None:
     machine = Machine()
     governor = machine.governor(threads=16)
-    machine.step(governor, 0.02, waiting=0.25)
+    machine.window(governor, waiting=0.25)
     assert governor.threads == 12
-    machine.step(governor, 0.02, waiting=0.5)
-    machine.step(governor, 0.02, waiting=0.9)
-    assert (governor.threads, governor.narrowed, machine.set) == (1, 1, [12, 6, 1])
+    machine.window(governor, waiting=0.5)  # before the first try (FIRST_RETRY_S)
+    assert (governor.threads, governor.narrowed, machine.set) == (6, 1, [12, 6])
 
 
 def test_failed_tries_wait_twice_as_long_each_time_up_to_the_last_retry() -> None:
     machine = Machine()
     governor = machine.governor(threads=2)
-    machine.step(governor, 0.02, waiting=0.5)
+    machine.window(governor, waiting=0.5)
     waits, wait = [], ThreadGovernor.FIRST_RETRY_S
     for _ in range(6):
-        # Just before the retry time nothing is tried; after it, the try waits again.
-        machine.wall += wait - 0.1
-        assert machine.step(governor, 0.05, waiting=0.0) == 1
+        # Just before the retry time nothing is tried; after it, the try's window waits again.
+        machine.wall += wait - WINDOW - 0.1
+        assert machine.window(governor, waiting=0.0) == 1
         machine.wall += 0.1
-        assert machine.step(governor, 0.02, waiting=0.5) == 2
+        assert machine.window(governor, waiting=0.5) == 2
         assert governor.threads == 1
         waits.append(wait)
         wait = min(ThreadGovernor.LAST_RETRY_S, wait * 2)
@@ -133,57 +151,54 @@ def test_failed_tries_wait_twice_as_long_each_time_up_to_the_last_retry() -> Non
     assert governor.narrowed == 1  # a failed try is not a new narrowing
 
 
+def test_a_failed_try_goes_back_to_the_narrower_count() -> None:
+    machine = Machine()
+    governor = machine.governor(threads=16)
+    machine.window(governor, waiting=0.9)
+    assert governor.threads == 2
+    machine.wall += 1
+    assert machine.window(governor, waiting=0.25) == 16  # the try waits: back to 2, not 12
+    assert governor.threads == 2
+
+
 def test_contention_soon_after_widening_does_not_start_the_schedule_over() -> None:
     machine = Machine()
     governor = machine.governor(threads=2)
-    machine.step(governor, 0.02, waiting=0.5)
+    machine.window(governor, waiting=0.5)
     machine.wall += 0.6
-    assert machine.step(governor, 0.02, waiting=0.0) == 2  # widened
-    machine.step(governor, 0.02, waiting=0.5)  # narrowed again at once: the next wait doubles
-    machine.wall += ThreadGovernor.FIRST_RETRY_S + 0.1
-    assert machine.step(governor, 0.02, waiting=0.0) == 1
+    assert machine.window(governor, waiting=0.0) == 2  # widened
+    machine.window(governor, waiting=0.5)  # narrowed again at once: the next wait doubles
+    machine.wall += ThreadGovernor.FIRST_RETRY_S
+    assert machine.window(governor, waiting=0.0) == 1
     machine.wall += 0.5
-    assert machine.step(governor, 0.02, waiting=0.0) == 2
+    assert machine.window(governor, waiting=0.0) == 2
     # Long after the last widening, a narrowing starts over at FIRST_RETRY_S.
     machine.wall += ThreadGovernor.LAST_RETRY_S + 1
-    machine.step(governor, 0.02, waiting=0.5)
-    machine.wall += ThreadGovernor.FIRST_RETRY_S + 0.1
-    assert machine.step(governor, 0.02, waiting=0.0) == 2
+    machine.window(governor, waiting=0.5)
+    machine.wall += ThreadGovernor.FIRST_RETRY_S
+    assert machine.window(governor, waiting=0.0) == 2
     assert governor.narrowed == 3
 
 
-def test_small_steps_try_all_threads_and_a_big_one_only_when_tries_are_long_overdue() -> None:
+def test_small_steps_start_a_try_and_a_big_one_only_when_the_try_is_long_overdue() -> None:
     machine = Machine()
     governor = machine.governor(threads=2)
-    machine.step(governor, 0.02, waiting=0.7)
+    machine.window(governor, waiting=0.7)
     machine.wall += 1.0
     big = ThreadGovernor.TRY_MAX_TOKENS + 1
     assert machine.step(governor, 0.5, waiting=0.0, tokens=big) == 1
-    assert machine.step(governor, 0.02, waiting=0.0, tokens=ThreadGovernor.TRY_MAX_TOKENS) == 2
-    machine.step(governor, 0.02, waiting=0.7)
+    assert machine.window(governor, waiting=0.0, tokens=ThreadGovernor.TRY_MAX_TOKENS) == 2
+    machine.window(governor, waiting=0.7)
     machine.wall += 2 * ThreadGovernor.LAST_RETRY_S  # past any retry time, by LAST_RETRY_S
     assert machine.step(governor, 0.5, waiting=0.0, tokens=big) == 2
 
 
-def test_a_step_too_short_to_judge_changes_nothing_and_a_try_of_one_is_taken_back() -> None:
-    machine = Machine()
-    governor = machine.governor(threads=2)
-    machine.step(governor, 0.004, waiting=0.9)  # under MIN_STEP_S
-    assert (governor.threads, machine.set) == (2, [])
-    machine.step(governor, 0.02, waiting=0.5)
-    machine.wall += ThreadGovernor.FIRST_RETRY_S + 0.1
-    assert machine.step(governor, 0.001, waiting=0.0) == 2  # tried, but too short to say
-    assert governor.threads == 1
-    assert machine.step(governor, 0.02, waiting=0.0) == 2  # the next small step tries again
-    assert (governor.threads, machine.set) == (2, [1, 2, 1, 2])
-
-
-def test_a_step_that_raises_is_judged_too() -> None:
+def test_a_step_that_raises_is_measured_too() -> None:
     machine = Machine()
     governor = machine.governor(threads=2)
     with pytest.raises(RuntimeError), governor.step(16):
-        machine.wall += 0.02
-        machine.waited += 0.015
+        machine.wall += WINDOW
+        machine.waited += WINDOW * 0.75
         raise RuntimeError("the model failed")
     assert governor.threads == 1
 
@@ -191,15 +206,32 @@ def test_a_step_that_raises_is_judged_too() -> None:
 def test_narrowing_keeps_at_least_one_thread_and_gives_up_at_least_one() -> None:
     machine = Machine()
     few = machine.governor(threads=2)
-    machine.step(few, 0.02, waiting=0.95)
+    machine.window(few, waiting=0.95)
     barely = machine.governor(threads=2)
-    machine.step(barely, 0.02, waiting=0.21)  # round(2 * 0.79) is 2: one is given up anyway
+    machine.window(barely, waiting=0.21)  # round(2 * 0.79) is 2: one is given up anyway
     assert (few.threads, barely.threads) == (1, 1)
+
+
+def test_a_narrowing_is_logged_as_a_warning_at_most_once_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    machine = Machine()
+    governor = machine.governor(threads=2)
+    with caplog.at_level("INFO", logger="engine.openmp"):
+        for _ in range(3):  # narrow, widen: three times within a minute
+            machine.window(governor, waiting=0.5)
+            machine.wall += ThreadGovernor.LAST_RETRY_S + 1
+            machine.window(governor, waiting=0.0)
+    warnings = [record for record in caplog.records if record.levelname == "WARNING"]
+    assert governor.narrowed == 3 and len(warnings) == 1
+    assert "computing with 1 of 2 threads" in warnings[0].getMessage()
+    widened = [record for record in caplog.records if "free again" in record.getMessage()]
+    assert len(widened) == 3
 
 
 def test_restore_gives_back_all_threads() -> None:
     machine = Machine()
     governor = machine.governor()
-    machine.step(governor, 0.02, waiting=0.5)
+    machine.window(governor, waiting=0.5)
     governor.restore()
     assert (governor.threads, machine.set) == (4, [2, 4])
