@@ -100,7 +100,7 @@ class ThreadGovernor:
     starting or a scrape, is not taken for contention). Waiting for more than `WAITED_SHARE`
     of a window means other threads want the CPUs, and spinning threads would keep waiting for
     each other: the engine then computes with the share of its threads that the window did not
-    wait for (at least one, and one fewer at the most), and keeps measuring. After
+    wait for (at least one, and at least one fewer), and keeps measuring. After
     `FIRST_RETRY_S` it tries all of them again, starting on a small step (or any step once
     the try is `LAST_RETRY_S` overdue) and judging a whole window; each try that still waits
     doubles the time to the next, up to `LAST_RETRY_S`, and so does a narrowing within
@@ -138,6 +138,11 @@ class ThreadGovernor:
         self._narrow = threads  # the count a failed try returns to
         self._window_wall = self._window_waited = 0.0
 
+    @property
+    def trying(self) -> bool:
+        """Whether all threads are being tried again (the window under way decides)."""
+        return self._trying
+
     @classmethod
     def for_device(cls, device: torch.device) -> ThreadGovernor | None:
         """A governor where the engine's threads spin on this device's CPUs and Linux reports
@@ -152,6 +157,8 @@ class ThreadGovernor:
         if waited_for_cpu() is None:
             logger.warning("engine: threads spin but Linux does not report CPU waits here")
             return None
+        if torch.get_num_threads() != threads:  # an earlier engine's narrowing, not undone
+            torch.set_num_threads(threads)
         return cls(threads)
 
     @contextmanager
@@ -163,13 +170,14 @@ class ThreadGovernor:
             self._trying, self._narrow = True, self.threads
             self._window_wall = self._window_waited = 0.0
             self._use(self.all_threads)
-        waited = self._waited() or 0.0
+        waited = self._waited()
         try:
             yield
         finally:
-            ended = self._clock()
-            self._window_wall += ended - started
-            self._window_waited += (self._waited() or 0.0) - waited
+            ended, waited_after = self._clock(), self._waited()
+            if waited is not None and waited_after is not None:  # else a read failed: skip
+                self._window_wall += ended - started
+                self._window_waited += waited_after - waited
             if self._window_wall >= self.WINDOW_S:
                 self._judge(ended)
 
@@ -186,30 +194,33 @@ class ThreadGovernor:
             return
         fewer = max(1, min(self.threads - 1, round(self.threads * (1.0 - share))))
         if trying:
-            self._retry_s = min(self.LAST_RETRY_S, self._retry_s * 2)
-            self._retry_at = now + self._retry_s
+            self._schedule_retry(now, longer=True)
             fewer = min(fewer, self._narrow)
         elif self.threads == self.all_threads:
             self.narrowed += 1
-            soon = now - self._widened_at < self.LAST_RETRY_S
-            self._retry_s = (
-                min(self.LAST_RETRY_S, self._retry_s * 2) if soon else self.FIRST_RETRY_S
-            )
-            self._retry_at = now + self._retry_s
+            self._schedule_retry(now, longer=now - self._widened_at < self.LAST_RETRY_S)
             if now - self._warned_at >= self.WARN_EVERY_S:
                 self._warned_at = now
                 logger.warning(
                     "engine: its thread waited for a CPU for %.0f%% of its recent steps; "
                     "computing with %d of %d threads while the CPUs are busy (logged at most "
-                    "once a minute; prefixgate_engine_cpu_narrowings_total counts every time)",
+                    "once a minute; prefixgate_engine_cpu_narrowings_total counts them all)",
                     share * 100,
                     fewer,
                     self.all_threads,
                 )
         self._use(fewer)
 
+    def _schedule_retry(self, now: float, longer: bool) -> None:
+        """The next try: after twice the last wait (up to LAST_RETRY_S), or FIRST_RETRY_S."""
+        self._retry_s = min(self.LAST_RETRY_S, self._retry_s * 2) if longer else self.FIRST_RETRY_S
+        self._retry_at = now + self._retry_s
+
     def restore(self) -> None:
-        """All threads again, for this thread and the threads torch starts later."""
+        """All threads again, for this thread and the threads torch starts later; a try or a
+        window under way is forgotten."""
+        self._trying = False
+        self._window_wall = self._window_waited = 0.0
         self._use(self.all_threads)
 
     def _use(self, threads: int) -> None:

@@ -179,7 +179,7 @@ def _thread_metrics(threads: ThreadGovernor) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         "prefixgate_engine_cpu_narrowings",
-        "Times the engine computed with fewer threads because another thread took its CPU.",
+        "Times the engine went from all its threads to fewer because its thread waited for a CPU.",
         value=threads.narrowed,
     )
 
