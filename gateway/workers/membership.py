@@ -315,9 +315,13 @@ class WorkerSet:
         """It failed to answer: out of routing until a poll succeeds and it has caught up.
         `silent` (it answered nothing in time) also ends the streams waiting on it."""
         with self.lock:
-            self._take_out(worker, why)
-            worker.lost = True
-            worker.silent = worker.silent or silent  # a successful poll clears it
+            self._lose(worker, why, silent)
+
+    def _lose(self, worker: Worker, why: str, silent: bool = False) -> None:
+        """`mark_down` under the lock already held."""
+        self._take_out(worker, why)
+        worker.lost = True
+        worker.silent = worker.silent or silent  # a successful poll clears it
 
     def _take_out(self, worker: Worker, why: str) -> None:
         """No new requests, and caught up before it takes any again (locked)."""
@@ -368,8 +372,7 @@ class WorkerSet:
                     if remember:
                         worker.missed.append((path, body))
                     self._changes += 1
-                    self._take_out(worker, f"missed {path}: {error!r}")
-                    worker.lost = True
+                    self._lose(worker, f"missed {path}: {error!r}")
         if refused is not None:
             raise refused
         return total
