@@ -51,6 +51,10 @@ class PagedBatch:
     # blocks may read those blocks together (engine/kernels/paged_attention.cpp); -1 never
     # does. The model runner gives each tenant a group of its own. None: none is grouped.
     share_groups: torch.Tensor | None = None
+    # Per sequence, int32: 1 where its chunk computes prompt positions. The CPU kernel runs
+    # those on its matrix path at any length, so a prompt rounds the same whether its
+    # beginning came from the cache or not. None: decided by length alone.
+    prompt_chunks: torch.Tensor | None = None
     # Backends keep per-step indexing here, built by the first layer, reused by the rest.
     plans: dict[Any, Any] = field(default_factory=dict)
 

@@ -162,6 +162,9 @@ class Engine:
             if self.runner.fp32_logits
             else dtype_name(self.loaded.model.dtype),
             "attention_backend": self.runner.backend.name,
+            # "matrix": every projection in one order of arithmetic (cpu_linear.MatrixLinear);
+            # "library": oneDNN's or torch's products, whose order depends on the row count.
+            "linear_kernel": "matrix" if self.runner.matrix_linears else "library",
             "kv_blocks": self.pool.num_blocks,
             "restarts": self.restarts,
             "last_restart_at": self.last_restart_at,

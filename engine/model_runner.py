@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from engine.attention import ATTENTION_NAME, AttentionBackend, PagedBatch
 from engine.kernels.cpu_decoder import llama_decoder
 from engine.kernels.cpu_fused import fuse_elementwise
-from engine.kernels.cpu_linear import pack_linears
+from engine.kernels.cpu_linear import MatrixLinear, pack_linears
 from engine.kernels.cpu_logits import fp32_logits
 
 
@@ -54,7 +54,12 @@ class ModelRunner:
         # PrefixGate's own forward where the model is a plain Llama on the CPU, else
         # transformers' with our attention function.
         self.decoder = llama_decoder(model)
-        pack_linears(self.decoder if self.decoder is not None else model)
+        forward: torch.nn.Module = self.decoder if self.decoder is not None else model
+        pack_linears(forward)
+        # Whether the projections sum in one order whatever else is in the step (cpu_linear).
+        self.matrix_linears = any(
+            isinstance(module, MatrixLinear) and not module.fp32_out for module in forward.modules()
+        )
         self.model = model.eval()  # type: ignore[no-untyped-call]
         self.kv_cache = kv_cache
         self.backend = backend
@@ -136,16 +141,17 @@ class ModelRunner:
                 for chunk in chunks
             ]
         )
+        prompt_chunks = torch.tensor([int(chunk.prompt_positions > 0) for chunk in chunks])
         parts = (
             slots, input_ids, positions, logit_rows, query_starts, torch.tensor(context_lens),
-            share_groups, tables.view(-1),
+            share_groups, prompt_chunks, tables.view(-1),
         )  # fmt: skip
         staged = torch.cat(parts)
         if self.device.type == "cuda":
             staged = staged.pin_memory()
         on_device = torch.split(staged.to(self.device, non_blocking=True), [len(p) for p in parts])
         slots, input_ids, positions, logit_rows = on_device[:4]
-        starts, contexts, shares, table = (part.to(torch.int32) for part in on_device[4:])
+        starts, contexts, shares, prompts, table = (part.to(torch.int32) for part in on_device[4:])
         batch = PagedBatch(
             kv_cache=self.kv_cache,
             slot_mapping=slots,
@@ -156,6 +162,7 @@ class ModelRunner:
             context_lens_tensor=contexts,
             backend=self.backend,
             share_groups=shares,
+            prompt_chunks=prompts,
         )
         return batch, input_ids, positions, logit_rows
 

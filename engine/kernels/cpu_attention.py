@@ -72,5 +72,6 @@ class CpuAttention:
             scaling,
             sliding_window or 0,
             batch.share_groups,
+            batch.prompt_chunks,
         )
         return output.to(dtype)

@@ -1,5 +1,5 @@
 """Building and loading the C++ CPU kernels (`paged_attention.cpp`,
-`paged_attention_matrix.cpp`, `logits_head.cpp` and `elementwise.cpp`, with their headers).
+`paged_attention_matrix.cpp`, `matrix_linear.cpp` and `elementwise.cpp`, with their headers).
 
 The extension is compiled with `torch.utils.cpp_extension` for the CPU it runs on
 (`-march=native`; its threads are torch's own pool) into a directory keyed by the sources,
@@ -27,7 +27,7 @@ from engine.precision import cpu_flags
 SOURCES = (
     "paged_attention.cpp",
     "paged_attention_matrix.cpp",
-    "logits_head.cpp",
+    "matrix_linear.cpp",
     "elementwise.cpp",
 )
 HEADERS = ("cpu_vector.h", "paged_attention_matrix.h", "work_items.h")

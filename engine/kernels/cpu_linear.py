@@ -1,8 +1,21 @@
-"""Linear layers on the CPU, each row count on whichever of two paths measured faster here.
+"""Linear layers on the CPU: bf16 ones on PrefixGate's own kernel where the CPU has bf16
+matrix units, the rest on whichever of two torch paths measured faster here for the row count.
 
-torch's plain `linear` hands the weight over row-major on every call; oneDNN can instead read
-a copy packed once in its own blocked layout. Which is faster depends on the CPU and on how
-many rows a call has, and not a little:
+**bf16 with matrix units (AMX): `MatrixLinear`** (`matrix_linear.cpp`). Every output is one
+micro-kernel product over all input features, in one order, whatever the call's row count and
+thread count, so a token's projections are the same bits alone, in a prefill of thousands of
+tokens, or beside other tenants' tokens in a step. oneDNN's matmul and torch's `linear` are not
+(measured on a Xeon with AMX: torch's `linear` gave other bits for a row at 2-32 and 512-1,024
+rows than in a 1,536-row call; oneDNN's packed matmul, for the 1,536-input down projection, at
+130-300 rows than alone), which made a request's greedy tokens depend at near-ties on what
+shared its steps, and on whether its prefix came from the cache. No timing decides anything
+here, so two processes on one machine compute the same bits. SmolLM2's 30 layers of
+projections against the paths measured below, side by side: one row 13.0 -> 10.4 ms, 16 rows
+13.6 -> 11.0 ms, 512 rows equal, 1,536 rows 133-146 -> 146-166 ms.
+
+**Everything else: `PackedLinear`.** torch's plain `linear` hands the weight over row-major on
+every call; oneDNN can instead read a copy packed once in its own blocked layout. Which is
+faster depends on the CPU and on how many rows a call has, and not a little:
 - On an AMD EPYC (AVX-512, AVX512_BF16): packed was faster everywhere. SmolLM2's 30 layers of
   projections, bf16, one row 11.2 -> 8.6 ms; fp32, one row 26 -> 17 ms, 16 rows 46 -> 18 ms,
   1,536 rows 2.2x faster.
@@ -10,16 +23,14 @@ many rows a call has, and not a little:
   one row (576 x 576: 51 us plain, 179 us packed), 2.5-4x faster at 16 rows, and 5-10% slower
   at 512.
 
-- On an Intel Xeon with AMX (2026-12-01), bf16: packed was about 2x faster up to 64 rows, but
-  30% slower at 1,536 rows for SmolLM2's fused gate-and-up projection (2.9 against 2.2 ms).
-
 So `pack_linears` measures, at start, both paths for each weight shape of the model at 1, 16,
 64 and 1,024 rows, interleaved (one to a few seconds for the embedded model), and each
 `PackedLinear` takes, per call, the path that won for its row class. A weight of more than
 `LARGE_ROWS_MAX_WEIGHT` elements (an LM head, which seldom sees more than one row per sequence)
 is not timed at 1,024 rows, which would take seconds; it keeps its 64-row choice there. A shape
 whose packed path never wins keeps no packed copy. Results are equal up to summation order
-either way.
+either way; which path a row count takes varies with the machine's load at start, so
+these layers' bits can differ between processes and between row counts.
 """
 
 from __future__ import annotations
@@ -31,6 +42,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+
+from engine.kernels import KernelUnavailable, cpu_build
 
 # Row classes a call falls into (up to each bound; the last is open), and the row count each
 # is measured at.
@@ -85,6 +98,48 @@ class PackedLinear(torch.nn.Module):
         return output.reshape(*inputs.shape[:-1], self.out_features)
 
 
+class MatrixLinear(torch.nn.Module):
+    """A bf16 `nn.Linear` on `matrix_linear.cpp`: one order of arithmetic for every row count
+    and thread count. `fp32_out`: the sums are returned in fp32, not rounded to bf16 (an LM
+    head's logits, see `cpu_logits`).
+
+    The weight is packed once, here: a second copy, in the micro-kernel's layout (the model's
+    weights are frozen while it serves). The original `weight` stays a parameter, so
+    `state_dict` and tied embeddings see the model they loaded. Raises `KernelUnavailable`
+    or `RuntimeError` where the kernels or the CPU's bf16 matrix micro-kernels are missing.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, fp32_out: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.fp32_out = fp32_out
+        cpu_build.load()
+        with torch.no_grad():
+            self.packed = torch.ops.prefixgate.pack_matrix_weight(linear.weight.detach())
+            self.bias_fp32 = None if linear.bias is None else linear.bias.detach().float()
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        rows = inputs.reshape(-1, self.in_features).contiguous()
+        output: torch.Tensor = torch.ops.prefixgate.matrix_linear(
+            rows, self.packed, self.bias_fp32, self.out_features, self.fp32_out
+        )
+        return output.reshape(*inputs.shape[:-1], self.out_features)
+
+
+def matrix_linear(linear: torch.nn.Linear, fp32_out: bool = False) -> MatrixLinear | None:
+    """`linear` as a `MatrixLinear`, or None where it cannot be one: not bf16 on the CPU, an
+    odd number of inputs, no kernel build, or no bf16 matrix micro-kernels on this CPU."""
+    weight = linear.weight
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or linear.in_features % 2:
+        return None
+    try:
+        return MatrixLinear(linear, fp32_out)
+    except (KernelUnavailable, RuntimeError):
+        return None
+
+
 def _pack(weight: torch.Tensor) -> torch.Tensor:
     # Packed for one row at a time: measured no slower than a layout for more rows.
     packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
@@ -134,9 +189,14 @@ def _best_time(call: Callable[[], torch.Tensor]) -> float:
 
 
 def pack_linears(model: torch.nn.Module) -> dict[tuple[int, int], LinearPlan]:
-    """Swap every fp32 or bf16 CPU `nn.Linear` of `model` for a `PackedLinear` on a plan
-    measured once per weight shape; returns the plans by (out, in) features. Nothing changes
-    without oneDNN, on other devices, or in bf16 where oneDNN has no bf16 support."""
+    """Swap every bf16 CPU `nn.Linear` of `model` for a `MatrixLinear` where the CPU has bf16
+    matrix units, and every other fp32 or bf16 one for a `PackedLinear` on a plan measured once
+    per weight shape; returns the plans by (out, in) features. A layer stays as it was without
+    oneDNN, on other devices, or in bf16 where oneDNN has no bf16 support."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and (swapped := matrix_linear(child)) is not None:
+                setattr(parent, name, swapped)
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return {}
     dtypes = {torch.float32}

@@ -556,11 +556,12 @@ struct SharedPrefixes {
 // `share_groups` says which sequences may be grouped: only those of one group (the engine
 // gives each tenant its own), never one of group -1; without it, none is. Grouping changes
 // the order of a member's arithmetic, so in bf16 a member's output can depend on who else is
-// in its group this step: with groups per tenant, never on another tenant's requests.
+// in its group this step: with groups per tenant, never on another tenant's requests. Prompt
+// chunks (`prompts`) are not decoding and never grouped.
 SharedPrefixes find_shared_prefixes(const Geometry& g, bool matrix, int64_t sequences,
                                     int64_t kv_heads, const int32_t* starts,
                                     const int32_t* contexts, const int32_t* tables,
-                                    const int32_t* share_groups) {
+                                    const int32_t* share_groups, const int32_t* prompts) {
   SharedPrefixes shared;
   shared.group_of.assign(sequences, -1);
   shared.member_of.assign(sequences, -1);
@@ -571,7 +572,8 @@ SharedPrefixes find_shared_prefixes(const Geometry& g, bool matrix, int64_t sequ
   std::vector<std::array<int32_t, 3>> decoding;  // (share group, first block, sequence)
   for (int32_t s = 0; s < sequences; ++s) {
     const int32_t share = share_groups[s];
-    if (share >= 0 && starts[s + 1] - starts[s] == 1 && contexts[s] > kSharedMinKeys) {
+    const bool prompt = prompts != nullptr && prompts[s] != 0;
+    if (share >= 0 && !prompt && starts[s + 1] - starts[s] == 1 && contexts[s] > kSharedMinKeys) {
       decoding.push_back({share, tables[s * g.table_stride], s});
     }
   }
@@ -760,7 +762,8 @@ void run_items(const Geometry& g, SharedPrefixes& shared,
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_starts, const at::Tensor& context_lens, double scale,
-                     int64_t window, const std::optional<at::Tensor>& share_groups) {
+                     int64_t window, const std::optional<at::Tensor>& share_groups,
+                     const std::optional<at::Tensor>& prompt_chunks) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
               "query and out are [tokens, heads, dim]");
   TORCH_CHECK(out.is_contiguous() && query.stride(2) == 1,
@@ -792,6 +795,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
                   (share_groups->scalar_type() == at::kInt && share_groups->is_contiguous() &&
                    share_groups->dim() == 1 && share_groups->size(0) == sequences),
               "share_groups is one contiguous int32 per sequence");
+  TORCH_CHECK(!prompt_chunks.has_value() ||
+                  (prompt_chunks->scalar_type() == at::kInt && prompt_chunks->is_contiguous() &&
+                   prompt_chunks->dim() == 1 && prompt_chunks->size(0) == sequences),
+              "prompt_chunks is one contiguous int32 per sequence");
 
   const Geometry g{heads, heads / kv_heads, dim, block_size, query.stride(0), query.stride(1),
                    key_cache.stride(0), key_cache.stride(1), block_tables.stride(0),
@@ -801,9 +808,12 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t num_blocks = key_cache.size(0);
   TORCH_CHECK(sequences == 0 || starts[0] == 0, "query_starts must begin at 0");
-  // Prefill and extend over a bf16 pool run as matrix products where the CPU has the units;
-  // everything else (decode, short extends, fp32) as vector work items.
+  // Over a bf16 pool where the CPU has the units, prompt chunks (`prompt_chunks`, any length)
+  // and any chunk of kMatrixMinTokens or more run as matrix products; everything else (decode,
+  // fp32) as vector work items. A prompt's rows so round the same whether its beginning came
+  // from the cache (a short extend) or not (one long prefill).
   const bool matrix = dtype == at::kBFloat16 && matrix_units_on();
+  const int32_t* prompts = prompt_chunks.has_value() ? prompt_chunks->data_ptr<int32_t>() : nullptr;
   std::vector<SequenceSpan> matrix_spans;
   std::vector<WorkItem> items;
   for (int32_t s = 0; s < sequences; ++s) {
@@ -816,7 +826,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
       const int32_t block = tables[s * g.table_stride + b];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block id out of range");
     }
-    if (matrix && query_len >= kMatrixMinTokens) {
+    if (matrix && (query_len >= kMatrixMinTokens || (prompts != nullptr && prompts[s] != 0))) {
       matrix_spans.push_back({starts[s], query_len, contexts[s], tables + s * g.table_stride});
       continue;
     }
@@ -833,7 +843,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   TORCH_CHECK(starts[sequences] == query.size(0), "the sequences' queries must cover the batch");
   const int32_t* groups = share_groups.has_value() ? share_groups->data_ptr<int32_t>() : nullptr;
   SharedPrefixes shared =
-      find_shared_prefixes(g, matrix, sequences, kv_heads, starts, contexts, tables, groups);
+      find_shared_prefixes(g, matrix, sequences, kv_heads, starts, contexts, tables, groups, prompts);
   std::vector<WorkItem> pieces;
   for (int32_t index = 0; index < static_cast<int32_t>(shared.groups.size()); ++index) {
     const SharedGroup& group = shared.groups[index];
@@ -876,7 +886,7 @@ TORCH_LIBRARY(prefixgate, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_starts, Tensor context_lens, float scale, "
-      "int window, Tensor? share_groups=None) -> ()");
+      "int window, Tensor? share_groups=None, Tensor? prompt_chunks=None) -> ()");
   m.def("use_matrix_units(bool enable) -> bool", &use_matrix_units);
 }
 

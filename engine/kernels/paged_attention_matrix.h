@@ -25,7 +25,8 @@ struct SequenceSpan {
   const int32_t* table;
 };
 
-// From this many query tokens on, a sequence's attention runs as matrix products.
+// From this many query tokens on, a sequence's attention runs as matrix products (a prompt
+// chunk does at any length: paged_attention.cpp).
 constexpr int64_t kMatrixMinTokens = 16;
 // Keys per product (a multiple of 32).
 constexpr int64_t kMatrixKeyTile = 256;
@@ -36,7 +37,8 @@ constexpr int64_t kMatrixKeyTile = 256;
 bool matrix_units(bool enable);
 bool matrix_units_on();
 
-// Attention of `sequences` (each with at least kMatrixMinTokens queries) over bf16 K/V read
+// Attention of `sequences` (prompt chunks, and others of at least kMatrixMinTokens queries)
+// over bf16 K/V read
 // through their block tables; writes their rows of `out` [tokens, heads, dim].
 void attend_matrix(const Geometry& g, const std::vector<SequenceSpan>& sequences,
                    const c10::BFloat16* query, const c10::BFloat16* key_cache,

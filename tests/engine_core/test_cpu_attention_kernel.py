@@ -245,7 +245,36 @@ def test_decodes_of_different_share_groups_never_attend_together(bf16_path: str)
     torch.testing.assert_close(two_groups, expected, atol=1.6e-2, rtol=1.6e-2)
 
 
+def test_a_prompt_chunk_rounds_as_in_one_prefill_at_any_length() -> None:
+    # A prompt's last rows computed after its first blocks came from the cache (an extend of
+    # 1-40 tokens) against the same rows of one 300-token prefill: bit for bit, because prompt
+    # chunks take the matrix path at any length. Without the flag a short extend runs on the
+    # vector kernel, which rounds otherwise.
+    if not MATRIX_UNITS:
+        pytest.skip("this CPU has no bf16 matrix micro-kernels")
+    inputs = make_inputs(Case([(300, 300)], heads=9, kv_heads=3, head_dim=64), torch.bfloat16)
+
+    def attend_last(tail: int, prompt: bool | None) -> torch.Tensor:
+        query = inputs.query[300 - tail :]
+        output = torch.empty(query.shape, dtype=query.dtype)
+        flags = None if prompt is None else torch.tensor([int(prompt)], dtype=torch.int32)
+        arguments = (inputs.tables, torch.tensor([0, tail], dtype=torch.int32), inputs.contexts)
+        paged_attention(output, query, inputs.key_cache, inputs.value_cache, *arguments, 0.125, 0,
+                        None, flags)  # fmt: skip
+        return output
+
+    whole = attend_last(300, None)
+    for tail in (1, 6, 15, 40):
+        assert torch.equal(attend_last(tail, True), whole[-tail:]), tail
+    assert not torch.equal(attend_last(6, None), whole[-6:])
+    assert not torch.equal(attend_last(6, False), whole[-6:])
+
+
 def test_share_groups_must_be_one_int32_per_sequence() -> None:
     inputs = make_inputs(CASES["decode-pair-sharing-a-prefix"], torch.float32)
     with pytest.raises(RuntimeError, match="one contiguous int32 per sequence"):
         _attend(inputs, [0, 1], [0])
+    arguments = _valid_arguments()
+    for flags in (torch.zeros(1, dtype=torch.int32), torch.zeros(2)):
+        with pytest.raises(RuntimeError, match="prompt_chunks is one contiguous int32"):
+            paged_attention(*arguments.values(), None, flags)

@@ -3,8 +3,13 @@ and I1 in bf16 on the embedded model.
 
 Tolerance, measured on these prompts: the last position's logits stay within 1.0 of fp32's
 (their standard deviation is about 3.4; the largest difference seen was 0.65), the top token is
-the same and the top five agree in at least four. Cached and uncached greedy output are
-identical: the cached path reads the same bf16 K/V that the uncached path wrote.
+the same and the top five agree in at least four.
+
+Where the CPU has bf16 matrix units, cached and uncached runs are the same bits, not only the
+same greedy tokens: a cached block holds exactly the bf16 K/V an uncached prefill writes, a
+prompt's remaining tokens take the same attention path at any length (matrix products), and
+every projection sums in one order whatever else shares the step (`MatrixLinear`). The last
+also keeps a request's logits free of other tenants' requests in its steps.
 """
 
 from __future__ import annotations
@@ -54,13 +59,21 @@ def prompts(smollm2_tokenizer: Any) -> list[list[int]]:
     return rendered
 
 
-def last_logits(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
+def runner_for(loaded: LoadedModel, blocks: int = 16) -> ModelRunner:
     dtype = loaded.model.dtype
     spec = KVSpec(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, dtype, 16)
     backend = make_backend("cpu", CPU, loaded.head_dim)
-    runner = ModelRunner(loaded.model, BlockPool(spec, 16).kv, backend)
+    return ModelRunner(loaded.model, BlockPool(spec, blocks).kv, backend)
+
+
+def last_logits(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
     chunk = Chunk("probe", prompt, 0, list(range(16)), len(prompt), needs_logits=True)
-    return runner.run([chunk])[0]
+    return runner_for(loaded).run([chunk])[0]
+
+
+def needs_matrix_units(engine: Engine) -> None:
+    if not engine.runner.fp32_logits:  # the LM head and the projections share one kernel
+        pytest.skip("this CPU has no bf16 matrix micro-kernels")
 
 
 def common_prefix(first: list[int], second: list[int]) -> int:
@@ -84,9 +97,9 @@ def test_bf16_logits_stay_close_to_fp32(
 def test_bf16_logits_are_summed_and_returned_in_fp32(smollm2_bf16: LoadedModel) -> None:
     # A bf16 head would round logits near 25 to steps of 0.125 and decide near-ties by that.
     engine = Engine(smollm2_bf16, EngineConfig(num_blocks=16))
-    if not engine.runner.fp32_logits:
-        pytest.skip("this CPU has no bf16 matrix micro-kernels")
+    needs_matrix_units(engine)
     assert engine.describe()["logits_dtype"] == "float32"
+    assert engine.describe()["linear_kernel"] == "matrix"
     head = smollm2_bf16.model.lm_head
     hidden = torch.randn(5, head.in_features, generator=torch.Generator().manual_seed(0))
     hidden = hidden.to(torch.bfloat16)
@@ -104,6 +117,7 @@ def test_bf16_greedy_output_is_the_same_with_and_without_the_cache(
     cached = Engine(smollm2_bf16, EngineConfig(num_blocks=256))
     uncached = Engine(smollm2_bf16, EngineConfig(num_blocks=256, enable_prefix_caching=False))
     assert cached.describe()["dtype"] == "bfloat16"
+    needs_matrix_units(cached)
     for index, prompt in enumerate(prompts):
         hit = run_one(cached, make_request(f"cached-{index}", prompt, max_tokens=24))
         if index:  # the shared system prompt's whole blocks come from the cache
@@ -112,6 +126,41 @@ def test_bf16_greedy_output_is_the_same_with_and_without_the_cache(
             assert hit.usage.cached_tokens == shared
         alone = run_one(uncached, make_request(f"uncached-{index}", prompt, max_tokens=24))
         assert hit.token_ids == alone.token_ids
+
+
+def test_a_prompt_computes_the_same_bits_whether_its_beginning_was_cached(
+    smollm2_bf16: LoadedModel, prompts: list[list[int]]
+) -> None:
+    # The way a cache hit computes a prompt: its first blocks in an earlier step, then the
+    # rest (here 1, 6 and 22 tokens, and a cut mid-block), against one prefill of it.
+    needs_matrix_units(Engine(smollm2_bf16, EngineConfig(num_blocks=16)))
+    prompt, blocks = prompts[1], list(range(16))
+    whole = last_logits(smollm2_bf16, prompt)
+    for rest in (1, 6, 22, len(prompt) - 40):
+        runner = runner_for(smollm2_bf16)
+        cut = len(prompt) - rest
+        runner.run([Chunk("first", prompt[:cut], 0, blocks, cut, needs_logits=False)])
+        after = runner.run([Chunk("rest", prompt[cut:], cut, blocks, rest, needs_logits=True)])
+        assert torch.equal(after[0], whole), rest
+
+
+def test_a_requests_logits_do_not_depend_on_what_shares_its_step(
+    smollm2_bf16: LoadedModel, prompts: list[list[int]]
+) -> None:
+    # A decoding request alone, then beside another tenant's prefill of 40 or 200 tokens, which
+    # puts that many more rows through every projection of the step: the same bits. (oneDNN's
+    # and torch's own products gave other bits at both row counts.)
+    needs_matrix_units(Engine(smollm2_bf16, EngineConfig(num_blocks=16)))
+    runner = runner_for(smollm2_bf16, blocks=32)
+    prompt, own = prompts[0], list(range(8))
+    runner.run([Chunk("a", prompt, 0, own, len(prompt), needs_logits=False, share_group="t1")])
+    decode = Chunk("a", [504], len(prompt), own, 0, needs_logits=True, share_group="t1")
+    alone = runner.run([decode])[0]
+    for length in (40, 200):
+        other = (prompts[2] * 3)[:length]
+        neighbour = Chunk("b", other, 0, list(range(16, 32)), length, True, share_group="t2")
+        beside = runner.run([decode, neighbour])
+        assert torch.equal(beside[0], alone), length
 
 
 def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,113 @@
+"""`MatrixLinear` (`matrix_linear.cpp`): bf16 projections and the LM head's fp32 logits on the
+CPU's bf16 matrix micro-kernels, against float64 products of the same bf16 operands; one order
+of arithmetic for every row count and thread count, bit for bit; and its refusals."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.kernels import cpu_build
+from engine.kernels.cpu_linear import MatrixLinear, PackedLinear, pack_linears
+from tests.support.models import engine_for, loaded, tiny_model
+
+cpu_build.load()
+if not torch.ops.prefixgate.use_matrix_units(True):
+    pytest.skip("this CPU has no bf16 matrix micro-kernels", allow_module_level=True)
+
+
+def bf16_linear(inputs: int, outputs: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    return torch.nn.Linear(inputs, outputs, bias=bias).to(torch.bfloat16)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 16, 37])
+def test_logits_equal_a_float64_product_of_the_bf16_operands(rows: int) -> None:
+    head = bf16_linear(96, 1000, bias=False)  # 1,000 outputs: a partial last tile
+    hidden = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    hidden = hidden.to(torch.bfloat16)
+    logits = MatrixLinear(head, fp32_out=True)(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, 1000)
+    exact = hidden.double() @ head.weight.double().T
+    torch.testing.assert_close(logits.double(), exact, atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_outputs_are_the_float64_product_rounded_once(bias: bool) -> None:
+    linear = bf16_linear(96, 1000, bias)
+    inputs = torch.randn(2, 37, 96, generator=torch.Generator().manual_seed(1))
+    inputs = inputs.to(torch.bfloat16)
+    output = MatrixLinear(linear)(inputs)
+    assert output.dtype == torch.bfloat16 and output.shape == (2, 37, 1000)
+    exact = inputs.double() @ linear.weight.double().T
+    if bias:
+        exact += linear.bias.double()
+    # fp32 sums (error ~1e-6 here), then one rounding to bf16: half an ulp, 2^-9 relative.
+    torch.testing.assert_close(output.double(), exact, atol=1e-4, rtol=2**-8)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(
+    one_thread: None,
+) -> None:
+    # 1,536 inputs: SmolLM2's down projection, where oneDNN's own matmul gave a row other bits
+    # at 130-300 rows than alone. 600 rows: three groups of 256, the last one partial.
+    linear = MatrixLinear(bf16_linear(1536, 576, bias=True))
+    inputs = torch.randn(600, 1536, generator=torch.Generator().manual_seed(2))
+    inputs = inputs.to(torch.bfloat16)
+    one_thread_output = linear(inputs)
+    torch.set_num_threads(2)
+    everything = linear(inputs)
+    assert torch.equal(everything, one_thread_output)
+    for rows in (1, 2, 17, 33, 130, 257, 300):
+        assert torch.equal(linear(inputs[:rows]), everything[:rows]), rows
+    for row in (0, 255, 256, 599):
+        assert torch.equal(linear(inputs[row : row + 1]), everything[row : row + 1]), row
+
+
+def test_a_packed_weight_another_shape_or_a_bad_bias_is_refused() -> None:
+    packed = torch.ops.prefixgate.pack_matrix_weight(torch.zeros(100, 32, dtype=torch.bfloat16))
+    matrix_linear = torch.ops.prefixgate.matrix_linear
+    hidden = torch.zeros(2, 32, dtype=torch.bfloat16)
+    for out in (64, 129):  # 100 outputs make two tiles of 64: 65-128 fit
+        with pytest.raises(RuntimeError, match="does not match"):
+            matrix_linear(hidden, packed, None, out, False)
+    with pytest.raises(RuntimeError, match="does not match"):
+        matrix_linear(torch.zeros(2, 48, dtype=torch.bfloat16), packed, None, 100, False)
+    with pytest.raises(RuntimeError, match="contiguous bf16"):
+        matrix_linear(hidden.float(), packed, None, 100, False)
+    for bias in (torch.zeros(99), torch.zeros(100, dtype=torch.bfloat16)):
+        with pytest.raises(RuntimeError, match="fp32 vector of `out` values"):
+            matrix_linear(hidden, packed, bias, 100, False)
+    with pytest.raises(RuntimeError, match="even `in`"):
+        torch.ops.prefixgate.pack_matrix_weight(torch.zeros(4, 31, dtype=torch.bfloat16))
+
+
+def test_every_bf16_projection_goes_to_the_matrix_kernel_without_timing() -> None:
+    model = tiny_model("llama").to(torch.bfloat16)
+    assert pack_linears(model) == {}  # no plan measured
+    swapped = [module for module in model.modules() if isinstance(module, MatrixLinear)]
+    assert len(swapped) == 2 * 7 + 1  # two layers' seven projections and the LM head
+    others = (PackedLinear, torch.nn.Linear)
+    assert not any(isinstance(module, others) for module in model.modules())
+    assert all(not module.fp32_out for module in swapped)
+    fp32 = tiny_model("llama")
+    pack_linears(fp32)
+    assert not any(isinstance(module, MatrixLinear) for module in fp32.modules())
+
+
+def test_the_engine_says_which_kernel_runs_its_projections() -> None:
+    assert engine_for("llama").describe()["linear_kernel"] == "library"  # fp32
+    bf16 = Engine(loaded(tiny_model("llama").to(torch.bfloat16)), EngineConfig(num_blocks=64))
+    assert bf16.describe()["linear_kernel"] == "matrix"
