@@ -162,8 +162,9 @@ class Engine:
             if self.runner.fp32_logits
             else dtype_name(self.loaded.model.dtype),
             "attention_backend": self.runner.backend.name,
-            # "matrix": every projection in one order of arithmetic (cpu_linear.MatrixLinear);
-            # "library": oneDNN's or torch's products, whose order depends on the row count.
+            # "matrix": every projection and the LM head in one order of arithmetic
+            # (cpu_linear.MatrixLinear); "library": some or all on oneDNN's or torch's
+            # products, whose order depends on the row count.
             "linear_kernel": "matrix" if self.runner.matrix_linears else "library",
             "kv_blocks": self.pool.num_blocks,
             "restarts": self.restarts,

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from engine.attention import ATTENTION_NAME, AttentionBackend, PagedBatch
 from engine.kernels.cpu_decoder import llama_decoder
 from engine.kernels.cpu_fused import fuse_elementwise
-from engine.kernels.cpu_linear import MatrixLinear, pack_linears
+from engine.kernels.cpu_linear import MatrixLinear, PackedLinear, pack_linears
 from engine.kernels.cpu_logits import fp32_logits
 
 
@@ -56,10 +56,10 @@ class ModelRunner:
         self.decoder = llama_decoder(model)
         forward: torch.nn.Module = self.decoder if self.decoder is not None else model
         pack_linears(forward)
-        # Whether the projections sum in one order whatever else is in the step (cpu_linear).
-        self.matrix_linears = any(
-            isinstance(module, MatrixLinear) and not module.fp32_out for module in forward.modules()
-        )
+        # Whether every projection, the LM head too, sums in one order whatever else is in
+        # the step (cpu_linear).
+        kinds = {type(module) for module in forward.modules()}
+        self.matrix_linears = MatrixLinear in kinds and not kinds & {torch.nn.Linear, PackedLinear}
         self.model = model.eval()  # type: ignore[no-untyped-call]
         self.kv_cache = kv_cache
         self.backend = backend

@@ -28,6 +28,7 @@ import torch
 
 from engine.attention import PagedBatch, write_and_attend
 from engine.kernels.cpu_fused import FusedMLP, FusedRMSNorm
+from engine.kernels.cpu_linear import MatrixLinear
 
 
 class DecoderLayer(torch.nn.Module):
@@ -46,6 +47,15 @@ class DecoderLayer(torch.nn.Module):
         self.post_norm: FusedRMSNorm = layer.get_submodule("post_attention_layernorm")  # type: ignore[assignment]
         self.layer_index = int(attention.layer_idx)
         self.scaling = float(attention.scaling)
+
+    def activated(self, normed: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused gate-and-up projection: one pass where it runs on the
+        matrix kernel and its halves are whole tiles (`MatrixLinear.gated_silu`)."""
+        projection = self.gate_up_proj
+        if isinstance(projection, MatrixLinear) and projection.out_features % 128 == 0:
+            return projection.gated_silu(normed)
+        gated: torch.Tensor = torch.ops.prefixgate.gated_silu(projection(normed))
+        return gated
 
 
 class LlamaDecoder(torch.nn.Module):
@@ -109,7 +119,7 @@ class LlamaDecoder(torch.nn.Module):
             normed = torch.ops.prefixgate.add_rms_norm_(
                 residual, hidden, layer.post_norm.weight, layer.post_norm.variance_epsilon
             )
-            hidden = layer.down_proj(torch.ops.prefixgate.gated_silu(layer.gate_up_proj(normed)))
+            hidden = layer.down_proj(layer.activated(normed))
         normed = torch.ops.prefixgate.add_rms_norm_(
             residual, hidden, self.norm.weight, self.norm.variance_epsilon
         )

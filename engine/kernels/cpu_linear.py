@@ -54,6 +54,9 @@ LARGE_ROWS_MAX_WEIGHT = 16 << 20
 # costs no second copy of the weight.
 MARGIN = 0.9
 _ROUNDS, _REPEATS = 2, 2
+# What matrix_linear.cpp says where the CPU (or torch, with oneDNN off) has no bf16 matrix
+# micro-kernels.
+NO_MATRIX_UNITS = "this CPU has no bf16 matrix micro-kernels"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +108,9 @@ class MatrixLinear(torch.nn.Module):
 
     The weight is packed once, here: a second copy, in the micro-kernel's layout (the model's
     weights are frozen while it serves). The original `weight` stays a parameter, so
-    `state_dict` and tied embeddings see the model they loaded. Raises `KernelUnavailable`
-    or `RuntimeError` where the kernels or the CPU's bf16 matrix micro-kernels are missing.
+    `state_dict` and tied embeddings see the model they loaded (the copy is not refreshed if
+    the weight changes). Raises `KernelUnavailable` or `RuntimeError` where the kernels or the
+    CPU's bf16 matrix micro-kernels are missing.
     """
 
     def __init__(self, linear: torch.nn.Linear, fp32_out: bool = False) -> None:
@@ -127,6 +131,16 @@ class MatrixLinear(torch.nn.Module):
         )
         return output.reshape(*inputs.shape[:-1], self.out_features)
 
+    def gated_silu(self, inputs: torch.Tensor) -> torch.Tensor:
+        """For a fused gate-and-up projection ([gate; up] outputs, halves a multiple of 64
+        wide): `gated_silu(self(inputs))` in one pass, the same bits, without writing the
+        product out and reading it back."""
+        rows = inputs.reshape(-1, self.in_features).contiguous()
+        output: torch.Tensor = torch.ops.prefixgate.matrix_linear(
+            rows, self.packed, self.bias_fp32, self.out_features, False, True
+        )
+        return output.reshape(*inputs.shape[:-1], self.out_features // 2)
+
 
 def matrix_linear(linear: torch.nn.Linear, fp32_out: bool = False) -> MatrixLinear | None:
     """`linear` as a `MatrixLinear`, or None where it cannot be one: not bf16 on the CPU, an
@@ -136,7 +150,11 @@ def matrix_linear(linear: torch.nn.Linear, fp32_out: bool = False) -> MatrixLine
         return None
     try:
         return MatrixLinear(linear, fp32_out)
-    except (KernelUnavailable, RuntimeError):
+    except KernelUnavailable:
+        return None
+    except RuntimeError as error:  # anything else (memory, say) is not this CPU's lack
+        if NO_MATRIX_UNITS not in str(error):
+            raise
         return None
 
 

@@ -1,6 +1,6 @@
-// Vector helpers shared by the CPU attention kernels: 16-lane fp32 vectors (GCC/Clang vector
-// extensions: AVX-512 where the CPU has it, narrower registers elsewhere), loads from fp32 and
-// bf16, horizontal sums and maxima, and a fast exp.
+// Vector helpers shared by the CPU kernels: 16-lane fp32 vectors (GCC/Clang vector extensions:
+// AVX-512 where the CPU has it, narrower registers elsewhere), loads from fp32 and bf16,
+// horizontal sums and maxima, a fast exp, bf16 rounding and SiLU.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -129,6 +129,23 @@ inline void store_bf16(uint16_t* target, vfloat value) {
 
 inline void store(c10::BFloat16* target, vfloat value) {
   store_bf16(reinterpret_cast<uint16_t*>(target), value);
+}
+
+// The value as the dtype would hold it: bf16 rounds (to nearest even), fp32 stays.
+inline vfloat round_to(vfloat value, float*) { return value; }
+inline vfloat round_to(vfloat value, c10::BFloat16*) {
+  uint16_t bits[kLanes];
+  store_bf16(bits, value);
+  return load(reinterpret_cast<const c10::BFloat16*>(bits));
+}
+
+// silu(x) = x * sigmoid(x), from e = exp(-|x|) <= 1 so that exp never overflows; one division:
+// sigmoid is e / (1 + e) below zero, 1 / (1 + e) from zero up.
+inline vfloat silu(vfloat x) {
+  const vfloat magnitude = x < 0.0f ? -x : x;
+  const vfloat e = vexp(-magnitude);
+  const vfloat sigmoid = (x < 0.0f ? e : splat(1.0f)) / (1.0f + e);
+  return x * sigmoid;
 }
 
 }  // namespace prefixgate

@@ -26,14 +26,6 @@ namespace {
 
 using namespace prefixgate;
 
-// The value as the dtype would hold it: bf16 rounds (to nearest even), fp32 stays.
-inline vfloat round_to(vfloat value, float*) { return value; }
-inline vfloat round_to(vfloat value, c10::BFloat16*) {
-  uint16_t bits[kLanes];
-  store_bf16(bits, value);
-  return load(reinterpret_cast<const c10::BFloat16*>(bits));
-}
-
 void check_rows(const at::Tensor& tensor, const char* name) {
   TORCH_CHECK(tensor.dim() == 2 && tensor.is_contiguous(), name, " must be a contiguous matrix");
   TORCH_CHECK(tensor.scalar_type() == at::kFloat || tensor.scalar_type() == at::kBFloat16,
@@ -100,13 +92,7 @@ void silu_and_mul_rows(const scalar_t* g, const scalar_t* u, int64_t stride, int
   at::parallel_for(0, rows * per_row, 64, [&](int64_t begin, int64_t end) {
     int64_t row = begin / per_row, column = (begin % per_row) * kLanes;  // one division a chunk
     for (int64_t v = begin; v < end; ++v) {
-      const vfloat x = load(g + row * stride + column);
-      // silu(x) = x * sigmoid(x), from e = exp(-|x|) <= 1 so that exp never overflows; one
-      // division: sigmoid is e / (1 + e) below zero, 1 / (1 + e) from zero up.
-      const vfloat magnitude = x < 0.0f ? -x : x;
-      const vfloat e = vexp(-magnitude);
-      const vfloat sigmoid = (x < 0.0f ? e : splat(1.0f)) / (1.0f + e);
-      const vfloat activated = round_to(x * sigmoid, out);
+      const vfloat activated = round_to(silu(load(g + row * stride + column)), out);
       store(out + row * width + column, activated * load(u + row * stride + column));
       column += kLanes;
       if (column == width) {

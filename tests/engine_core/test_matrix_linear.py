@@ -34,28 +34,33 @@ def one_thread() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("rows", [0, 1, 3, 16, 37])
-def test_logits_equal_a_float64_product_of_the_bf16_operands(rows: int) -> None:
-    head = bf16_linear(96, 1000, bias=False)  # 1,000 outputs: a partial last tile
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_outputs_equal_a_float64_product_of_the_bf16_operands(rows: int, bias: bool) -> None:
+    head = bf16_linear(96, 1000, bias)  # 1,000 outputs: a partial last tile
     hidden = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
     hidden = hidden.to(torch.bfloat16)
     logits = MatrixLinear(head, fp32_out=True)(hidden)
     assert logits.dtype == torch.float32 and logits.shape == (rows, 1000)
     exact = hidden.double() @ head.weight.double().T
+    if bias:
+        exact += head.bias.double()
     torch.testing.assert_close(logits.double(), exact, atol=1e-5, rtol=1e-6)
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_outputs_are_the_float64_product_rounded_once(bias: bool) -> None:
-    linear = bf16_linear(96, 1000, bias)
-    inputs = torch.randn(2, 37, 96, generator=torch.Generator().manual_seed(1))
-    inputs = inputs.to(torch.bfloat16)
-    output = MatrixLinear(linear)(inputs)
+@pytest.mark.parametrize("inputs", [96, 48])  # 48: not a multiple of the 32 a product step takes
+def test_bf16_outputs_are_the_float64_product_rounded_once(bias: bool, inputs: int) -> None:
+    linear = bf16_linear(inputs, 1000, bias)
+    values = torch.randn(2, 37, inputs, generator=torch.Generator().manual_seed(1))
+    values = values.to(torch.bfloat16)
+    output = MatrixLinear(linear)(values)
     assert output.dtype == torch.bfloat16 and output.shape == (2, 37, 1000)
-    exact = inputs.double() @ linear.weight.double().T
+    exact = values.double() @ linear.weight.double().T
     if bias:
         exact += linear.bias.double()
-    # fp32 sums (error ~1e-6 here), then one rounding to bf16: half an ulp, 2^-9 relative.
-    torch.testing.assert_close(output.double(), exact, atol=1e-4, rtol=2**-8)
+    # fp32 sums (relative error ~1e-6 here), then one rounding to bf16: at most half an ulp,
+    # 2^-8 relative (8 significant bits).
+    torch.testing.assert_close(output.double(), exact, atol=1e-5, rtol=2**-8 + 1e-5)
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(
@@ -74,6 +79,22 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(
         assert torch.equal(linear(inputs[:rows]), everything[:rows]), rows
     for row in (0, 255, 256, 599):
         assert torch.equal(linear(inputs[row : row + 1]), everything[row : row + 1]), row
+    narrow = MatrixLinear(bf16_linear(48, 100, bias=True))  # a partial tile, 48 inputs
+    everything = narrow(inputs[:, :48].contiguous())
+    for rows in (1, 5, 40, 300):
+        assert torch.equal(narrow(inputs[:rows, :48].contiguous()), everything[:rows]), rows
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_gated_product_is_gated_silu_of_the_product_bit_for_bit(bias: bool) -> None:
+    # A fused gate-and-up projection (two halves of 192 outputs, three tiles each).
+    linear = MatrixLinear(bf16_linear(96, 384, bias))
+    inputs = torch.randn(300, 96, generator=torch.Generator().manual_seed(3))
+    inputs = inputs.to(torch.bfloat16)
+    for rows in (1, 7, 300):
+        gated = linear.gated_silu(inputs[:rows])
+        assert gated.shape == (rows, 192)
+        assert torch.equal(gated, torch.ops.prefixgate.gated_silu(linear(inputs[:rows])))
 
 
 def test_a_packed_weight_another_shape_or_a_bad_bias_is_refused() -> None:
@@ -90,6 +111,10 @@ def test_a_packed_weight_another_shape_or_a_bad_bias_is_refused() -> None:
     for bias in (torch.zeros(99), torch.zeros(100, dtype=torch.bfloat16)):
         with pytest.raises(RuntimeError, match="fp32 vector of `out` values"):
             matrix_linear(hidden, packed, bias, 100, False)
+    gated = torch.ops.prefixgate.pack_matrix_weight(torch.zeros(192, 32, dtype=torch.bfloat16))
+    for out, fp32_out in ((192, False), (128, True)):  # halves of 96: not whole tiles
+        with pytest.raises(RuntimeError, match="gated product"):
+            matrix_linear(hidden, gated if out == 192 else packed, None, out, fp32_out, True)
     with pytest.raises(RuntimeError, match="even `in`"):
         torch.ops.prefixgate.pack_matrix_weight(torch.zeros(4, 31, dtype=torch.bfloat16))
 
