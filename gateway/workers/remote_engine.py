@@ -20,7 +20,7 @@ import itertools
 import json
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -339,18 +339,31 @@ class RemoteEngine:
 
     def describe(self) -> dict[str, Any]:
         """What serves, for /readyz and the start-up log: counts, not the workers' addresses
-        (/metrics names them; /readyz is public)."""
+        (/metrics names them; /readyz is public). The engine's choices (device, dtypes,
+        kernels) are the value every worker in routing reports, or "mixed"; `kv_blocks` is
+        the first one's."""
         rows = self.worker_rows()
-        first: dict[str, Any] = next(
-            (w.state.get("describe", {}) for w in self.workers.routable()), {}
-        )
+        described: list[dict[str, Any]] = [
+            w.state.get("describe", {}) for w in self.workers.routable()
+        ]
+        choices = ("device", "dtype", "kv_dtype", "logits_dtype", "attention_backend",
+                   "linear_kernel")  # fmt: skip
         return {
             "model": self.loaded.name,
             "routing": self.config.mode,
             "workers": len(rows),
             "workers_up": sum(1 for row in rows if row["up"]),
-            **{key: first.get(key) for key in ("device", "dtype", "kv_dtype", "kv_blocks")},
+            **{key: _agreed(d.get(key) for d in described) for key in choices},
+            "kv_blocks": described[0].get("kv_blocks") if described else None,
         }
+
+
+def _agreed(values: Iterable[Any]) -> Any:
+    """The one value all workers report (None with no worker), or "mixed"."""
+    distinct = set(values)
+    if len(distinct) > 1:
+        return "mixed"
+    return next(iter(distinct), None)
 
 
 def total_stats(parts: list[CacheStats]) -> CacheStats:

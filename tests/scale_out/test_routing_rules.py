@@ -18,7 +18,7 @@ from engine.scope import Public, Segment, Tenant, User
 from gateway.workers import routing, wire
 from gateway.workers.key_log import KeyLog, short_key
 from gateway.workers.membership import WorkerSpecError, parse_worker_spec, resolve
-from gateway.workers.remote_engine import total_stats
+from gateway.workers.remote_engine import _agreed, total_stats
 
 BLOCK = 4
 ROOT = BlockHasher(BLOCK).root("model", "", "float32")
@@ -248,3 +248,10 @@ def test_keys_just_sent_count_until_they_expire() -> None:
     assert "b" not in worker.held(11.0) and "c" not in worker.held(5.0)
     worker.forget_pending(11.0)
     assert worker.pending == {}
+
+
+def test_a_choice_the_workers_disagree_on_reads_mixed() -> None:
+    assert _agreed(["matrix", "matrix"]) == "matrix"
+    assert _agreed(["matrix", "library"]) == "mixed"
+    assert _agreed([None, "bfloat16"]) == "mixed"  # a worker that has not said yet
+    assert _agreed([]) is None

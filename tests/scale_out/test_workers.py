@@ -194,6 +194,16 @@ def test_metrics_list_each_worker(cluster: tuple[Gateway, list[LocalWorker]]) ->
         assert f'prefixgate_worker_up{{worker="{worker.url}"}} 1.0' in text
 
 
+def test_readyz_reports_the_engine_choices_the_workers_share(
+    cluster: tuple[Gateway, list[LocalWorker]],
+) -> None:
+    gateway, workers = cluster
+    engine = httpx.get(f"{gateway.server.url}/readyz").json()["engine"]
+    own = [worker_state(worker)["describe"] for worker in workers]
+    for key in ("dtype", "kv_dtype", "logits_dtype", "attention_backend", "linear_kernel"):
+        assert engine[key] == own[0][key] == own[1][key] is not None, key
+
+
 def worker_state(worker: LocalWorker) -> dict[str, Any]:
     """The worker's own account of itself (its state endpoint, with the secret)."""
     answer = httpx.get(
