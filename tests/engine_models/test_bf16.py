@@ -148,8 +148,9 @@ def test_a_requests_logits_do_not_depend_on_what_shares_its_step(
     smollm2_bf16: LoadedModel, prompts: list[list[int]]
 ) -> None:
     # A decoding request alone, then beside another tenant's prefill of 40 or 200 tokens, which
-    # puts that many more rows through every projection of the step: the same bits. (oneDNN's
-    # and torch's own products gave other bits at both row counts.)
+    # puts that many more rows through every projection of the step: the same bits. (On the
+    # projections this replaced, torch's `linear` gave other bits beside the 40-token prefill
+    # and oneDNN's packed matmul beside the 200-token one.)
     needs_matrix_units(Engine(smollm2_bf16, EngineConfig(num_blocks=16)))
     runner = runner_for(smollm2_bf16, blocks=32)
     prompt, own = prompts[0], list(range(8))
