@@ -71,8 +71,8 @@ def last_logits(loaded: LoadedModel, prompt: list[int]) -> torch.Tensor:
     return runner_for(loaded).run([chunk])[0]
 
 
-def needs_matrix_units(engine: Engine) -> None:
-    if engine.describe()["linear_kernel"] != "matrix":
+def needs_matrix_units(runner: ModelRunner) -> None:
+    if not runner.matrix_linears:  # what the engine reports as "linear_kernel": "matrix"
         pytest.skip("this CPU has no bf16 matrix micro-kernels")
 
 
@@ -97,7 +97,7 @@ def test_bf16_logits_stay_close_to_fp32(
 def test_bf16_logits_are_summed_and_returned_in_fp32(smollm2_bf16: LoadedModel) -> None:
     # A bf16 head would round logits near 25 to steps of 0.125 and decide near-ties by that.
     engine = Engine(smollm2_bf16, EngineConfig(num_blocks=16))
-    needs_matrix_units(engine)
+    needs_matrix_units(engine.runner)
     assert engine.describe()["logits_dtype"] == "float32"
     assert engine.describe()["linear_kernel"] == "matrix"
     head = smollm2_bf16.model.lm_head
@@ -117,7 +117,7 @@ def test_bf16_greedy_output_is_the_same_with_and_without_the_cache(
     cached = Engine(smollm2_bf16, EngineConfig(num_blocks=256))
     uncached = Engine(smollm2_bf16, EngineConfig(num_blocks=256, enable_prefix_caching=False))
     assert cached.describe()["dtype"] == "bfloat16"
-    needs_matrix_units(cached)
+    needs_matrix_units(cached.runner)
     for index, prompt in enumerate(prompts):
         hit = run_one(cached, make_request(f"cached-{index}", prompt, max_tokens=24))
         if index:  # the shared system prompt's whole blocks come from the cache
@@ -133,9 +133,10 @@ def test_a_prompt_computes_the_same_bits_whether_its_beginning_was_cached(
 ) -> None:
     # The way a cache hit computes a prompt: its first blocks in an earlier step, then the
     # rest (here 1, 6 and 22 tokens, and a cut mid-block), against one prefill of it.
-    needs_matrix_units(Engine(smollm2_bf16, EngineConfig(num_blocks=16)))
+    probe = runner_for(smollm2_bf16)
+    needs_matrix_units(probe)
     prompt, blocks = prompts[1], list(range(16))
-    whole = last_logits(smollm2_bf16, prompt)
+    whole = probe.run([Chunk("whole", prompt, 0, blocks, len(prompt), needs_logits=True)])[0]
     for rest in (1, 6, 22, len(prompt) - 40):
         runner = runner_for(smollm2_bf16)
         cut = len(prompt) - rest
@@ -151,8 +152,8 @@ def test_a_requests_logits_do_not_depend_on_what_shares_its_step(
     # puts that many more rows through every projection of the step: the same bits. (On the
     # projections this replaced, torch's `linear` gave other bits beside the 40-token prefill
     # and oneDNN's packed matmul beside the 200-token one.)
-    needs_matrix_units(Engine(smollm2_bf16, EngineConfig(num_blocks=16)))
     runner = runner_for(smollm2_bf16, blocks=32)
+    needs_matrix_units(runner)
     prompt, own = prompts[0], list(range(8))
     runner.run([Chunk("a", prompt, 0, own, len(prompt), needs_logits=False, share_group="t1")])
     decode = Chunk("a", [504], len(prompt), own, 0, needs_logits=True, share_group="t1")
