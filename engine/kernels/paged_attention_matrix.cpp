@@ -61,6 +61,7 @@ struct Packed {
   uint32_t* packed;
 };
 
+#if !defined(__AVX512BW__)
 const uint16_t* row(const c10::BFloat16* cache, const Geometry& g, const int32_t* table,
                     int64_t position, int64_t head) {
   const int64_t block = table[position / g.block_size];
@@ -68,15 +69,118 @@ const uint16_t* row(const c10::BFloat16* cache, const Geometry& g, const int32_t
                                            (position % g.block_size) * g.kv_stride_token +
                                            head * g.head_dim);
 }
+#endif
+
+#if defined(__AVX512BW__)
+// Sixteen vectors of sixteen 32-bit words, transposed: word j of vector i becomes word i of
+// vector j.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int k = 0; k < 4; ++k) {
+      t[i + k] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0x88);
+      t[i + k + 4] = _mm512_shuffle_i32x4(r[i + k], r[i + k + 4], 0xdd);
+    }
+  }
+  for (int k = 0; k < 8; ++k) {
+    r[k] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0x88);
+    r[k + 8] = _mm512_shuffle_i32x4(t[k], t[k + 8], 0xdd);
+  }
+}
+#endif
 
 // The key tile of `span` from position `first`, KV head `head`, into `key_tile`: K as
 // [dim / 2][kKeyTile] pairs of dims, then V as [kKeyTile / 2][dim] pairs of keys; keys past the
-// context are zero.
+// context are zero. With AVX-512, 16 keys at a time: their K rows transposed as 16 x 16 words,
+// their V rows interleaved by pairs, and the next 16 keys' rows prefetched meanwhile (they sit in
+// another block, anywhere in the pool).
 void pack_tile(const Geometry& g, const SequenceSpan& span, int64_t head, int64_t first,
                const c10::BFloat16* key_cache, const c10::BFloat16* value_cache,
                uint32_t* key_tile) {
   const int64_t dim = g.head_dim, pairs = dim / 2, context = span.context_len;
   uint32_t* value_tile = key_tile + pairs * kKeyTile;
+#if defined(__AVX512BW__)
+  alignas(64) static const uint16_t zeros[256] = {};  // dim <= 256
+  const uint16_t* keys[kKeyTile];
+  const uint16_t* values[kKeyTile];
+  int64_t block_index = first / g.block_size, slot = first % g.block_size;
+  for (int64_t j = 0; j < kKeyTile; ++j) {
+    if (first + j < context) {
+      const int64_t offset =
+          span.table[block_index] * g.kv_stride_block + slot * g.kv_stride_token +
+          head * dim;
+      keys[j] = reinterpret_cast<const uint16_t*>(key_cache + offset);
+      values[j] = reinterpret_cast<const uint16_t*>(value_cache + offset);
+    } else {
+      keys[j] = values[j] = zeros;
+    }
+    if (++slot == g.block_size) {
+      slot = 0;
+      ++block_index;
+    }
+  }
+  const auto prefetch = [&](int64_t group) {
+    for (int64_t j = group * kLanes; j < (group + 1) * kLanes; ++j) {
+      for (int64_t byte = 0; byte < dim * 2; byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(keys[j]) + byte);
+        __builtin_prefetch(reinterpret_cast<const char*>(values[j]) + byte);
+      }
+    }
+  };
+  __m512i interleave_low, interleave_high;  // word i: (a[i], b[i]), for i in 0-15 and 16-31
+  {
+    alignas(64) uint16_t low[32], high[32];
+    for (int i = 0; i < 32; ++i) {
+      low[i] = static_cast<uint16_t>(i % 2 ? 32 + i / 2 : i / 2);
+      high[i] = static_cast<uint16_t>(low[i] + 16);
+    }
+    interleave_low = _mm512_load_si512(low);
+    interleave_high = _mm512_load_si512(high);
+  }
+  const int64_t groups = kKeyTile / kLanes;
+  prefetch(0);
+  for (int64_t group = 0; group < groups; ++group) {
+    if (group + 1 < groups) prefetch(group + 1);
+    const int64_t j0 = group * kLanes;
+    for (int64_t q0 = 0; q0 < pairs; q0 += kLanes) {
+      const int64_t lanes = std::min<int64_t>(kLanes, pairs - q0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = _mm512_maskz_loadu_epi32(mask, reinterpret_cast<const uint32_t*>(keys[j0 + i]) + q0);
+      }
+      transpose16(r);
+      for (int64_t q = 0; q < lanes; ++q) {
+        _mm512_storeu_si512(key_tile + (q0 + q) * kKeyTile + j0, r[q]);
+      }
+    }
+    for (int64_t k = j0 / 2; k < (j0 + kLanes) / 2; ++k) {
+      const uint16_t* a = values[2 * k];
+      const uint16_t* b = values[2 * k + 1];
+      for (int64_t d = 0; d < dim; d += 32) {  // dim is a multiple of 16
+        const __mmask32 mask = dim - d >= 32 ? 0xFFFFFFFFu : 0xFFFFu;
+        const __m512i va = _mm512_maskz_loadu_epi16(mask, a + d);
+        const __m512i vb = _mm512_maskz_loadu_epi16(mask, b + d);
+        _mm512_storeu_si512(value_tile + k * dim + d,
+                            _mm512_permutex2var_epi16(va, interleave_low, vb));
+        if (dim - d >= 32) {
+          _mm512_storeu_si512(value_tile + k * dim + d + 16,
+                              _mm512_permutex2var_epi16(va, interleave_high, vb));
+        }
+      }
+    }
+  }
+#else
   for (int64_t j = 0; j < kKeyTile; ++j) {
     const int64_t position = first + j;
     if (position >= context) {
@@ -100,6 +204,7 @@ void pack_tile(const Geometry& g, const SequenceSpan& span, int64_t head, int64_
       target[d] = static_cast<uint32_t>(a[d]) | (b ? static_cast<uint32_t>(b[d]) << 16 : 0u);
     }
   }
+#endif
 }
 
 // Scratch of one item, reused across the items a thread runs.
@@ -233,13 +338,15 @@ void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, 
               "a shared tile starts on a tile boundary and holds at most one tile of keys");
   const int64_t dim = g.head_dim, rows = static_cast<int64_t>(queries.size());
   const SequenceSpan span{0, 0, end, table};  // keys past `end` are packed as zeros...
-  std::vector<uint32_t> tile(dim * kKeyTile);
+  // Scratch kept by each of torch's threads: every word of the tile is written by pack_tile.
+  thread_local std::vector<uint32_t> tile;
+  tile.resize(dim * kKeyTile);
   pack_tile(g, span, kv_head, first, key_cache, value_cache, tile.data());
   // Products of a multiple of 16 rows (the padding: zero queries, results dropped): torch keeps
   // a compiled micro-kernel per shape and thread, never freed, so the number of shapes stays
   // small whatever the groups' sizes.
   const int64_t padded = (rows + 15) / 16 * 16;
-  Scratch s;
+  thread_local Scratch s;
   s.resize(padded, dim);
   std::fill(s.q.begin(), s.q.end(), 0);
   for (int64_t r = 0; r < padded; ++r) {
