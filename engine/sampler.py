@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import RequestFailed
+from engine.kernels.cpu_logits import argmax_finite
 
 # Logits are float32 and scaled by 1 / temperature. Below 1e-2 (the floor vLLM clamps to) the
 # scale stops being a meaningful sharpening and starts overflowing: 1e-300 even rounds to 0.0
@@ -131,11 +132,14 @@ def sample(
     is needed where the row's params are `penalized`. `constrain` masks, in place, the tokens
     some rows may not take (structured outputs). `logits` may be changed in place.
     """
-    finite = torch.isfinite(logits).all(dim=-1).tolist()
+    best, finite_rows = argmax_finite(logits)
+    finite = finite_rows.tolist()
     if constrain is not None:
         constrain(logits)
-    adjust_logits(logits, params, counts or [None] * len(params))
-    tokens: list[int | RequestFailed] = [int(token) for token in logits.argmax(dim=-1).tolist()]
+    adjusted = adjust_logits(logits, params, counts or [None] * len(params))
+    if constrain is not None or adjusted:
+        best = argmax_finite(logits)[0]
+    tokens: list[int | RequestFailed] = [int(token) for token in best.tolist()]
     for row, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
         if not finite[row]:
             tokens[row] = RequestFailed("the model produced non-finite logits for this request")
@@ -167,10 +171,10 @@ def _sample_row(
 
 def adjust_logits(
     logits: torch.Tensor, params: list[SamplingParams], counts: list[torch.Tensor | None]
-) -> None:
+) -> bool:
     """OpenAI's penalties and logit bias, in place, for every row that has them:
     `logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty`, then
-    `logit[j] += bias[j]`."""
+    `logit[j] += bias[j]`. Returns whether any row had them."""
     device = logits.device
     penalized = [row for row, row_params in enumerate(params) if row_params.penalized]
     if penalized:
@@ -190,6 +194,7 @@ def adjust_logits(
         rows_, tokens, biases = zip(*biased, strict=True)
         index = (torch.tensor(rows_, device=device), torch.tensor(tokens, device=device))
         logits.index_put_(index, torch.tensor(biases, device=device), accumulate=True)
+    return bool(penalized or biased)
 
 
 def _counts(counts: torch.Tensor | None, row: int) -> torch.Tensor:

@@ -1,9 +1,12 @@
-"""fp32 logits for a bf16 model on the CPU (`MatrixLinear` with `fp32_out`, in `cpu_linear`).
+"""Logits on the CPU: fp32 logits for a bf16 model, and the sampler's pass over them.
 
 A bf16 LM head rounds its logits to bf16: near 25 that is steps of 0.125, so near-ties between
 the top tokens are decided by rounding, and greedy decoding follows whichever way it fell. The
 head keeps its weight in bf16 (read once per step, as before) and sums and returns the logits
-in fp32.
+in fp32 (`MatrixLinear` with `fp32_out`, in `cpu_linear`).
+
+`argmax_finite` gives the sampler each row's argmax and whether the row is finite in one pass
+(`logits_rows.cpp`) where the CPU kernels are loaded, instead of torch's six passes.
 """
 
 from __future__ import annotations
@@ -11,6 +14,22 @@ from __future__ import annotations
 import torch
 
 from engine.kernels.cpu_linear import MatrixLinear, matrix_linear
+
+
+def argmax_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row of `logits` ([rows, vocab]): the index of its greatest value (the first of equal
+    ones; unspecified for a row that is not all finite) and whether the row is all finite."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(1) == 1
+        and hasattr(torch.ops.prefixgate, "argmax_finite")  # the kernels are loaded
+    ):
+        best, finite = torch.ops.prefixgate.argmax_finite(logits)
+        return best, finite
+    return logits.argmax(dim=-1), torch.isfinite(logits).all(dim=-1)
 
 
 def fp32_logits(model: torch.nn.Module) -> bool:
