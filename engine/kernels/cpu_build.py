@@ -46,14 +46,15 @@ def kernels_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "prefixgate" / "kernels"
 
 
-def _file(name: str) -> Path:
+def source_file(name: str) -> Path:
+    """A kernel source or header, where the installed package keeps it."""
     return Path(str(importlib.resources.files("engine.kernels") / name))
 
 
 def _build_key() -> str:
     hasher = hashlib.sha256()
     for name in SOURCES + HEADERS:
-        hasher.update(name.encode() + b"\0" + _file(name).read_bytes())
+        hasher.update(name.encode() + b"\0" + source_file(name).read_bytes())
     for part in (torch.__version__, sys.version, platform.machine(), " ".join(FLAGS)):
         hasher.update(b"\0" + part.encode())
     hasher.update(b"\0" + " ".join(sorted(cpu_flags())).encode())
@@ -102,7 +103,7 @@ def _build_and_load(directory: Path) -> None:
 
     cpp_extension.load(
         name=f"prefixgate_cpu_{directory.name}",
-        sources=[str(_file(name)) for name in SOURCES],
+        sources=[str(source_file(name)) for name in SOURCES],
         extra_cflags=FLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),

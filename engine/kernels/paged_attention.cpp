@@ -51,6 +51,7 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;     // query heads per KV head
 constexpr int64_t kPackRows = 8;      // from this many rows on, a chunk is packed first
 constexpr int64_t kAhead = 1;         // chunks prefetched ahead (2 measured the same)
+constexpr int64_t kSegmentKeys = 256; // keys per softmax update of bf16 decode rows
 
 // Two vectors of partial sums folded into one, level `level` (0-3) of a tree that sums
 // sixteen vectors' lanes: with w = 8 >> level, lanes 0-7 of the result come from a and 8-15 from
@@ -282,8 +283,9 @@ void attend_packed_bf16(Rows& rows, const uint32_t* query_pairs, const Chunk<c10
     }
   }
 }
-// Decode over a bf16 pool on a CPU with AVX512_BF16: attend_direct with vdpbf16ps for both
-// products (q.k over pairs of dims, p.v over pairs of keys).
+// Short rows (decode, short tiles) over a bf16 pool on a CPU with AVX512_BF16 where head_dim
+// is not a multiple of 32 (attend_decode_segment takes the others): attend_direct with
+// vdpbf16ps for both products (q.k over pairs of dims, p.v over pairs of keys).
 void attend_direct_bf16(Rows& rows, const uint32_t* query_pairs,
                         const Chunk<c10::BFloat16>& chunk, int64_t context_len, int64_t window,
                         float scale) {
@@ -356,7 +358,6 @@ void attend_direct_bf16(Rows& rows, const uint32_t* query_pairs,
 //   3. P x V, V rows of two keys paired with two unpacks for vdpbf16ps, every row's
 //      accumulators for 32 dims in registers across the segment.
 // The accumulators hold dims in decode_slot order; attend_item puts them back.
-constexpr int64_t kSegmentKeys = 256;
 
 template <int R>
 void attend_decode_segment(Rows& rows, const uint32_t* query_pairs,
@@ -367,7 +368,7 @@ void attend_decode_segment(Rows& rows, const uint32_t* query_pairs,
   alignas(64) uint32_t probability_pairs[R][kSegmentKeys / 2];
   vfloat best[R];
   for (int r = 0; r < R; ++r) best[r] = splat(kMasked);
-  int64_t seen_last = -1, seen_first = INT64_MAX;  // keys every row sees: [seen_first', last]
+  int64_t seen_last = -1, seen_first = 0;  // keys every row sees: [seen_first, seen_last]
   for (int r = 0; r < R; ++r) {
     const int64_t position = rows.position[r];
     seen_last = r == 0 ? std::min(position, context_len - 1)
@@ -522,7 +523,8 @@ inline int64_t decode_slot(int64_t d) {
 
 // Keys [from, to) of KV head `kv_head`, read through `block_table`, into `rows`: chunks of
 // kLanes keys, the next one prefetched (it usually sits in another block, somewhere else in the
-// pool, so decode is not a chain of cache misses). Keys at or past `context_len` are unseen.
+// pool, so decode is not a chain of cache misses); decode rows in the decode layout take them
+// a segment of kSegmentKeys at a time. Keys at or past `context_len` are unseen.
 template <typename scalar_t, bool dot_bf16>
 void attend_keys(const Geometry& g, Rows& rows, const uint32_t* query_pairs,
                  const scalar_t* key_cache, const scalar_t* value_cache,

@@ -82,18 +82,22 @@ def test_matrix_path_runs_long_prefills_over_many_key_tiles(bf16_path: str) -> N
         torch.testing.assert_close(output, expected, atol=1.6e-2, rtol=1.6e-2)
 
 
-def test_kernel_reads_nothing_outside_the_tables_blocks() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernel_reads_nothing_outside_the_tables_blocks(dtype: torch.dtype, bf16_path: str) -> None:
+    # A decode (bf16: the segmented decode loop) and a prompt chunk (bf16 with matrix units:
+    # packed into a 256-key tile, whose keys past the context must come from nowhere).
     case = Case([(1, 40), (12, 30)], num_blocks=16)
     generator = torch.Generator().manual_seed(1)
     shape = (case.num_blocks, case.block_size, case.kv_heads, case.head_dim)
-    key_cache = torch.randn(shape, generator=generator)
-    value_cache = torch.randn(shape, generator=generator)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
     tables = torch.tensor([[3, 5, 7], [9, 11, 11]])  # the second row is padded with its own
     starts = torch.tensor([0, 1, 13], dtype=torch.int32)
     contexts = torch.tensor([40, 30], dtype=torch.int32)
-    query = torch.randn(13, case.heads, case.head_dim, generator=generator)
+    query = torch.randn(13, case.heads, case.head_dim, generator=generator).to(dtype)
     expected = torch.empty_like(query)
-    arguments = (tables.int(), starts, contexts, case.head_dim**-0.5, 0)
+    prompts = torch.tensor([0, 1], dtype=torch.int32)
+    arguments = (tables.int(), starts, contexts, case.head_dim**-0.5, 0, None, prompts)
     paged_attention(expected, query, key_cache, value_cache, *arguments)
     # Poison every block no table names, and the unused tail of the last block of each row.
     poisoned = torch.ones(case.num_blocks, dtype=torch.bool)

@@ -40,6 +40,10 @@ def test_ties_pick_the_first_index_across_lanes_and_vectors() -> None:
     logits[2] = 1.0  # everything equal
     best, _ = torch.ops.prefixgate.argmax_finite(logits)
     assert best.tolist() == [5, 9, 0]
+    tail = torch.zeros(2, 17)
+    tail[0, [5, 16]] = 2.0  # a vector's lane against the tail after it
+    tail[1, 16] = 2.0
+    assert torch.ops.prefixgate.argmax_finite(tail)[0].tolist() == [5, 16]
 
 
 @pytest.mark.parametrize("bad", [NAN, INF, -INF], ids=["nan", "inf", "-inf"])
@@ -90,3 +94,17 @@ def test_sampler_argmaxes_after_logit_bias() -> None:
     biased = SamplingParams(max_tokens=1, temperature=0.0, logit_bias=((42, 5.0),))
     plain = SamplingParams(max_tokens=1, temperature=0.0)
     assert sample(logits, [plain, biased], [None, None]) == [0, 42]
+
+
+def test_sampler_argmaxes_after_a_grammar_masks_tokens_and_after_penalties() -> None:
+    logits = torch.arange(300, dtype=torch.float32).repeat(2, 1)  # 299 is the best
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+
+    def constrain(rows: torch.Tensor) -> None:
+        rows[0, 250:] = float("-inf")  # row 0 may only take tokens below 250
+
+    assert sample(logits.clone(), [greedy] * 2, [None] * 2, constrain=constrain) == [249, 299]
+    penalized = SamplingParams(max_tokens=1, temperature=0.0, frequency_penalty=2.0)
+    counts = torch.zeros(300)
+    counts[299] = counts[298] = 2  # generated twice before: 4 less each
+    assert sample(logits.clone(), [penalized, greedy], [None] * 2, [counts, None]) == [297, 299]
