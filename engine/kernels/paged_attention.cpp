@@ -15,7 +15,8 @@
 // another block. Decode rows take dot products straight from the cache and sum 16 keys at once
 // with a shuffle tree; prefill tiles first convert the chunk into a small tile on the stack
 // (K transposed), which their many rows then share. Math is fp32 with an online softmax; the
-// pool may hold fp32 or bf16, and bf16 on a CPU with AVX512_BF16 multiplies with vdpbf16ps.
+// pool may hold fp32 or bf16, and bf16 on a CPU with AVX512_BF16 multiplies with vdpbf16ps
+// (its decode rows update their softmax once per 256 keys: attend_decode_segment).
 //
 // Sequences with 16 or more query tokens over a bf16 pool go to paged_attention_matrix.cpp
 // instead, where the CPU has oneDNN's bf16 matrix micro-kernels (AMX): there a 1,536-token
@@ -354,11 +355,10 @@ void attend_direct_bf16(Rows& rows, const uint32_t* query_pairs,
 //      (transpose_sum's tree, one level per pair of keys), masked where a row cannot see a key.
 //   2. One online-softmax update per row for the whole segment: one max, one sum and one
 //      rescale of the accumulators, where updating every 16 keys made each chunk wait on the
-//      last (10-20% slower, measured).
+//      last (the whole decode attention 6-18% slower, measured).
 //   3. P x V, V rows of two keys paired with two unpacks for vdpbf16ps, every row's
 //      accumulators for 32 dims in registers across the segment.
 // The accumulators hold dims in decode_slot order; attend_item puts them back.
-
 template <int R>
 void attend_decode_segment(Rows& rows, const uint32_t* query_pairs,
                            const Chunk<c10::BFloat16>* chunks, int64_t count,
@@ -403,6 +403,7 @@ void attend_decode_segment(Rows& rows, const uint32_t* query_pairs,
           }
         }
       }
+      // Key j completes the tree's nodes whose span ends at j.
       for (int r = 0; r < R; ++r) {
         vfloat node = dots[r];
         int level = 0;
@@ -485,6 +486,7 @@ void attend_decode_segment(Rows& rows, const uint32_t* query_pairs,
   }
 }
 
+// attend_decode_segment for `rows.count` (1 to kPackRows - 1) rows.
 void attend_decode_segment_rows(Rows& rows, const uint32_t* query_pairs,
                                 const Chunk<c10::BFloat16>* chunks, int64_t count,
                                 int64_t available, int64_t context_len, int64_t window,
