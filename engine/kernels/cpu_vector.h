@@ -132,8 +132,8 @@ inline void store(c10::BFloat16* target, vfloat value) {
 }
 
 // The value as the dtype would hold it: bf16 rounds (to nearest even), fp32 stays. With
-// AVX512_BF16 in registers (convert, widen, shift); through memory it cost a fifth of rotary_
-// and of the gated projection's SiLU.
+// AVX512_BF16 in registers (convert, widen, shift): through memory, rotary_ over 1,536 rows
+// took 0.200 ms instead of 0.154.
 inline vfloat round_to(vfloat value, float*) { return value; }
 inline vfloat round_to(vfloat value, c10::BFloat16*) {
 #if defined(__AVX512BF16__)

@@ -143,9 +143,10 @@ CASES = {
         shared_blocks=9,
         num_blocks=64,
     ),
-    # Short extends (6 rows of 3 tokens) and a decode under a window wider than a 256-key
-    # decode segment, which then starts and ends mid-chunk; and heads of 256 dims.
-    "window-across-decode-segments": Case([(3, 300), (1, 600)], window=280, num_blocks=64),
+    # A short extend (2 tokens: 6 rows, the decode loop's rows at two positions) and a decode
+    # under a window wider than a 256-key decode segment, which then starts and ends mid-chunk;
+    # and heads of 256 dims.
+    "window-across-decode-segments": Case([(2, 300), (1, 600)], window=275, num_blocks=64),
     "head-dim-256": Case([(1, 300), (2, 40)], heads=2, kv_heads=1, head_dim=256, num_blocks=32),
     # A sliding window makes each member see its own range: no sharing, same answers.
     "decode-sharing-a-prefix-with-a-window": Case(
