@@ -139,6 +139,17 @@ struct Chunk {
   int64_t start, count;
 };
 
+// Every cache line of a chunk's K and V rows (`row_bytes` each), into the cache ahead of use.
+template <typename scalar_t>
+void prefetch(const Chunk<scalar_t>& chunk, int64_t row_bytes) {
+  for (int64_t j = 0; j < chunk.count; ++j) {
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(chunk.key[j]) + byte);
+      __builtin_prefetch(reinterpret_cast<const char*>(chunk.value[j]) + byte);
+    }
+  }
+}
+
 // Decode and short tiles: dot products straight from the cache, each K and V row loaded once
 // for all rows of the item (the query heads of one KV head).
 template <typename scalar_t>
@@ -379,15 +390,7 @@ void attend_decode_segment(Rows& rows, const uint32_t* query_pairs,
   const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t c = 0; c < count; ++c) {
     const Chunk<c10::BFloat16>& chunk = chunks[c];
-    if (c + 1 < available) {  // the next chunk usually sits in another block
-      const Chunk<c10::BFloat16>& ahead = chunks[c + 1];
-      for (int64_t j = 0; j < ahead.count; ++j) {
-        for (int64_t byte = 0; byte < dim * 2; byte += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(ahead.key[j]) + byte);
-          __builtin_prefetch(reinterpret_cast<const char*>(ahead.value[j]) + byte);
-        }
-      }
-    }
+    if (c + 1 < available) prefetch(chunks[c + 1], dim * 2);  // usually in another block
     vfloat pending[4][R], node_scores[R];
 #pragma GCC unroll 16
     for (int j = 0; j < kLanes; ++j) {
@@ -552,14 +555,6 @@ void attend_keys(const Geometry& g, Rows& rows, const uint32_t* query_pairs,
     }
   };
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(scalar_t));
-  const auto prefetch = [&](const Chunk<scalar_t>& chunk) {
-    for (int64_t j = 0; j < chunk.count; ++j) {
-      for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(chunk.key[j]) + byte);
-        __builtin_prefetch(reinterpret_cast<const char*>(chunk.value[j]) + byte);
-      }
-    }
-  };
   if constexpr (dot_bf16) {
     if (decode_layout) {  // segments of keys, each chunk located once
       constexpr int64_t kSegmentChunks = kSegmentKeys / kLanes;
@@ -567,7 +562,7 @@ void attend_keys(const Geometry& g, Rows& rows, const uint32_t* query_pairs,
       for (int64_t start = from; start < to; start += kSegmentKeys) {
         const int64_t count = std::min(kSegmentChunks, (to - start + kLanes - 1) / kLanes);
         for (int64_t c = 0; c < count; ++c) locate(segment[c], start + c * kLanes);
-        if (start == from) prefetch(segment[0]);
+        if (start == from) prefetch(segment[0], row_bytes);
         const bool more = start + kSegmentKeys < to;
         if (more) locate(segment[count], start + kSegmentKeys);
         attend_decode_segment_rows(rows, query_pairs, segment, count, count + (more ? 1 : 0),
@@ -579,13 +574,13 @@ void attend_keys(const Geometry& g, Rows& rows, const uint32_t* query_pairs,
   Chunk<scalar_t> chunk, ahead;
   for (int64_t start = from; start < to && start < from + kAhead * kLanes; start += kLanes) {
     locate(ahead, start);
-    prefetch(ahead);
+    prefetch(ahead, row_bytes);
   }
   for (int64_t start = from; start < to; start += kLanes) {
     locate(chunk, start);
     if (start + kAhead * kLanes < to) {
       locate(ahead, start + kAhead * kLanes);
-      prefetch(ahead);
+      prefetch(ahead, row_bytes);
     }
     if constexpr (dot_bf16) {
       if (packed) {
