@@ -125,21 +125,20 @@ class MatrixLinear(torch.nn.Module):
             self.bias_fp32 = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        rows = inputs.reshape(-1, self.in_features).contiguous()
-        output: torch.Tensor = torch.ops.prefixgate.matrix_linear(
-            rows, self.packed, self.bias_fp32, self.out_features, self.fp32_out
-        )
-        return output.reshape(*inputs.shape[:-1], self.out_features)
+        return self._product(inputs, self.fp32_out, gated=False)
 
     def gated_silu(self, inputs: torch.Tensor) -> torch.Tensor:
         """For a fused gate-and-up projection ([gate; up] outputs, halves a multiple of 64
         wide): `gated_silu(self(inputs))` in one pass, the same bits, without writing the
         product out and reading it back."""
+        return self._product(inputs, fp32_out=False, gated=True)
+
+    def _product(self, inputs: torch.Tensor, fp32_out: bool, gated: bool) -> torch.Tensor:
         rows = inputs.reshape(-1, self.in_features).contiguous()
         output: torch.Tensor = torch.ops.prefixgate.matrix_linear(
-            rows, self.packed, self.bias_fp32, self.out_features, False, True
+            rows, self.packed, self.bias_fp32, self.out_features, fp32_out, gated
         )
-        return output.reshape(*inputs.shape[:-1], self.out_features // 2)
+        return output.reshape(*inputs.shape[:-1], output.shape[-1])
 
 
 def matrix_linear(linear: torch.nn.Linear, fp32_out: bool = False) -> MatrixLinear | None:
