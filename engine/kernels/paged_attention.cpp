@@ -447,7 +447,7 @@ void attend_decode_segment(Rows& rows, const uint32_t* query_pairs,
     const float shift = new_max * kLog2e;
     vfloat total = splat(0.0f);
     for (int64_t c = 0; c < count; ++c) {
-      const vfloat p = vexp2_scaled(load(scores[r] + c * kLanes) * kLog2e - shift);
+      const vfloat p = vexp2_softmax(load(scores[r] + c * kLanes) * kLog2e - shift);
       total += p;
       store_bf16(reinterpret_cast<uint16_t*>(probability_pairs[r] + c * kLanes / 2), p);
     }

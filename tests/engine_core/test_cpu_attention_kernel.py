@@ -274,6 +274,28 @@ def test_a_prompt_chunk_rounds_as_in_one_prefill_at_any_length() -> None:
     assert not torch.equal(attend_last(6, False), whole[-6:])
 
 
+def test_a_prefill_rounds_the_same_whatever_the_thread_count() -> None:
+    # The matrix path gives its work items fewer rows where the batch would leave threads idle
+    # (a short prompt on many threads): every row still gets the same bits, as the items'
+    # products and softmax treat each row alone.
+    if not MATRIX_UNITS:
+        pytest.skip("this CPU has no bf16 matrix micro-kernels")
+    inputs = make_inputs(Case([(100, 100), (40, 300)], heads=9, kv_heads=3, head_dim=64),
+                         torch.bfloat16)  # fmt: skip
+    threads = torch.get_num_threads()
+    outputs = []
+    try:
+        for count in (1, 16):  # one thread: items of 64 tokens; 16 threads: of 16
+            torch.set_num_threads(count)
+            output = torch.empty(inputs.query.shape, dtype=torch.bfloat16)
+            paged_attention(output, inputs.query, inputs.key_cache, inputs.value_cache,
+                            inputs.tables, inputs.starts, inputs.contexts, 0.125, 0)  # fmt: skip
+            outputs.append(output)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outputs[0], outputs[1])
+
+
 def test_share_groups_must_be_one_int32_per_sequence() -> None:
     inputs = make_inputs(CASES["decode-pair-sharing-a-prefix"], torch.float32)
     with pytest.raises(RuntimeError, match="one contiguous int32 per sequence"):
