@@ -149,6 +149,18 @@ inline void store_bf16(uint16_t* target, vfloat value) {
 #endif
 }
 
+// Two vectors -> 32 bf16 side by side: with AVX512_BF16 one `vcvtne2ps2bf16` (the same bits as
+// two store_bf16), half the conversions and stores.
+inline void store_bf16_pair(uint16_t* target, vfloat low, vfloat high) {
+#if defined(__AVX512BF16__)
+  const __m512bh narrow = _mm512_cvtne2ps_pbh((__m512)high, (__m512)low);
+  std::memcpy(target, &narrow, sizeof(narrow));
+#else
+  store_bf16(target, low);
+  store_bf16(target + kLanes, high);
+#endif
+}
+
 inline void store(c10::BFloat16* target, vfloat value) {
   store_bf16(reinterpret_cast<uint16_t*>(target), value);
 }

@@ -267,10 +267,12 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, int64_t 
   s.max[r] = new_max;
   vfloat total = splat(0.0f);
   const float shift = new_max * kLog2e;  // exp(x - max) as 2^(x log2 e - max log2 e), one FMA
-  for (int64_t c = 0; c < keys / kLanes; ++c) {
-    const vfloat p = vexp2_softmax(chunks[c] * kLog2e - shift);  // masked keys: exactly 0
-    total += p;
-    store_bf16(probabilities + c * kLanes, p);
+  for (int64_t c = 0; c < keys / kLanes; c += 2) {  // keys: a multiple of kKeyStep
+    const vfloat low = vexp2_softmax(chunks[c] * kLog2e - shift);  // masked keys: exactly 0
+    const vfloat high = vexp2_softmax(chunks[c + 1] * kLog2e - shift);
+    total += low;
+    total += high;
+    store_bf16_pair(probabilities + c * kLanes, low, high);
   }
   s.sum[r] = s.sum[r] * correction + lanes_sum(total);
   if (correction != 1.0f) {
