@@ -32,13 +32,13 @@ loaded for the whole run: memory for each one's model and KV pool at once. The r
 written at the end; a run killed midway leaves nothing, as every metric needs every phase.
 
 Metrics per engine: cold and warm TTFT (medians), single-stream decode tok/s (tokens after the
-first over the time after it, median of the warm requests), 16-at-once (prompt + output
-tokens) / wall time (median of the samples), aggregate decode tok/s at 1/4/16 streams (tokens
-that arrive after every stream's first token, over that window: the rate when all streams
-decode; median of the samples), and agreement: the fraction of requests whose greedy output
-equals PrefixGate's engine's. Targets, as PrefixGate / vLLM (prefix caching on) ratios: cold and
-warm TTFT <= 1.0, single-stream decode and 16-at-once throughput >= 1.0; and PrefixGate's decode
-at 16 streams >= 8x one stream.
+first over the time after it, median of the warm requests), 16-at-once (prompt + output tokens)
+/ wall time (median of the samples), aggregate decode tok/s at 1/4/16 streams (tokens that
+arrive after every stream's first token and until the first stream's last, over that window: the
+rate while all streams decode; median of the samples), and agreement: the fraction of requests
+whose greedy output equals PrefixGate's engine's. Targets, as PrefixGate / vLLM (prefix caching
+on) ratios: cold and warm TTFT <= 1.0, single-stream decode and 16-at-once throughput >= 1.0;
+and PrefixGate's decode at 16 streams >= 8x one stream.
 
 `--dtype auto` lets each engine choose (PrefixGate: its `dtype` setting's rule, bf16 where the
 CPU computes bf16 natively; transformers: the checkpoint's dtype; vLLM: its own rule, bf16 on
@@ -148,14 +148,16 @@ def decode_rate(trace: Trace) -> float:
 
 
 def aggregate_decode(traces: list[Trace]) -> float | None:
-    """Tokens that arrive after every stream has its first one, over that window."""
-    start, end = max(t.times[0] for t in traces), max(t.times[-1] for t in traces)
+    """The rate while every stream decodes: tokens that arrive after every stream has its first
+    one and until the first stream has its last, over that window. (A stream whose prompt was
+    prefilled a step earlier finishes earlier: the steps after that run fewer streams.)"""
+    start, end = max(t.times[0] for t in traces), min(t.times[-1] for t in traces)
     if end <= start:
         return None
     tokens = 0.0
     for trace in traces:  # over HTTP a text chunk may carry several tokens: weigh chunks
         weight = (trace.completion_tokens - 1) / max(1, len(trace.times) - 1)
-        tokens += weight * sum(1 for moment in trace.times[1:] if moment > start)
+        tokens += weight * sum(1 for moment in trace.times[1:] if start < moment <= end)
     return tokens / (end - start)
 
 

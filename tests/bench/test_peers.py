@@ -31,6 +31,15 @@ def test_aggregate_decode_counts_only_tokens_after_every_stream_has_its_first() 
     assert decode_rate(early) == pytest.approx(1.0)
 
 
+def test_aggregate_decode_ends_when_the_first_stream_ends() -> None:
+    # Prefilled a step apart: the early stream ends at t=4, so only (3, 4] has both decoding:
+    # 1 + 1 tokens in 1 second (the late stream's last two steps decode it alone).
+    early = Trace(times=[1.0, 2.0, 3.0, 4.0], completion_tokens=4)
+    late = Trace(times=[3.0, 4.0, 5.0, 6.0], completion_tokens=4)
+    assert aggregate_decode([early, late]) == pytest.approx(2.0)
+    assert aggregate_decode([Trace(times=[1.0, 2.0], completion_tokens=2), late]) is None
+
+
 def test_aggregate_decode_weighs_text_chunks_that_carry_several_tokens() -> None:
     # Over HTTP: 5 tokens in 3 chunks, so each chunk after the first stands for 2 tokens.
     chunked = Trace(times=[0.0, 1.0, 2.0], completion_tokens=5, token_ids=None)
