@@ -33,8 +33,8 @@ written at the end; a run killed midway leaves nothing, as every metric needs ev
 
 Metrics per engine: cold and warm TTFT (medians), single-stream decode tok/s (tokens after the
 first over the time after it, median of the warm requests), 16-at-once (prompt + output tokens)
-/ wall time (median of the samples), aggregate decode tok/s at 1/4/16 streams (tokens that
-arrive after every stream's first token and until the first stream's last, over that window: the
+/ wall time (median of the samples), aggregate decode tok/s at 1/4/16 streams (from
+every stream's first token to the first stream's last, the sum of the streams' own rates: the
 rate while all streams decode; median of the samples), and agreement: the fraction of requests
 whose greedy output equals PrefixGate's engine's. Targets, as PrefixGate / vLLM (prefix caching
 on) ratios: cold and warm TTFT <= 1.0, single-stream decode and 16-at-once throughput >= 1.0;
@@ -148,17 +148,22 @@ def decode_rate(trace: Trace) -> float:
 
 
 def aggregate_decode(traces: list[Trace]) -> float | None:
-    """The rate while every stream decodes: tokens that arrive after every stream has its first
-    one and until the first stream has its last, over that window. (A stream whose prompt was
-    prefilled a step earlier finishes earlier: the steps after that run fewer streams.)"""
+    """The rate while every stream decodes: over the window from the moment every stream has
+    its first token to the moment the first stream has its last (a stream whose prompt was
+    prefilled a step earlier finishes earlier, and the steps after that run fewer streams), the
+    sum of each stream's own rate, tokens between its first and last arrival in the window
+    over the time between them. Each stream is timed by its own arrivals because the tokens of
+    one step reach the streams one after another: a window's edge falls inside a step."""
     start, end = max(t.times[0] for t in traces), min(t.times[-1] for t in traces)
-    if end <= start:
-        return None
-    tokens = 0.0
-    for trace in traces:  # over HTTP a text chunk may carry several tokens: weigh chunks
+    total = 0.0
+    for trace in traces:
+        inside = [moment for moment in trace.times if start <= moment <= end]
+        if len(inside) < 2 or inside[-1] <= inside[0]:
+            return None  # the window holds no step of this stream's decode
+        # Over HTTP a text chunk may carry several tokens: weigh chunks.
         weight = (trace.completion_tokens - 1) / max(1, len(trace.times) - 1)
-        tokens += weight * sum(1 for moment in trace.times[1:] if start < moment <= end)
-    return tokens / (end - start)
+        total += weight * (len(inside) - 1) / (inside[-1] - inside[0])
+    return total
 
 
 def agreement(run: EngineRun, reference: EngineRun, tokenizer: Any) -> float:

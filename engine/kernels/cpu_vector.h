@@ -107,12 +107,14 @@ inline vfloat vexp2_scaled(vfloat y) {
 
 // 2^y for y <= 0, for a softmax's probabilities: they are rounded to bf16 (relative steps of
 // 2^-8) and summed in fp32, so a relative error of 3e-6 is plenty. With AVX-512 (DQ),
-// f = y - floor(y) in [0, 1) comes exactly from one `vreduceps` (0 for -inf), 2^f from a
-// degree-4 fit with 2^0 exactly 1, and `vscalefps` multiplies by 2^floor(y) itself (exactly 0
-// for y below -150 or -inf): 6 operations against vexp2_scaled's 9, no clamp. SiLU keeps
-// vexp2_scaled: there bf16 results equal torch's bit for bit, which a cheaper exp loses (a
-// degree-5 variant of this one gave other bits for 24 of 2.4 million SiLU values). Elsewhere
-// vexp2_scaled.
+// f = y - floor(y) comes from one `vreduceps` (for y in (-0.5, 0) rounded, at most 2^-25 off,
+// and to 1 above -2^-25, where the polynomial's 2 - 6e-6 is as close; 0 for -inf), 2^f from a
+// degree-4 fit whose value at 0 is exactly 1, and `vscalefps` multiplies by 2^floor(y) itself
+// (exactly 0 for y below -150 or -inf): 6 instructions where vexp2_scaled takes 9 (a clamp, a
+// rounding and a subtraction instead of one `vreduceps`, one more polynomial term). A NaN
+// stays NaN (vexp2_scaled's clamp turned it into 0). SiLU keeps vexp2_scaled: there bf16
+// results equal torch's bit for bit, which a cheaper exp loses (a degree-5 variant of this one
+// gave other bits for 24 of 2.4 million SiLU values). Elsewhere vexp2_scaled.
 inline vfloat vexp2_softmax(vfloat y) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
   const vfloat f = (vfloat)_mm512_reduce_ps((__m512)y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);

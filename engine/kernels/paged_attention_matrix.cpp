@@ -267,6 +267,7 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, int64_t 
   s.max[r] = new_max;
   vfloat total = splat(0.0f);
   const float shift = new_max * kLog2e;  // exp(x - max) as 2^(x log2 e - max log2 e), one FMA
+  static_assert(kKeyStep % (2 * kLanes) == 0, "keys come in pairs of vectors");
   for (int64_t c = 0; c < keys / kLanes; c += 2) {  // keys: a multiple of kKeyStep
     const vfloat low = vexp2_softmax(chunks[c] * kLog2e - shift);  // masked keys: exactly 0
     const vfloat high = vexp2_softmax(chunks[c + 1] * kLog2e - shift);
@@ -408,7 +409,7 @@ void attend_matrix(const Geometry& g, const std::vector<SequenceSpan>& sequences
   });
 
   // Phase 2: items of up to kRowTarget rows, dealt so that the threads finish together. Where
-  // the batch has too few rows for two items per thread, items of fewer rows (down to a
+  // the batch has too few rows for two items per thread, items of fewer rows (down to about a
   // quarter), so that a short prompt still spreads over the threads.
   int64_t tokens_per_item = std::max<int64_t>(1, kRowTarget / g.group);
   const auto item_count = [&](int64_t tokens) {

@@ -32,10 +32,12 @@ def test_aggregate_decode_counts_only_tokens_after_every_stream_has_its_first() 
 
 
 def test_aggregate_decode_ends_when_the_first_stream_ends() -> None:
-    # Prefilled a step apart: the early stream ends at t=4, so only (3, 4] has both decoding:
-    # 1 + 1 tokens in 1 second (the late stream's last two steps decode it alone).
-    early = Trace(times=[1.0, 2.0, 3.0, 4.0], completion_tokens=4)
-    late = Trace(times=[3.0, 4.0, 5.0, 6.0], completion_tokens=4)
+    # Prefilled two steps apart: the early stream ends at t=6, so only [3, 6] has both
+    # decoding, one token a second each. The late stream's tokens reach it a millisecond after
+    # the early one's (one step's tokens arrive one stream after another): each stream is
+    # timed by its own arrivals, so the step that ends the window counts whole for both.
+    early = Trace(times=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], completion_tokens=6)
+    late = Trace(times=[3.001, 4.001, 5.001, 6.001, 7.001, 8.001], completion_tokens=6)
     assert aggregate_decode([early, late]) == pytest.approx(2.0)
     assert aggregate_decode([Trace(times=[1.0, 2.0], completion_tokens=2), late]) is None
 
