@@ -45,7 +45,7 @@ namespace {
 constexpr int64_t kKeyTile = kMatrixKeyTile;
 // Query rows (tokens x group) per work item, at most: each of an item's products then spans
 // more rows for the same key tile. Against 96, side by side, 192 took a 1,536-token prefill's
-// attention 3% less time and four 512-token extends over 1,536 keys 5% less; 288 no better.
+// attention 3% less time and four 512-token extends over 1,536 keys 6% less; 288 no better.
 constexpr int64_t kRowTarget = 192;
 // A tile's products and softmax stop at a multiple of this: 8 widths a tile, so few shapes of
 // micro-kernel (torch compiles one per shape and thread and keeps it).
