@@ -142,9 +142,13 @@ def build_workload(args: argparse.Namespace, model_dir: Path, tokenizer: Any) ->
 # -- metrics ---------------------------------------------------------------------------------
 
 
-def decode_rate(trace: Trace) -> float:
-    """Tokens after the first over the time after the first."""
-    return (trace.completion_tokens - 1) / (trace.times[-1] - trace.times[0])
+def decode_rate(trace: Trace, moments: list[float] | None = None) -> float:
+    """Tokens after the first over the time after the first: of the whole trace, or between
+    the first and last of `moments`, some of its arrival times (over HTTP a text chunk may
+    carry several tokens, so each arrival stands for the trace's tokens per chunk)."""
+    moments = trace.times if moments is None else moments
+    per_arrival = (trace.completion_tokens - 1) / max(1, len(trace.times) - 1)
+    return per_arrival * (len(moments) - 1) / (moments[-1] - moments[0])
 
 
 def aggregate_decode(traces: list[Trace]) -> float | None:
@@ -160,9 +164,7 @@ def aggregate_decode(traces: list[Trace]) -> float | None:
         inside = [moment for moment in trace.times if start <= moment <= end]
         if len(inside) < 2 or inside[-1] <= inside[0]:
             return None  # the window holds no step of this stream's decode
-        # Over HTTP a text chunk may carry several tokens: weigh chunks.
-        weight = (trace.completion_tokens - 1) / max(1, len(trace.times) - 1)
-        total += weight * (len(inside) - 1) / (inside[-1] - inside[0])
+        total += decode_rate(trace, inside)
     return total
 
 
