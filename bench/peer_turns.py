@@ -1,7 +1,8 @@
 """How `bench.peers` gives its engines turns: all start, then each phase runs on every engine
 in turn, the order rotated by one engine per phase, with the CPUs left to go idle between two
 turns. A peer that fails drops out (reported by name); the reference engine's failure ends the
-bench; every engine started is closed at the end. See bench/peers.py for why."""
+bench; every engine started is closed at the end. A caller's `before_phase` runs before each
+phase's turns (bench.peers probes the machine's speed there). See bench/peers.py for why."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from functools import partial
 import httpx
 from tqdm import tqdm
 
-from bench.peer_runners import EngineRun, Runner, Workload
+from bench.peer_runners import EngineRun, Phase, Runner, Workload
 
 # How a peer fails: its process exits, its server answers with an error, its stream breaks.
 PEER_ERRORS = (subprocess.CalledProcessError, OSError, ValueError, RuntimeError, httpx.HTTPError)
@@ -55,7 +56,10 @@ def cpu_times() -> tuple[int, int]:
 
 
 def interleave(
-    workload: Workload, reference: Runner, peers: Sequence[Runner]
+    workload: Workload,
+    reference: Runner,
+    peers: Sequence[Runner],
+    before_phase: Callable[[Phase], None] = lambda phase: None,
 ) -> tuple[list[EngineRun], dict[str, str]]:
     """Start every engine, then run each phase on each in turn; the reference's run first.
     A peer that fails is closed and reported by name; the reference's failure is raised.
@@ -83,6 +87,7 @@ def interleave(
         busy_after = {runner.name: 0.0 for runner in running}
         unsettled = {runner.name: 0 for runner in running}
         for index, phase in enumerate(tqdm(workload.phases, desc="phases", file=sys.stderr)):
+            before_phase(phase)  # on idle CPUs: after the start's settle or the last turn's
             turn = index % len(running)
             for runner in running[turn:] + running[:turn]:
                 attempt(runner, f"run {phase.name}", partial(runner.run, phase))

@@ -31,6 +31,12 @@ Each engine's notes say how long the machine stayed busy after its phases
 loaded for the whole run: memory for each one's model and KV pool at once. The result is
 written at the end; a run killed midway leaves nothing, as every metric needs every phase.
 
+Before each phase the bench times a fixed matrix product and a 512 MB copy
+(bench/machine_speed.py, a quarter of a second) and reports their range over the run
+(`machine_speed`, and the table's last line): a run whose matrix product swung from 2.6 to
+1.3 TFLOP/s was taken on a machine that changed speed under it, and its ratios are only as
+good as their paired ranges.
+
 Metrics per engine: cold and warm TTFT (medians), single-stream decode tok/s (tokens after the
 first over the time after it, median of the warm requests), 16-at-once (prompt + output tokens)
 / wall time (median of the samples), aggregate decode tok/s at 1/4/16 streams (from
@@ -70,6 +76,7 @@ import torch
 from transformers import AutoTokenizer
 
 from bench.common import emit, fp32_kv_bytes_per_token, machine, plot_bars
+from bench.machine_speed import Prober, Speed, summary
 from bench.peer_runners import (
     GIB,
     ApiRunner,
@@ -84,7 +91,7 @@ from bench.peer_runners import (
 )
 from bench.peer_turns import interleave
 from engine.model_loader import embedded_model_dir
-from engine.precision import cpu_flags
+from engine.precision import cpu_flags, resolve_dtype
 
 SEED = 0
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -326,11 +333,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         peers.append(TransformersRunner(workload, args.dtype))
     if "vllm" in engines and args.vllm_python:
         peers += [VllmRunner(workload, args.dtype, args.vllm_python, on) for on in (False, True)]
-    runs, failed = interleave(workload, reference, peers)
+    prober, speeds = Prober(resolve_dtype(args.dtype)), dict[str, Speed]()
+
+    def probe(phase: Phase) -> None:
+        speeds[phase.name] = prober.probe()
+
+    runs, failed = interleave(workload, reference, peers, before_phase=probe)
     results = {run.name: measure(run, workload, runs[0], tokenizer) for run in runs}
-    result = report(args, workload, results, failed)
+    result = report(args, workload, results, failed, prober, speeds)
     emit(result, args.json, args.out)
-    print_table(results, result["targets"])
+    print_table(results, result["targets"], result["machine_speed"])
     if args.plot:
         title = f"{args.concurrency} requests at once: prompt + output tokens"
         rates = [engine.at_once_tok_s for engine in results.values()]
@@ -343,8 +355,11 @@ def report(
     workload: Workload,
     results: dict[str, EngineResult],
     failed: dict[str, str],
+    prober: Prober,
+    speeds: dict[str, Speed],
 ) -> dict[str, Any]:
-    """The JSON object: settings, machine, each engine's metrics, the targets so far."""
+    """The JSON object: settings, machine and its speed before each phase, each engine's
+    metrics, the targets so far."""
     settings = ("prefix_tokens", "unique_tokens", "output_tokens", "concurrency", "samples")
     return {
         "benchmark": "peers",
@@ -357,14 +372,22 @@ def report(
             "kv_cache_gib": workload.kv_cache_gib,
         },
         "machine": machine_info(),
+        "machine_speed": {
+            "matmul": prober.describe(),
+            **summary(list(speeds.values())),
+            "before_phase": {name: asdict(speed) for name, speed in speeds.items()},
+        },
         "engines": {name: asdict(engine) for name, engine in results.items()},
         "failed": failed,
         "targets": targets(results, args.concurrency),
     }
 
 
-def print_table(results: dict[str, EngineResult], report: dict[str, Any]) -> None:
-    """The metrics on stderr, one column per engine, then the targets."""
+def print_table(
+    results: dict[str, EngineResult], report: dict[str, Any], speed: dict[str, Any]
+) -> None:
+    """The metrics on stderr, one column per engine, then the targets and the machine's speed
+    over the run."""
     engines = list(results.values())
     rows = [
         ("dtype", [e.dtype for e in engines]),
@@ -391,6 +414,12 @@ def print_table(results: dict[str, EngineResult], report: dict[str, Any]) -> Non
                 ratio += f" (paired samples {paired[0]:.2f}-{paired[1]:.2f})"
             verdict = "met" if check["met"] else "NOT met"
             lines.append(f"{engine} {target}: {ratio}, target {check['target']}: {verdict}")
+    low, middle, high = speed["matmul_tflops"]
+    slow, usual, fast = speed["copy_gb_s"]
+    lines.append(
+        f"machine before each phase: {speed['matmul']} matmul {low}-{high} TFLOP/s "
+        f"(median {middle}), memory copy {slow}-{fast} GB/s (median {usual})"
+    )
     print("\n".join(lines), file=sys.stderr)
 
 

@@ -70,6 +70,14 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
     assert engines["prefixgate_api"]["warm_cached_tokens"] == (32, 32)
     checks = result["targets"]["prefixgate_api"]
     assert set(checks) == {"decode_2_vs_1_stream"}  # no vLLM: only the scaling target
+    # The machine was probed before every phase, in the engines' dtype.
+    speed = result["machine_speed"]
+    phases = ["warmup", "cold-0", "prime", "warm-0", "streams-2-0"]
+    assert list(speed["before_phase"]) == phases
+    assert speed["matmul"] == "1536x576x3072 float32"
+    for rate in ("matmul_tflops", "copy_gb_s"):
+        low, middle, high = speed[rate]
+        assert 0 < low <= middle <= high, rate
     assert (tmp_path / "peers.json").exists()
 
 
