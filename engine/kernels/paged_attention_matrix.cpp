@@ -245,8 +245,7 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, int64_t 
   float* scores = s.scores.data() + r * kKeyTile;
   uint16_t* probabilities = s.probabilities.data() + r * kKeyTile;
   vfloat chunks[kKeyTile / kLanes];
-  vfloat best = splat(kMasked);
-  for (int64_t c = 0; c < keys / kLanes; ++c) {
+  const auto scaled = [&](int64_t c) {
     vfloat x = load(scores + c * kLanes) * scale;
     if (!whole) {
       const vfloat key = lane + static_cast<float>(first_key + c * kLanes);
@@ -255,9 +254,17 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, int64_t 
       x = visible ? x : splat(kMasked);
     }
     chunks[c] = x;
-    best = best > x ? best : x;
+    return x;
+  };
+  // Two running maxima: one would chain every vector's max to the last (4 cycles each).
+  vfloat best_low = splat(kMasked), best_high = splat(kMasked);
+  static_assert(kKeyStep % (2 * kLanes) == 0, "keys come in pairs of vectors");
+  for (int64_t c = 0; c < keys / kLanes; c += 2) {
+    const vfloat low = scaled(c), high = scaled(c + 1);
+    best_low = best_low > low ? best_low : low;
+    best_high = best_high > high ? best_high : high;
   }
-  const float tile_max = lanes_max(best);
+  const float tile_max = lanes_max(best_low > best_high ? best_low : best_high);
   if (tile_max <= kMasked) {
     std::memset(probabilities, 0, keys * 2);
     return;
@@ -265,17 +272,16 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, int64_t 
   const float new_max = std::max(s.max[r], tile_max);
   const float correction = new_max == s.max[r] ? 1.0f : std::exp(s.max[r] - new_max);
   s.max[r] = new_max;
-  vfloat total = splat(0.0f);
+  vfloat total_low = splat(0.0f), total_high = splat(0.0f);  // two chains of additions
   const float shift = new_max * kLog2e;  // exp(x - max) as 2^(x log2 e - max log2 e), one FMA
-  static_assert(kKeyStep % (2 * kLanes) == 0, "keys come in pairs of vectors");
   for (int64_t c = 0; c < keys / kLanes; c += 2) {  // keys: a multiple of kKeyStep
     const vfloat low = vexp2_softmax(chunks[c] * kLog2e - shift);  // masked keys: exactly 0
     const vfloat high = vexp2_softmax(chunks[c + 1] * kLog2e - shift);
-    total += low;
-    total += high;
+    total_low += low;
+    total_high += high;
     store_bf16_pair(probabilities + c * kLanes, low, high);
   }
-  s.sum[r] = s.sum[r] * correction + lanes_sum(total);
+  s.sum[r] = s.sum[r] * correction + lanes_sum(total_low + total_high);
   if (correction != 1.0f) {
     float* acc = s.acc.data() + r * dim;
     for (int64_t d = 0; d < dim; d += kLanes) store(acc + d, load(acc + d) * correction);
