@@ -1,6 +1,6 @@
 """Building and loading the C++ CPU kernels (`paged_attention.cpp`,
-`paged_attention_matrix.cpp`, `matrix_linear.cpp`, `elementwise.cpp` and `logits_rows.cpp`, with
-their headers).
+`paged_attention_matrix.cpp`, `matrix_linear.cpp`, `elementwise.cpp`, `logits_rows.cpp` and
+`kv_write.cpp`, with their headers).
 
 The extension is compiled with `torch.utils.cpp_extension` for the CPU it runs on
 (`-march=native`; its threads are torch's own pool) into a directory keyed by the sources,
@@ -31,6 +31,7 @@ SOURCES = (
     "matrix_linear.cpp",
     "elementwise.cpp",
     "logits_rows.cpp",
+    "kv_write.cpp",
 )
 HEADERS = ("cpu_vector.h", "paged_attention_matrix.h", "work_items.h")
 # -fopenmp: at::parallel_for is inline and runs its threads with `omp parallel` in this file.

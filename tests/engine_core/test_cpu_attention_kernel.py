@@ -304,3 +304,43 @@ def test_share_groups_must_be_one_int32_per_sequence() -> None:
     for flags in (torch.zeros(1, dtype=torch.int32), torch.zeros(2)):
         with pytest.raises(RuntimeError, match="prompt_chunks is one contiguous int32"):
             paged_attention(*arguments.values(), None, flags)
+
+
+def _pool_and_rows(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A [2, blocks, block_size, kv_heads, dim] pool, and K/V rows as the engine hands them:
+    read out of a fused QKV projection (strided tokens) and out of transformers' [1, heads,
+    tokens, dim] layout (heads far apart)."""
+    generator = torch.Generator().manual_seed(5)
+    pool = torch.zeros(2, 8, 16, 3, 32, dtype=dtype)
+    qkv = torch.randn(20, (6 + 3 + 3) * 32, generator=generator).to(dtype)
+    fused_key = qkv[:, 192:288].view(20, 3, 32)
+    transposed_value = torch.randn(1, 3, 20, 32, generator=generator).to(dtype)[0].transpose(0, 1)
+    return pool, fused_key, transposed_value
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_write_kv_puts_each_row_where_index_copy_puts_it(dtype: torch.dtype) -> None:
+    pool, key, value = _pool_and_rows(dtype)
+    slots = torch.randperm(8 * 16, generator=torch.Generator().manual_seed(6))[:20]
+    expected = pool.clone()
+    expected[0].view(-1, 3, 32).index_copy_(0, slots, key)
+    expected[1].view(-1, 3, 32).index_copy_(0, slots, value)
+    torch.ops.prefixgate.write_kv(pool[0], pool[1], key, value, slots)
+    assert torch.equal(pool, expected)
+    assert pool.count_nonzero() > 0  # something was written
+    torch.ops.prefixgate.write_kv(pool[0], pool[1], key[:0], value[:0], slots[:0])  # no tokens
+    assert torch.equal(pool, expected)
+
+
+def test_write_kv_refuses_a_slot_outside_the_pool_and_writes_nothing() -> None:
+    pool, key, value = _pool_and_rows(torch.float32)
+    for bad in (8 * 16, -1):
+        slots = torch.arange(20)
+        slots[-1] = bad
+        with pytest.raises(RuntimeError, match=f"slot {bad} is outside the pool"):
+            torch.ops.prefixgate.write_kv(pool[0], pool[1], key, value, slots)
+        assert pool.count_nonzero() == 0
+    with pytest.raises(RuntimeError, match="in the caches' dtype"):
+        torch.ops.prefixgate.write_kv(pool[0], pool[1], key.double(), value, torch.arange(20))
+    with pytest.raises(RuntimeError, match="one contiguous int64 per token"):
+        torch.ops.prefixgate.write_kv(pool[0], pool[1], key, value, torch.arange(20).int())
