@@ -1,13 +1,16 @@
-"""How fast this machine computes and moves memory right now, in about a quarter of a second.
+"""How fast this machine computes and moves memory right now, in about a third of a second.
 
 The machines the benches run on change speed by up to 2x within minutes (a virtual machine
 gets what its host leaves it), and a bench's JSON that records only the CPU's model and flags
-cannot tell a slow minute from a slow build. `probe()` times two fixed operations that bound
-an inference engine's steps on a CPU: a matrix product the shape of the embedded model's
-gate-and-up projection over a 1,536-token prefill (compute-bound), and a copy larger than
-the biggest last-level caches seen here (480 MB; memory-bound, as a many-stream decode is).
-A bench probes between its phases and reports the range, so that a reader compares its
-engines' numbers with how fast the machine was while they were taken.
+cannot tell a slow minute from a slow build. `Prober.probe()` times two fixed operations that
+bound an inference engine's steps on a CPU: a matrix product the shape of the embedded model's
+gate-and-up projection over a 1,536-token prefill (compute-bound), and a pass over a buffer
+larger than the biggest last-level caches seen here (480 MB; memory-bound, as a many-stream
+decode is). A bench probes between its phases and reports the range, so that a reader compares
+its engines' numbers with how fast the machine was while they were taken.
+
+The pass leaves the caches empty, as any engine's turn leaves them for the next (a model's
+weights and activations are hundreds of MB).
 """
 
 from __future__ import annotations
@@ -19,60 +22,74 @@ from dataclasses import dataclass
 import torch
 
 MATMUL_SHAPE = (1536, 576, 3072)  # tokens x hidden x (gate + up) of SmolLM2-135M
-COPY_BYTES = 512 << 20  # read once and written once per copy: 1 GiB of traffic
+PASS_BYTES = 512 << 20  # read and written in place per pass: 1 GiB of traffic
 MATMUL_BUDGET_S = 0.1  # repeat the product for this long and take the median call
+PASSES = 3
 
 
 @dataclass(frozen=True, slots=True)
 class Speed:
-    """Median rates of one probe: `dtype` matrix product TFLOP/s, copy GB/s (read + write)."""
+    """One probe's median rates: matrix product TFLOP/s, memory GB/s (read + write)."""
 
     matmul_tflops: float
-    copy_gb_s: float
+    memory_gb_s: float
+
+
+def rates(shape: tuple[int, int, int], product_s: float, nbytes: int, pass_s: float) -> Speed:
+    """The rates of one product of `shape` (rows x inner x columns) taking `product_s` and one
+    in-place pass over `nbytes` taking `pass_s`."""
+    rows, inner, columns = shape
+    return Speed(
+        matmul_tflops=2 * rows * inner * columns / product_s / 1e12,
+        memory_gb_s=2 * nbytes / pass_s / 1e9,
+    )
 
 
 class Prober:
-    """Holds the probe's operands (1 GiB for the copy), allocated once, so that each probe
-    times the operations and not the allocator."""
+    """Holds the probe's operands (PASS_BYTES for the memory pass), allocated once, so that
+    each probe times the operations and not the allocator."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        tokens, hidden, width = MATMUL_SHAPE
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        shape: tuple[int, int, int] = MATMUL_SHAPE,
+        pass_bytes: int = PASS_BYTES,
+    ) -> None:
+        self.dtype, self.shape = dtype, shape
+        rows, inner, columns = shape
         generator = torch.Generator().manual_seed(0)
-        self.left = torch.randn(tokens, hidden, generator=generator).to(dtype)
-        self.right = torch.randn(hidden, width, generator=generator).to(dtype)
-        self.source = torch.ones(COPY_BYTES // 4, dtype=torch.float32)
-        self.target = torch.empty_like(self.source)
-        self.target.copy_(self.source)  # touch every page before timing
-        torch.mm(self.left, self.right)  # and let torch choose its kernel
+        self.left = torch.randn(rows, inner, generator=generator).to(dtype)
+        self.right = torch.randn(inner, columns, generator=generator).to(dtype)
+        self.buffer = torch.ones(pass_bytes // 4, dtype=torch.float32)  # every page touched
+        torch.mm(self.left, self.right)  # let torch choose its kernel before timing
 
     def describe(self) -> str:
         """The matrix product timed, e.g. "1536x576x3072 bfloat16"."""
-        return "x".join(map(str, MATMUL_SHAPE)) + " " + str(self.dtype).removeprefix("torch.")
+        return "x".join(map(str, self.shape)) + " " + str(self.dtype).removeprefix("torch.")
 
     def probe(self) -> Speed:
+        """Time the product (repeated for MATMUL_BUDGET_S) and PASSES passes over the buffer;
+        their medians as rates."""
         product: list[float] = []
         started = time.perf_counter()
         while not product or time.perf_counter() - started < MATMUL_BUDGET_S:
             began = time.perf_counter()
             torch.mm(self.left, self.right)
             product.append(time.perf_counter() - began)
-        copies = []
-        for _ in range(3):
+        passes = []
+        for _ in range(PASSES):
             began = time.perf_counter()
-            self.target.copy_(self.source)
-            copies.append(time.perf_counter() - began)
-        tokens, hidden, width = MATMUL_SHAPE
-        return Speed(
-            matmul_tflops=2 * tokens * hidden * width / statistics.median(product) / 1e12,
-            copy_gb_s=2 * COPY_BYTES / statistics.median(copies) / 1e9,
-        )
+            self.buffer.mul_(1.0)  # each element read and written back
+            passes.append(time.perf_counter() - began)
+        nbytes = self.buffer.numel() * self.buffer.element_size()
+        return rates(self.shape, statistics.median(product), nbytes, statistics.median(passes))
 
 
 def summary(speeds: list[Speed]) -> dict[str, list[float]]:
-    """Each rate's least, median and most over `speeds`, rounded for reading."""
+    """Each rate's least, median and most over `speeds`, to three significant digits."""
     report = {}
-    for name in ("matmul_tflops", "copy_gb_s"):
+    for name in ("matmul_tflops", "memory_gb_s"):
         values = sorted(getattr(speed, name) for speed in speeds)
-        report[name] = [round(v, 2) for v in (values[0], statistics.median(values), values[-1])]
+        middle = statistics.median(values)
+        report[name] = [float(f"{v:.3g}") for v in (values[0], middle, values[-1])]
     return report

@@ -88,6 +88,7 @@ def interleave(
         unsettled = {runner.name: 0 for runner in running}
         for index, phase in enumerate(tqdm(workload.phases, desc="phases", file=sys.stderr)):
             before_phase(phase)  # on idle CPUs: after the start's settle or the last turn's
+            settle()  # and none of it left running for the phase's first engine
             turn = index % len(running)
             for runner in running[turn:] + running[:turn]:
                 attempt(runner, f"run {phase.name}", partial(runner.run, phase))

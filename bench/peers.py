@@ -31,11 +31,11 @@ Each engine's notes say how long the machine stayed busy after its phases
 loaded for the whole run: memory for each one's model and KV pool at once. The result is
 written at the end; a run killed midway leaves nothing, as every metric needs every phase.
 
-Before each phase the bench times a fixed matrix product and a 512 MB copy
-(bench/machine_speed.py, a quarter of a second) and reports their range over the run
-(`machine_speed`, and the table's last line): a run whose matrix product swung from 2.6 to
-1.3 TFLOP/s was taken on a machine that changed speed under it, and its ratios are only as
-good as their paired ranges.
+Before each phase the bench times a fixed matrix product in the engines' dtype and a pass
+over 512 MiB (bench/machine_speed.py, about a third of a second, then it waits for idle CPUs
+again) and reports their range over the run (`machine_speed`, and the table's last line): a
+run whose matrix product swung from 2.6 to 1.3 TFLOP/s was taken on a machine that changed
+speed under it, and its ratios are only as good as their paired ranges.
 
 Metrics per engine: cold and warm TTFT (medians), single-stream decode tok/s (tokens after the
 first over the time after it, median of the warm requests), 16-at-once (prompt + output tokens)
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     runs, failed = interleave(workload, reference, peers, before_phase=probe)
     results = {run.name: measure(run, workload, runs[0], tokenizer) for run in runs}
-    result = report(args, workload, results, failed, prober, speeds)
+    result = report(args, workload, results, failed, prober.describe(), speeds)
     emit(result, args.json, args.out)
     print_table(results, result["targets"], result["machine_speed"])
     if args.plot:
@@ -355,7 +355,7 @@ def report(
     workload: Workload,
     results: dict[str, EngineResult],
     failed: dict[str, str],
-    prober: Prober,
+    matmul: str,
     speeds: dict[str, Speed],
 ) -> dict[str, Any]:
     """The JSON object: settings, machine and its speed before each phase, each engine's
@@ -373,7 +373,7 @@ def report(
         },
         "machine": machine_info(),
         "machine_speed": {
-            "matmul": prober.describe(),
+            "matmul": matmul,
             **summary(list(speeds.values())),
             "before_phase": {name: asdict(speed) for name, speed in speeds.items()},
         },
@@ -415,10 +415,10 @@ def print_table(
             verdict = "met" if check["met"] else "NOT met"
             lines.append(f"{engine} {target}: {ratio}, target {check['target']}: {verdict}")
     low, middle, high = speed["matmul_tflops"]
-    slow, usual, fast = speed["copy_gb_s"]
+    slow, usual, fast = speed["memory_gb_s"]
     lines.append(
         f"machine before each phase: {speed['matmul']} matmul {low}-{high} TFLOP/s "
-        f"(median {middle}), memory copy {slow}-{fast} GB/s (median {usual})"
+        f"(median {middle}), memory {slow}-{fast} GB/s (median {usual})"
     )
     print("\n".join(lines), file=sys.stderr)
 

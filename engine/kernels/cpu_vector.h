@@ -112,20 +112,19 @@ inline vfloat vexp2_scaled(vfloat y) {
 #endif
 }
 
-// 2^y for y <= 0, for a softmax's probabilities: they are rounded to bf16 (relative steps of
-// 2^-8, so a rounding is off by up to 2e-3) and summed in fp32, so a relative error of 1e-4 is
-// ample: 9.5e-5 at most for normal results (checked over [-149, 0] in steps of 2^-16 against
+// 2^y for y <= 0, for a softmax's probabilities: they are rounded to bf16 (8 significant bits:
+// a rounding moves a value by up to 2^-8 of it) and summed in fp32, so a relative error of 1e-4
+// is ample: 9.5e-5 at most for normal results (checked over [-149, 0] in steps of 2^-16 against
 // exp2 in double), which moves one probability in 100 to the neighbouring bf16 value.
 // With AVX-512 (DQ), f = y - floor(y) comes from one `vreduceps` (for y in (-0.5, 0) rounded,
 // at most 2^-25 off, and to 1 above -2^-25, where the polynomial's 1.99986 is as close; 0 for
 // -inf), 2^f from a degree-3 minimax fit of the relative error whose value at 0 is exactly 1,
 // and `vscalefps` multiplies by 2^floor(y) itself (exactly 0 for y below -150 or -inf): 5
 // instructions where vexp2_scaled takes 9 (a clamp, a rounding and a subtraction instead of
-// one `vreduceps`, two more polynomial terms). Side by side, the degree-4 fit it replaced
-// (3e-6) took a 1,536-token prefill's attention 4% more time. A NaN stays NaN (vexp2_scaled's
-// clamp turned it into 0). SiLU keeps vexp2_scaled: there bf16 results equal torch's bit for
-// bit, which a cheaper exp loses (a degree-5 variant of this one gave other bits for 24 of 2.4
-// million SiLU values). Elsewhere vexp2_scaled.
+// one `vreduceps`, two more polynomial terms). A NaN stays NaN (vexp2_scaled's clamp turned
+// it into 0). SiLU keeps vexp2_scaled: there bf16 results equal torch's bit for bit, which a
+// cheaper exp loses (a degree-5 variant of this one gave other bits for 24 of 2.4 million SiLU
+// values). Elsewhere vexp2_scaled.
 inline vfloat vexp2_softmax(vfloat y) {
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
   const vfloat f = (vfloat)_mm512_reduce_ps((__m512)y, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);

@@ -8,7 +8,9 @@
 // its rows land in pool memory no cache holds yet; on warm memory this is 4x as fast).
 //
 // Every slot is checked against the pool before anything is written: a bad slot is an error,
-// and nothing of the call lands.
+// and nothing of the call lands. The slots of one call are distinct (the engine gives each
+// token of a step its own slot); two equal ones would race (`index_copy_` leaves their order
+// unspecified too).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

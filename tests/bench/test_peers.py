@@ -75,7 +75,7 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
     phases = ["warmup", "cold-0", "prime", "warm-0", "streams-2-0"]
     assert list(speed["before_phase"]) == phases
     assert speed["matmul"] == "1536x576x3072 float32"
-    for rate in ("matmul_tflops", "copy_gb_s"):
+    for rate in ("matmul_tflops", "memory_gb_s"):
         low, middle, high = speed[rate]
         assert 0 < low <= middle <= high, rate
     assert (tmp_path / "peers.json").exists()
@@ -138,15 +138,19 @@ def no_settling(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_settling")
-def test_each_phase_runs_on_every_engine_before_the_next_starts_in_rotated_order() -> None:
+def test_each_phase_is_probed_then_runs_on_every_engine_in_rotated_order() -> None:
     log: list[str] = []
     engines = [Logged(name, log) for name in ("ref", "x", "y")]
-    runs, failed = interleave(engines[0].workload, engines[0], engines[1:])
+
+    def probe(phase: Phase) -> None:
+        log.append(f"probe {phase.name}")
+
+    runs, failed = interleave(engines[0].workload, engines[0], engines[1:], before_phase=probe)
     assert log == [
         "ref start", "x start", "y start",
-        "ref a", "x a", "y a",
-        "x b", "y b", "ref b",
-        "y c", "ref c", "x c",
+        "probe a", "ref a", "x a", "y a",
+        "probe b", "x b", "y b", "ref b",
+        "probe c", "y c", "ref c", "x c",
         "ref close", "x close", "y close",
     ]  # fmt: skip
     assert [run.name for run in runs] == ["ref", "x", "y"] and failed == {}

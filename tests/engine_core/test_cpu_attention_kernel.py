@@ -340,7 +340,16 @@ def test_write_kv_refuses_a_slot_outside_the_pool_and_writes_nothing() -> None:
         with pytest.raises(RuntimeError, match=f"slot {bad} is outside the pool"):
             torch.ops.prefixgate.write_kv(pool[0], pool[1], key, value, slots)
         assert pool.count_nonzero() == 0
-    with pytest.raises(RuntimeError, match="in the caches' dtype"):
-        torch.ops.prefixgate.write_kv(pool[0], pool[1], key.double(), value, torch.arange(20))
+    slots = torch.arange(20)
+    with pytest.raises(RuntimeError, match="in the caches' dtype, dim contiguous"):
+        torch.ops.prefixgate.write_kv(pool[0], pool[1], key.double(), value, slots)
+    strided = torch.zeros(20, 3, 64)[..., ::2]  # each head's dim every other element
+    with pytest.raises(RuntimeError, match="in the caches' dtype, dim contiguous"):
+        torch.ops.prefixgate.write_kv(pool[0], pool[1], strided, value, slots)
+    with pytest.raises(RuntimeError, match="one row per token"):
+        torch.ops.prefixgate.write_kv(pool[0], pool[1], key, value[:19], slots)
+    with pytest.raises(RuntimeError, match="caches must be contiguous"):
+        torch.ops.prefixgate.write_kv(pool[0][:, ::2], pool[1][:, ::2], key, value, slots)
+    assert pool.count_nonzero() == 0
     with pytest.raises(RuntimeError, match="one contiguous int64 per token"):
         torch.ops.prefixgate.write_kv(pool[0], pool[1], key, value, torch.arange(20).int())
