@@ -23,13 +23,15 @@ def test_ks_test_flags_hits_only_when_they_are_the_faster_group() -> None:
 @pytest.mark.slow
 def test_audit_detects_same_user_sharing_and_nothing_across_scopes(tmp_path: Path) -> None:
     result = main(
-        ["--samples", "60", "--cases", "a,c,d,e", "--out", str(tmp_path / "audit.json"),
-         "--plot", str(tmp_path / "audit.png")]
+        ["--samples", "60", "--prompt-tokens", "1024", "--cases", "a,c,d,e",
+         "--out", str(tmp_path / "audit.json"), "--plot", str(tmp_path / "audit.png")]
     )  # fmt: skip
     cases = result["cases"]
     same_user = cases["a"]
-    # 60 samples a group: with 30, a loaded CI machine (hits taking 15-37 ms against misses'
-    # 29 ms median) once gave p = 4e-5 for a cache that was plainly there.
+    # A hit's cost is mostly fixed (the HTTP path, the LM head over 49,152 tokens), a miss's
+    # grows with the prompt, and on a fast CPU a loaded CI machine's jitter hid the difference
+    # at 512 tokens: 30 samples a group gave p = 4e-5 once, 60 gave 1e-5 (hits 42 ms against
+    # misses' 62 ms median), for a cache that was plainly there. 1,024 tokens about double it.
     assert same_user["p_value"] < 1e-6, same_user["latencies_ms"]
     assert same_user["hit"]["cached_tokens_min"] > 0
     assert same_user["miss"]["cached_tokens_max"] == 0
