@@ -1,6 +1,12 @@
-// Vector helpers shared by the CPU kernels: 16-lane fp32 vectors (GCC/Clang vector extensions:
-// AVX-512 where the CPU has it, narrower registers elsewhere), loads from fp32 and bf16,
+// Vector helpers shared by the CPU kernels: 16-lane fp32 vectors, loads from fp32 and bf16,
 // horizontal sums and maxima, a fast exp, bf16 rounding and SiLU.
+//
+// With AVX-512 a vfloat is one register, a GCC/Clang vector extension type. Without it GCC has
+// no 16-lane registers and compiles such a type badly: arithmetic splits into 8-lane halves but
+// goes through the stack, and a comparison or a `?:` runs lane by lane (about 100 instructions
+// for one compare-and-select, 300 for softmax_chunk's mask, counted in the assembly on an AVX2
+// CPU). There a vfloat is a pair of 8-lane vectors with the same operators, each one
+// instruction a half. Kernels write selects as `where(mask, a, b)`, which both forms have.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -9,7 +15,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -18,16 +24,118 @@ namespace prefixgate {
 constexpr int64_t kLanes = 16;     // floats per vector
 constexpr float kMasked = -1e30f;  // finite, so no infinity arithmetic is ever needed
 
+#if defined(__AVX512F__)
+#define PREFIXGATE_VECTOR_REGISTERS 1  // a vfloat is one register: __m512 casts work
+
 typedef float vfloat __attribute__((vector_size(64)));
 typedef int32_t vint __attribute__((vector_size(64)));
-typedef uint32_t vuint __attribute__((vector_size(64)));
 typedef uint16_t vhalf __attribute__((vector_size(32)));
+typedef vint vmask;  // a comparison's result: all ones where it holds
 
 inline vfloat splat(float value) { return vfloat{} + value; }
+inline vint splat_int(int32_t value) { return vint{} + value; }
+inline vfloat where(vmask mask, vfloat yes, vfloat no) { return mask ? yes : no; }
+inline vint where(vmask mask, vint yes, vint no) { return mask ? yes : no; }
+inline vint bits_of(vfloat value) { return (vint)value; }  // the same bits, as integers
+inline vfloat float_of_bits(vint bits) { return (vfloat)bits; }
+inline vint to_int(vfloat value) { return __builtin_convertvector(value, vint); }  // truncates
+inline vfloat lane_index() { return vfloat{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
 
+// 16 bf16 bits -> their fp32 bits (shifted up); 16 fp32 bits' upper halves -> 16 bf16 bits.
+inline vint widen_bf16(const uint16_t* source) {
+  vhalf bits;
+  std::memcpy(&bits, source, sizeof(bits));
+  return __builtin_convertvector(bits, vint) << 16;
+}
+inline void narrow_bf16(uint16_t* target, vint bits) {
+  const vhalf narrow = __builtin_convertvector(bits >> 16, vhalf);
+  std::memcpy(target, &narrow, sizeof(narrow));
+}
+
+#else
+typedef float vfloat8 __attribute__((vector_size(32)));
+typedef int32_t vint8 __attribute__((vector_size(32)));
+typedef uint16_t vhalf8 __attribute__((vector_size(16)));
+
+struct vfloat {
+  vfloat8 low, high;
+  float operator[](int64_t i) const { return i < 8 ? low[i] : high[i - 8]; }
+};
+struct vint {
+  vint8 low, high;
+  int32_t operator[](int64_t i) const { return i < 8 ? low[i] : high[i - 8]; }
+};
+typedef vint vmask;
+
+#define PREFIXGATE_HALVES_OP(T, S, op)                                                   \
+  inline T operator op(T a, T b) { return {a.low op b.low, a.high op b.high}; }        \
+  inline T operator op(T a, S b) { return {a.low op b, a.high op b}; }                 \
+  inline T operator op(S a, T b) { return {a op b.low, a op b.high}; }                 \
+  inline T& operator op##=(T& a, T b) { return a = a op b; }                           \
+  inline T& operator op##=(T& a, S b) { return a = a op b; }
+PREFIXGATE_HALVES_OP(vfloat, float, +)
+PREFIXGATE_HALVES_OP(vfloat, float, -)
+PREFIXGATE_HALVES_OP(vfloat, float, *)
+PREFIXGATE_HALVES_OP(vfloat, float, /)
+PREFIXGATE_HALVES_OP(vint, int32_t, +)
+PREFIXGATE_HALVES_OP(vint, int32_t, -)
+PREFIXGATE_HALVES_OP(vint, int32_t, &)
+PREFIXGATE_HALVES_OP(vint, int32_t, |)
+PREFIXGATE_HALVES_OP(vint, int32_t, <<)
+PREFIXGATE_HALVES_OP(vint, int32_t, >>)
+#undef PREFIXGATE_HALVES_OP
+
+#define PREFIXGATE_HALVES_COMPARE(op)                                                     \
+  inline vmask operator op(vfloat a, vfloat b) { return {a.low op b.low, a.high op b.high}; } \
+  inline vmask operator op(vfloat a, float b) { return {a.low op b, a.high op b}; }
+PREFIXGATE_HALVES_COMPARE(<)
+PREFIXGATE_HALVES_COMPARE(<=)
+PREFIXGATE_HALVES_COMPARE(>)
+PREFIXGATE_HALVES_COMPARE(>=)
+PREFIXGATE_HALVES_COMPARE(!=)
+#undef PREFIXGATE_HALVES_COMPARE
+
+inline vfloat operator-(vfloat a) { return {-a.low, -a.high}; }
+
+inline vfloat splat(float value) { return {vfloat8{} + value, vfloat8{} + value}; }
+inline vint splat_int(int32_t value) { return {vint8{} + value, vint8{} + value}; }
+inline vfloat where(vmask mask, vfloat yes, vfloat no) {
+  return {mask.low ? yes.low : no.low, mask.high ? yes.high : no.high};
+}
+inline vint where(vmask mask, vint yes, vint no) {
+  return {mask.low ? yes.low : no.low, mask.high ? yes.high : no.high};
+}
+inline vint bits_of(vfloat value) { return {(vint8)value.low, (vint8)value.high}; }
+inline vfloat float_of_bits(vint bits) { return {(vfloat8)bits.low, (vfloat8)bits.high}; }
+inline vint to_int(vfloat value) {
+  return {__builtin_convertvector(value.low, vint8), __builtin_convertvector(value.high, vint8)};
+}
+inline vfloat lane_index() { return {vfloat8{0, 1, 2, 3, 4, 5, 6, 7}, vfloat8{8, 9, 10, 11, 12, 13, 14, 15}}; }
+
+inline vint widen_bf16(const uint16_t* source) {
+  vhalf8 low, high;
+  std::memcpy(&low, source, sizeof(low));
+  std::memcpy(&high, source + 8, sizeof(high));
+  return vint{__builtin_convertvector(low, vint8), __builtin_convertvector(high, vint8)} << 16;
+}
+inline void narrow_bf16(uint16_t* target, vint bits) {
+  const vhalf8 low = __builtin_convertvector(bits.low >> 16, vhalf8);
+  const vhalf8 high = __builtin_convertvector(bits.high >> 16, vhalf8);
+  std::memcpy(target, &low, sizeof(low));
+  std::memcpy(target + 8, &high, sizeof(high));
+}
+#endif
+
+// A pair of halves is loaded and stored half by half: copied whole, GCC moves it through the
+// stack in 16-byte pieces, and an 8-lane load of that stalls on store forwarding.
 inline vfloat load(const float* source) {
   vfloat out;
+#if defined(PREFIXGATE_VECTOR_REGISTERS)
   std::memcpy(&out, source, sizeof(out));
+#else
+  std::memcpy(&out.low, source, sizeof(out.low));
+  std::memcpy(&out.high, source + 8, sizeof(out.high));
+#endif
   return out;
 }
 
@@ -38,20 +146,29 @@ inline vfloat load(const c10::BFloat16* source) {
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(source));
   return (vfloat)_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16);
 #else
-  vhalf bits;
-  std::memcpy(&bits, source, sizeof(bits));
-  const vint wide = __builtin_convertvector(bits, vint) << 16;
-  return (vfloat)wide;  // a same-size vector cast: the bits, reinterpreted
+  return float_of_bits(widen_bf16(reinterpret_cast<const uint16_t*>(source)));
 #endif
 }
 
-inline void store(float* target, vfloat value) { std::memcpy(target, &value, sizeof(value)); }
+inline void store(float* target, vfloat value) {
+#if defined(PREFIXGATE_VECTOR_REGISTERS)
+  std::memcpy(target, &value, sizeof(value));
+#else
+  std::memcpy(target, &value.low, sizeof(value.low));
+  std::memcpy(target + 8, &value.high, sizeof(value.high));
+#endif
+}
 
 inline float lanes_sum(vfloat v) {
 #if defined(__AVX512F__)
   __m512 wide;
   std::memcpy(&wide, &v, sizeof(wide));
   return _mm512_reduce_add_ps(wide);
+#elif defined(__AVX__)
+  const __m256 half = _mm256_add_ps((__m256)v.low, (__m256)v.high);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 #else
   float total = 0.0f;
   for (int64_t i = 0; i < kLanes; ++i) total += v[i];
@@ -64,6 +181,11 @@ inline float lanes_max(vfloat v) {
   __m512 wide;
   std::memcpy(&wide, &v, sizeof(wide));
   return _mm512_reduce_max_ps(wide);
+#elif defined(__AVX__)
+  const __m256 half = _mm256_max_ps((__m256)v.low, (__m256)v.high);
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 #else
   float best = v[0];
   for (int64_t i = 1; i < kLanes; ++i) best = std::max(best, v[i]);
@@ -74,7 +196,7 @@ inline float lanes_max(vfloat v) {
 // 2^y for y <= 0 (2^-126 below -126): an integer power, built in the exponent bits, times a
 // degree-6 Taylor polynomial of 2^f on [-0.5, 0.5] (relative error below 2e-7).
 inline vfloat vexp2(vfloat y) {
-  y = y < -126.0f ? splat(-126.0f) : y;
+  y = where(y < -126.0f, splat(-126.0f), y);
   const vfloat n = (y + 12582912.0f) - 12582912.0f;  // round to nearest
   const vfloat f = y - n;
   vfloat p = splat(1.5403530e-4f);
@@ -84,8 +206,7 @@ inline vfloat vexp2(vfloat y) {
   p = p * f + 2.4022651e-1f;
   p = p * f + 6.9314718e-1f;
   p = p * f + 1.0f;
-  vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-  return p * (vfloat)bits;
+  return p * float_of_bits((to_int(n) + 127) << 23);
 }
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -108,7 +229,7 @@ inline vfloat vexp2_scaled(vfloat y) {
   p = p * f + 1.00000007f;
   return (vfloat)_mm512_scalef_ps((__m512)p, n);
 #else
-  return y < -150.0f ? splat(0.0f) : vexp2(y);
+  return where(y < -150.0f, splat(0.0f), vexp2(y));
 #endif
 }
 
@@ -152,11 +273,11 @@ inline void store_bf16(uint16_t* target, vfloat value) {
   const __m256bh narrow = _mm512_cvtneps_pbh(wide);
   std::memcpy(target, &narrow, sizeof(narrow));
 #else
-  vint bits = (vint)value;
-  const vint rounded = (vint)((vuint)bits + (((vuint)bits >> 16) & 1u) + 0x7FFFu);
-  bits = value != value ? vint{} + 0x7FC00000 : rounded;
-  const vhalf narrow = __builtin_convertvector(bits >> 16, vhalf);
-  std::memcpy(target, &narrow, sizeof(narrow));
+  // Adding 0x7FFF and bit 16 rounds to nearest even; only a NaN's bits can pass INT32_MAX
+  // here, and a NaN is replaced.
+  const vint bits = bits_of(value);
+  const vint rounded = bits + ((bits >> 16) & 1) + 0x7FFF;
+  narrow_bf16(target, where(value != value, splat_int(0x7FC00000), rounded));
 #endif
 }
 
@@ -195,9 +316,9 @@ inline vfloat round_to(vfloat value, c10::BFloat16*) {
 // 11% faster than vexp here); one division: sigmoid is e / (1 + e) below zero, 1 / (1 + e)
 // from zero up.
 inline vfloat silu(vfloat x) {
-  const vfloat magnitude = x < 0.0f ? -x : x;
-  const vfloat e = vexp2_scaled(magnitude * -kLog2e);
-  const vfloat sigmoid = (x < 0.0f ? e : splat(1.0f)) / (1.0f + e);
+  const vmask negative = x < 0.0f;
+  const vfloat e = vexp2_scaled(where(negative, -x, x) * -kLog2e);
+  const vfloat sigmoid = where(negative, e, splat(1.0f)) / (1.0f + e);
   return x * sigmoid;
 }
 

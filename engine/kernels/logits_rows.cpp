@@ -24,27 +24,27 @@ using namespace prefixgate;
 
 // One row: its argmax, and whether it is all finite.
 std::pair<int64_t, bool> argmax_finite_row(const float* x, int64_t width) {
-  const vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vint lane = to_int(lane_index());
   vfloat best = splat(-std::numeric_limits<float>::infinity());
-  vint where = vint{} + std::numeric_limits<int32_t>::max();
-  vint bad = vint{};
+  vint at = splat_int(std::numeric_limits<int32_t>::max());  // each lane's best index
+  vint bad = splat_int(0);
   int64_t i = 0;
   for (; i + kLanes <= width; i += kLanes) {
     const vfloat value = load(x + i);
     bad |= (value - value) != 0.0f;  // NaN for infinities and NaN, 0 for every finite value
-    const vint better = value > best;  // strictly: a lane keeps its first greatest
-    best = better ? value : best;
-    where = better ? lane + static_cast<int32_t>(i) : where;
+    const vmask better = value > best;  // strictly: a lane keeps its first greatest
+    best = where(better, value, best);
+    at = where(better, lane + static_cast<int32_t>(i), at);
   }
   float top = -std::numeric_limits<float>::infinity();
   int64_t index = -1;
   bool finite = true;
   for (int64_t k = 0; k < kLanes; ++k) {
     finite = finite && bad[k] == 0;
-    if (where[k] == std::numeric_limits<int32_t>::max()) continue;  // never above -inf
-    if (best[k] > top || (best[k] == top && where[k] < index)) {
+    if (at[k] == std::numeric_limits<int32_t>::max()) continue;  // never above -inf
+    if (best[k] > top || (best[k] == top && at[k] < index)) {
       top = best[k];
-      index = where[k];
+      index = at[k];
     }
   }
   for (; i < width; ++i) {  // the tail, after every full vector: later indices

@@ -59,7 +59,7 @@ constexpr int64_t kSegmentKeys = 256; // keys per softmax update of bf16 decode 
 // b, each the sum of two lanes w apart (lane m: v[base + i] + v[base + w + i], m = seg * w + i,
 // base = 2 * seg * w).
 inline vfloat fold(vfloat a, vfloat b, int level) {
-#if defined(__GNUC__) && !defined(__clang__)
+#if defined(PREFIXGATE_VECTOR_REGISTERS) && defined(__GNUC__) && !defined(__clang__)
   typedef int32_t vmask __attribute__((vector_size(64)));
   static const vmask low[4] = {
       {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
@@ -72,15 +72,31 @@ inline vfloat fold(vfloat a, vfloat b, int level) {
       {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
       {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}};
   return __builtin_shuffle(a, b, low[level]) + __builtin_shuffle(a, b, high[level]);
+#elif !defined(PREFIXGATE_VECTOR_REGISTERS) && defined(__AVX__)
+  // A vfloat of two 8-lane halves: a's 16 lanes fold into the result's low half, b's into its
+  // high half. Level 0 adds the halves; the others pair 128-bit quarters, then their lanes.
+  const auto half = [level](vfloat v) {
+    if (level == 0) return v.low + v.high;
+    const __m256 x = _mm256_permute2f128_ps((__m256)v.low, (__m256)v.high, 0x20);  // 0-3, 8-11
+    const __m256 y = _mm256_permute2f128_ps((__m256)v.low, (__m256)v.high, 0x31);  // 4-7, 12-15
+    if (level == 1) return (vfloat8)_mm256_add_ps(x, y);
+    if (level == 2) {
+      return (vfloat8)_mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    return (vfloat8)_mm256_add_ps(_mm256_shuffle_ps(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm256_shuffle_ps(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return {half(a), half(b)};
 #else
   const int64_t w = 8 >> level;
-  vfloat out;
+  alignas(64) float out[kLanes];
   for (int64_t k = 0; k < kLanes; ++k) {
     const vfloat& v = k < 8 ? a : b;
     const int64_t m = k % 8, base = 2 * (m / w) * w, i = m % w;
     out[k] = v[base + i] + v[base + w + i];
   }
-  return out;
+  return load(out);
 #endif
 }
 
@@ -112,18 +128,17 @@ struct Rows {
 inline bool softmax_chunk(Rows& rows, int64_t r, vfloat& scores, int64_t chunk_start,
                           int64_t context_len, int64_t window) {
   const int64_t position = rows.position[r];
-  const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const vfloat key_position = lane + static_cast<float>(chunk_start);
+  const vfloat key_position = lane_index() + static_cast<float>(chunk_start);
   const float last = static_cast<float>(std::min(position, context_len - 1));
   const float first = window > 0 ? static_cast<float>(position - window + 1) : -1.0f;
-  const auto visible = (key_position <= last) & (key_position >= first);
-  scores = visible ? scores : splat(kMasked);
+  const vmask visible = (key_position <= last) & (key_position >= first);
+  scores = where(visible, scores, splat(kMasked));
   const float chunk_max = lanes_max(scores);
   if (chunk_max <= kMasked) return false;
   const float new_max = std::max(rows.max[r], chunk_max);
   const float correction = new_max == rows.max[r] ? 1.0f : std::exp(rows.max[r] - new_max);
   rows.max[r] = new_max;
-  scores = visible ? vexp(scores - new_max) : splat(0.0f);
+  scores = where(visible, vexp(scores - new_max), splat(0.0f));
   rows.sum[r] = rows.sum[r] * correction + lanes_sum(scores);
   if (correction != 1.0f) {
     float* acc = rows.acc.data() + r * rows.dim;

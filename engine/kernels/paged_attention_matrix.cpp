@@ -241,7 +241,7 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, int64_t 
   const int64_t position = s.position[r];
   const int64_t lowest = window > 0 ? position - window + 1 : 0;
   const bool whole = first_key >= lowest && first_key + keys - 1 <= position;
-  const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const vfloat lane = lane_index();
   float* scores = s.scores.data() + r * kKeyTile;
   uint16_t* probabilities = s.probabilities.data() + r * kKeyTile;
   vfloat chunks[kKeyTile / kLanes];
@@ -249,9 +249,9 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, int64_t 
     vfloat x = load(scores + c * kLanes) * scale;
     if (!whole) {
       const vfloat key = lane + static_cast<float>(first_key + c * kLanes);
-      const auto visible = (key <= static_cast<float>(position)) &
-                           (key >= static_cast<float>(lowest));
-      x = visible ? x : splat(kMasked);
+      const vmask visible = (key <= static_cast<float>(position)) &
+                            (key >= static_cast<float>(lowest));
+      x = where(visible, x, splat(kMasked));
     }
     chunks[c] = x;
     return x;
@@ -261,10 +261,10 @@ void softmax_row(Scratch& s, int64_t r, int64_t dim, int64_t first_key, int64_t 
   static_assert(kKeyStep % (2 * kLanes) == 0, "keys come in pairs of vectors");
   for (int64_t c = 0; c < keys / kLanes; c += 2) {
     const vfloat low = scaled(c), high = scaled(c + 1);
-    best_low = best_low > low ? best_low : low;
-    best_high = best_high > high ? best_high : high;
+    best_low = where(best_low > low, best_low, low);
+    best_high = where(best_high > high, best_high, high);
   }
-  const float tile_max = lanes_max(best_low > best_high ? best_low : best_high);
+  const float tile_max = lanes_max(where(best_low > best_high, best_low, best_high));
   if (tile_max <= kMasked) {
     std::memset(probabilities, 0, keys * 2);
     return;

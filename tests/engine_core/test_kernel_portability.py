@@ -1,7 +1,7 @@
 """The C++ kernels compile for CPUs other than this one.
 
 `make run` builds them with `-march=native`, so the code paths this machine lacks the
-instructions for (no AVX-512 at all, or AVX-512 without BF16) are compiled nowhere else. Each
+instructions for (no AVX at all, no AVX-512, or AVX-512 without BF16) are compiled nowhere else. Each
 source is checked here (`-fsyntax-only`, the build's own flags otherwise) for two older x86
 targets; a name used outside the `#if` that defines it fails here, not on a user's machine.
 """
@@ -19,8 +19,9 @@ from torch.utils import cpp_extension
 
 from engine.kernels import cpu_build
 
-# x86-64-v3: AVX2 and FMA, no AVX-512. skylake-avx512: AVX-512 (F, BW, VL), no BF16, no AMX.
-TARGETS = ("x86-64-v3", "skylake-avx512")
+# x86-64: SSE2 only (the vectors' plain C++ fallbacks). x86-64-v3: AVX2 and FMA, no AVX-512.
+# skylake-avx512: AVX-512 (F, BW, VL), no BF16, no AMX.
+TARGETS = ("x86-64", "x86-64-v3", "skylake-avx512")
 COMPILER = os.environ.get("CXX", "c++")
 
 pytestmark = pytest.mark.skipif(
