@@ -39,7 +39,9 @@ inline vint where(vmask mask, vint yes, vint no) { return mask ? yes : no; }
 inline vint bits_of(vfloat value) { return (vint)value; }  // the same bits, as integers
 inline vfloat float_of_bits(vint bits) { return (vfloat)bits; }
 inline vint to_int(vfloat value) { return __builtin_convertvector(value, vint); }  // truncates
-inline vfloat lane_index() { return vfloat{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}; }
+inline vfloat lane_index() {  // 0, 1, ..., 15
+  return vfloat{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+}
 
 // 16 bf16 bits -> their fp32 bits (shifted up); 16 fp32 bits' upper halves -> 16 bf16 bits.
 inline vint widen_bf16(const uint16_t* source) {
@@ -85,8 +87,10 @@ PREFIXGATE_HALVES_OP(vint, int32_t, <<)
 PREFIXGATE_HALVES_OP(vint, int32_t, >>)
 #undef PREFIXGATE_HALVES_OP
 
-#define PREFIXGATE_HALVES_COMPARE(op)                                                     \
-  inline vmask operator op(vfloat a, vfloat b) { return {a.low op b.low, a.high op b.high}; } \
+#define PREFIXGATE_HALVES_COMPARE(op)                                                  \
+  inline vmask operator op(vfloat a, vfloat b) {                                       \
+    return {a.low op b.low, a.high op b.high};                                         \
+  }                                                                                    \
   inline vmask operator op(vfloat a, float b) { return {a.low op b, a.high op b}; }
 PREFIXGATE_HALVES_COMPARE(<)
 PREFIXGATE_HALVES_COMPARE(<=)
@@ -110,7 +114,9 @@ inline vfloat float_of_bits(vint bits) { return {(vfloat8)bits.low, (vfloat8)bit
 inline vint to_int(vfloat value) {
   return {__builtin_convertvector(value.low, vint8), __builtin_convertvector(value.high, vint8)};
 }
-inline vfloat lane_index() { return {vfloat8{0, 1, 2, 3, 4, 5, 6, 7}, vfloat8{8, 9, 10, 11, 12, 13, 14, 15}}; }
+inline vfloat lane_index() {
+  return {vfloat8{0, 1, 2, 3, 4, 5, 6, 7}, vfloat8{8, 9, 10, 11, 12, 13, 14, 15}};
+}
 
 inline vint widen_bf16(const uint16_t* source) {
   vhalf8 low, high;
