@@ -279,11 +279,10 @@ inline void store_bf16(uint16_t* target, vfloat value) {
   const __m256bh narrow = _mm512_cvtneps_pbh(wide);
   std::memcpy(target, &narrow, sizeof(narrow));
 #else
-  // Adding 0x7FFF and bit 16 rounds to nearest even; only a NaN's bits can pass INT32_MAX
-  // here, and a NaN is replaced.
-  const vint bits = bits_of(value);
-  const vint rounded = bits + ((bits >> 16) & 1) + 0x7FFF;
-  narrow_bf16(target, where(value != value, splat_int(0x7FC00000), rounded));
+  // A NaN becomes the canonical NaN first, which the rounding keeps; then adding 0x7FFF and
+  // bit 16 rounds to nearest even, and no lane passes INT32_MAX.
+  const vint bits = where(value != value, splat_int(0x7FC00000), bits_of(value));
+  narrow_bf16(target, bits + ((bits >> 16) & 1) + 0x7FFF);
 #endif
 }
 

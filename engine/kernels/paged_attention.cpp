@@ -10,8 +10,8 @@
 //
 // Work items are (sequence, kv head, tile of up to 16 query tokens), dealt to torch's threads
 // so that they finish together. Keys are taken 16 positions at a time (a "chunk", whatever the
-// block size) and processed with 16-lane vectors (GCC/Clang vector extensions: AVX-512 here,
-// narrower registers elsewhere); the next chunk's rows are prefetched, as they usually sit in
+// block size) and processed with 16-lane vectors (cpu_vector.h: one AVX-512 register, or two
+// 8-lane halves elsewhere); the next chunk's rows are prefetched, as they usually sit in
 // another block. Decode rows take dot products straight from the cache and sum 16 keys at once
 // with a shuffle tree; prefill tiles first convert the chunk into a small tile on the stack
 // (K transposed), which their many rows then share. Math is fp32 with an online softmax; the

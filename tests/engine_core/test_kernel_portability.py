@@ -1,9 +1,10 @@
 """The C++ kernels compile for CPUs other than this one.
 
 `make run` builds them with `-march=native`, so the code paths this machine lacks the
-instructions for (no AVX at all, no AVX-512, or AVX-512 without BF16) are compiled nowhere else. Each
-source is checked here (`-fsyntax-only`, the build's own flags otherwise) for two older x86
-targets; a name used outside the `#if` that defines it fails here, not on a user's machine.
+instructions for (no AVX at all, no AVX-512, or AVX-512 without BF16) are compiled nowhere
+else. Each source is checked here (`-fsyntax-only`, the build's own flags otherwise) for three
+older x86 targets; a name used outside the `#if` that defines it fails here, not on a user's
+machine.
 """
 
 from __future__ import annotations
