@@ -60,13 +60,12 @@ constexpr int64_t kSegmentKeys = 256; // keys per softmax update of bf16 decode 
 // base = 2 * seg * w).
 inline vfloat fold(vfloat a, vfloat b, int level) {
 #if defined(PREFIXGATE_VECTOR_REGISTERS) && defined(__GNUC__) && !defined(__clang__)
-  typedef int32_t vmask __attribute__((vector_size(64)));
-  static const vmask low[4] = {
+  static const vint low[4] = {  // lane indices into a (0-15) and b (16-31)
       {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
       {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
       {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
       {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}};
-  static const vmask high[4] = {
+  static const vint high[4] = {
       {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
       {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31},
       {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31},
