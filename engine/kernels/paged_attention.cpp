@@ -19,8 +19,9 @@
 // (its decode rows update their softmax once per 256 keys: attend_decode_segment).
 //
 // Sequences with 16 or more query tokens over a bf16 pool go to paged_attention_matrix.cpp
-// instead, where the CPU has oneDNN's bf16 matrix micro-kernels (AMX): there a 1,536-token
-// prefill of SmolLM2's layer took 8 ms instead of 61 ms with the vector path. There, too,
+// instead, where the CPU has oneDNN's bf16 matrix micro-kernels (AMX) or AVX512_BF16: there a
+// 1,536-token prefill of SmolLM2's layer took 8 ms instead of 61 ms with the vector path on AMX,
+// 11 ms instead of 25 with vdpbf16ps products (bf16_product.h) on an AMD EPYC. There, too,
 // decode sequences whose tables begin with the same blocks attend over those blocks together
 // ("shared prefixes" below): 16 sequences over 1,024 shared keys took 0.23 ms instead of 0.72.
 
@@ -36,6 +37,7 @@
 #include <optional>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -615,13 +617,13 @@ void attend_keys(const Geometry& g, Rows& rows, const uint32_t* query_pairs,
 
 // Decode sequences of one share group (one tenant) whose block tables begin with the same
 // blocks (a prefix cached once that all of them read, a shared system prompt say) attend over
-// it together, as AMX matrix products: the prefix's K/V are packed once per step for the whole
+// it together, as matrix products: the prefix's K/V are packed once per step for the whole
 // group, all members' query heads are the rows of one product per 256 keys (the vector decode
-// loop computes each member alone), and its keys are split into pieces that the threads share. Each piece leaves, per row, its partial
-// softmax state (max, sum, unnormalized output); a member's own work item merges the pieces'
-// states and goes on over the keys after the prefix. The math is the same online softmax, in
-// another order. Only blocks that are the same memory in every member's table are shared, so a
-// row never reads a key its own table does not hold.
+// loop computes each member alone), and its keys are split into pieces that the threads share.
+// Each piece leaves, per row, its partial softmax state (max, sum, unnormalized output); a
+// member's own work item merges the pieces' states and goes on over the keys after the prefix.
+// The math is the same online softmax, in another order. Only blocks that are the same memory
+// in every member's table are shared, so a row never reads a key its own table does not hold.
 constexpr int64_t kSharedMinKeys = 64;     // a shorter common prefix is read per sequence
 constexpr int64_t kSharedPieceKeys = kMatrixKeyTile;  // keys per work item of a shared prefix
 
@@ -970,15 +972,16 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   }
 }
 
-// Switches the matrix-unit path on or off (tests of the vector path); returns whether it runs.
-bool use_matrix_units(bool enable) { return matrix_units(enable); }
+// Switches the matrix path on or off, and its AMX products (tests of the other paths); returns
+// which products it runs on: "amx", "vdpbf16ps" or "off".
+std::string use_matrix_units(bool enable, bool amx) { return matrix_units(enable, amx); }
 
 TORCH_LIBRARY(prefixgate, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_starts, Tensor context_lens, float scale, "
       "int window, Tensor? share_groups=None, Tensor? prompt_chunks=None) -> ()");
-  m.def("use_matrix_units(bool enable) -> bool", &use_matrix_units);
+  m.def("use_matrix_units(bool enable, bool amx=True) -> str", &use_matrix_units);
 }
 
 TORCH_LIBRARY_IMPL(prefixgate, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -43,20 +43,36 @@ def run_case(case: Case, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tenso
     return output.double(), reference(inputs, case.lengths, case.window)
 
 
-MATRIX_UNITS = torch.ops.prefixgate.use_matrix_units(True)
+# The matrix path's products on this CPU: "amx" (oneDNN's micro-kernels), "vdpbf16ps"
+# (bf16_product.h, AVX512_BF16) or "off"; and whether the vdpbf16ps ones can run here.
+MATRIX_PRODUCTS = torch.ops.prefixgate.use_matrix_units(True)
+DOT_PRODUCTS = torch.ops.prefixgate.use_matrix_units(True, False) == "vdpbf16ps"
+torch.ops.prefixgate.use_matrix_units(True)
 
 
-@pytest.fixture(params=["vector", "matrix"])
-def bf16_path(request: pytest.FixtureRequest) -> Iterator[str]:
-    """bf16 prefill and extend of 16 or more tokens run as matrix products (oneDNN's bf16
-    micro-kernels) where the CPU has them; both paths are tested where it does."""
-    if request.param == "matrix" and not MATRIX_UNITS:
-        pytest.skip("this CPU has no bf16 matrix micro-kernels")
-    assert torch.ops.prefixgate.use_matrix_units(request.param == "matrix") == (
-        request.param == "matrix"
-    )
-    yield request.param
+def _take_path(path: str) -> Iterator[str]:
+    if path == "amx" and MATRIX_PRODUCTS != "amx":
+        pytest.skip("this CPU has no AMX")
+    if path == "vdpbf16ps" and not DOT_PRODUCTS:
+        pytest.skip("this CPU has no AVX512_BF16")
+    taken = torch.ops.prefixgate.use_matrix_units(path != "vector", path == "amx")
+    assert taken == ("off" if path == "vector" else path)
+    yield path
     torch.ops.prefixgate.use_matrix_units(True)
+
+
+@pytest.fixture(params=["vector", "amx", "vdpbf16ps"])
+def bf16_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """bf16 prefill and extend of 16 or more tokens run as matrix products where the CPU has
+    them (AMX, or AVX512_BF16's vdpbf16ps), else on the vector kernel; each path is tested where
+    the CPU has it."""
+    yield from _take_path(request.param)
+
+
+@pytest.fixture(params=["amx", "vdpbf16ps"])
+def matrix_path(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The matrix path on each kind of products this CPU has."""
+    yield from _take_path(request.param)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -241,7 +257,7 @@ def test_decodes_of_different_share_groups_never_attend_together(bf16_path: str)
     assert torch.equal(_attend(inputs, decodes, [-1, -1, -1, -1]), apart)
     assert torch.equal(_attend(inputs, decodes, None), apart)  # no groups given: none formed
     together = _attend(inputs, decodes, [5, 5, 5, 5])
-    if bf16_path == "matrix":  # grouped: the shared blocks' products ran, in another order
+    if bf16_path != "vector":  # grouped: the shared blocks' products ran, in another order
         assert not torch.equal(together, apart)
     expected = reference(inputs, case.lengths, 0)[: len(decodes)]
     torch.testing.assert_close(together.double(), expected, atol=1.6e-2, rtol=1.6e-2)
@@ -249,13 +265,11 @@ def test_decodes_of_different_share_groups_never_attend_together(bf16_path: str)
     torch.testing.assert_close(two_groups, expected, atol=1.6e-2, rtol=1.6e-2)
 
 
-def test_a_prompt_chunk_rounds_as_in_one_prefill_at_any_length() -> None:
+def test_a_prompt_chunk_rounds_as_in_one_prefill_at_any_length(matrix_path: str) -> None:
     # A prompt's last rows computed after its first blocks came from the cache (an extend of
     # 1-40 tokens) against the same rows of one 300-token prefill: bit for bit, because prompt
     # chunks take the matrix path at any length. Without the flag a short extend runs on the
     # vector kernel, which rounds otherwise.
-    if not MATRIX_UNITS:
-        pytest.skip("this CPU has no bf16 matrix micro-kernels")
     inputs = make_inputs(Case([(300, 300)], heads=9, kv_heads=3, head_dim=64), torch.bfloat16)
 
     def attend_last(tail: int, prompt: bool | None) -> torch.Tensor:
@@ -274,12 +288,10 @@ def test_a_prompt_chunk_rounds_as_in_one_prefill_at_any_length() -> None:
     assert not torch.equal(attend_last(6, False), whole[-6:])
 
 
-def test_a_prefill_rounds_the_same_whatever_the_thread_count() -> None:
+def test_a_prefill_rounds_the_same_whatever_the_thread_count(matrix_path: str) -> None:
     # The matrix path gives its work items fewer rows where the batch would leave threads idle
     # (a short prompt on many threads): every row still gets the same bits, as the items'
     # products and softmax treat each row alone.
-    if not MATRIX_UNITS:
-        pytest.skip("this CPU has no bf16 matrix micro-kernels")
     inputs = make_inputs(Case([(100, 100), (40, 300)], heads=9, kv_heads=3, head_dim=64),
                          torch.bfloat16)  # fmt: skip
     threads = torch.get_num_threads()

@@ -12,12 +12,12 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kernels import cpu_build
-from engine.kernels.cpu_linear import MatrixLinear, PackedLinear, pack_linears
+from engine.kernels.cpu_linear import MatrixLinear, PackedLinear, matrix_linear, pack_linears
 from tests.support.models import engine_for, loaded, tiny_model
 
 cpu_build.load()
-if not torch.ops.prefixgate.use_matrix_units(True):
-    pytest.skip("this CPU has no bf16 matrix micro-kernels", allow_module_level=True)
+if matrix_linear(torch.nn.Linear(32, 32).to(torch.bfloat16)) is None:
+    pytest.skip("this CPU has no bf16 matrix micro-kernels (AMX)", allow_module_level=True)
 
 
 def bf16_linear(inputs: int, outputs: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
