@@ -1,10 +1,13 @@
-// bf16 matrix products with AVX512_BF16's `vdpbf16ps`, for CPUs that have it without AMX (AMD
-// Zen 4 and later, Intel Cooper Lake): the products paged_attention_matrix.cpp otherwise runs on
-// oneDNN's AMX micro-kernels, in the same layouts, so one packed tile serves either.
+// The bf16 matrix products of the CPU kernels (paged_attention_matrix.cpp, matrix_linear.cpp):
 //
 //   C [rows][cols] (fp32, rows ldc apart) = A [rows][depth] (bf16, rows lda apart) x B
 //   (+ C where `accumulate`), B packed as VNNI pairs: the 32-bit word at b[(k / 2) * ldb + n]
 //   holds B[k][n] in its low half and B[k + 1][n] in its high half.
+//
+// On a CPU with AMX they run on oneDNN's micro-kernels (torch's `cpublas::brgemm`); on one with
+// AVX512_BF16 but no AMX (AMD Zen 4 and later, Intel Cooper Lake), or while oneDNN is switched
+// off in torch, on the vdpbf16ps loops below, in the same layouts, so one packed tile or weight
+// serves either. Each output is one sum over the whole depth, in order, whatever the row count.
 //
 // One vdpbf16ps multiplies 16 such pairs by a broadcast pair of A and adds both products to 16
 // fp32 sums. A block of up to 6 rows x 4 vectors (64 columns) keeps its 24 sums in registers
@@ -12,12 +15,19 @@
 // and issues 24 vdpbf16ps, so the loads never bound it.
 #pragma once
 
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
 #include <cstdint>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
 
 namespace prefixgate {
+
+#if defined(__AVX512BF16__)
 
 constexpr int kProductRows = 6;     // rows per register block
 constexpr int kProductVectors = 4;  // 16-column vectors per register block
@@ -64,10 +74,10 @@ inline void product_rows(int64_t cols, int64_t pairs, const uint32_t* a, int64_t
   }
 }
 
-// The product above; cols a multiple of 16, depth and lda even.
-inline void bf16_product(int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ldb,
-                         int64_t ldc, bool accumulate, const uint16_t* a, const uint32_t* b,
-                         float* c) {
+// The product on vdpbf16ps; cols a multiple of 16, depth and lda even.
+inline void dot_product(int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ldb,
+                        int64_t ldc, bool accumulate, const uint16_t* a, const uint32_t* b,
+                        float* c) {
   const auto* words = reinterpret_cast<const uint32_t*>(a);
   const int64_t pairs = depth / 2, a_words = lda / 2;
   int64_t r = 0;
@@ -87,6 +97,51 @@ inline void bf16_product(int64_t rows, int64_t cols, int64_t depth, int64_t lda,
   }
 }
 
-}  // namespace prefixgate
-
 #endif  // __AVX512BF16__
+
+// False: the vdpbf16ps loops even where AMX is (tests of them on such a CPU).
+inline std::atomic<bool>& amx_allowed() {
+  static std::atomic<bool> allowed{true};
+  return allowed;
+}
+
+// Whether products run on AMX now. Asked per call of a kernel: it is false while oneDNN is
+// switched off in torch, too.
+inline bool amx_products() {
+  return amx_allowed() && at::native::cpublas::could_pack(at::kBFloat16);
+}
+
+// Whether this CPU has bf16 products at all (AMX, or the kernels were built with AVX512_BF16).
+inline bool bf16_products_available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return amx_products();
+#endif
+}
+
+// The product at the top of this file, on AMX where `on_amx` (amx_products() of the caller's
+// kernel call), else on vdpbf16ps.
+inline void bf16_product(bool on_amx, int64_t rows, int64_t cols, int64_t depth, int64_t lda,
+                         int64_t ldb, int64_t ldc, bool accumulate, const void* a, const void* b,
+                         float* c) {
+  if (on_amx) {
+    at::native::cpublas::brgemm(rows, cols, depth, lda, ldb, ldc, accumulate,
+                                static_cast<const c10::BFloat16*>(a),
+                                static_cast<const c10::BFloat16*>(b), c, true);
+    return;
+  }
+#if defined(__AVX512BF16__)
+  dot_product(rows, cols, depth, lda, ldb, ldc, accumulate, static_cast<const uint16_t*>(a),
+              static_cast<const uint32_t*>(b), c);
+#else
+  TORCH_CHECK(false, "this CPU has no bf16 matrix micro-kernels");
+#endif
+}
+
+// What a thread that ran AMX products calls when its kernel call is done (oneDNN's tile state).
+inline void release_products(bool on_amx) {
+  if (on_amx) at::native::cpublas::brgemm_release(true);
+}
+
+}  // namespace prefixgate

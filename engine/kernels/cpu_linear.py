@@ -1,7 +1,8 @@
 """Linear layers on the CPU: bf16 ones on PrefixGate's own kernel where the CPU has bf16
-matrix units, the rest on whichever of two torch paths measured faster here for the row count.
+matrix products (AMX or AVX512_BF16), the rest on whichever of two torch paths measured faster
+here for the row count.
 
-**bf16 with matrix units (AMX): `MatrixLinear`** (`matrix_linear.cpp`). Every output is one
+**bf16 with AMX or AVX512_BF16: `MatrixLinear`** (`matrix_linear.cpp`). Every output is one
 micro-kernel product over all input features, in one order, whatever the call's row count and
 thread count, so a token's projections are the same bits alone, in a prefill of thousands of
 tokens, or beside other tenants' tokens in a step. oneDNN's matmul and torch's `linear` are not
@@ -11,14 +12,16 @@ rows than in a 1,536-row call; oneDNN's packed matmul, for the 1,536-input down 
 shared its steps, and on whether its prefix came from the cache. No timing decides anything
 here, so two processes on one machine compute the same bits. SmolLM2's 30 layers of
 projections against the paths measured below, side by side: one row 13.0 -> 10.4 ms, 16 rows
-13.6 -> 11.0 ms, 512 rows equal, 1,536 rows 133-146 -> 146-166 ms.
+13.6 -> 11.0 ms, 512 rows equal, 1,536 rows 133-146 -> 146-166 ms. On an AMD EPYC with
+AVX512_BF16 and no AMX (vdpbf16ps products), against oneDNN's packed matmul, call by call: one
+row 1.2-1.4x as fast, 16 rows 0.9-1.25x, 512-1,536 rows 0.93-1.02x.
 
 **Everything else: `PackedLinear`.** torch's plain `linear` hands the weight over row-major on
 every call; oneDNN can instead read a copy packed once in its own blocked layout. Which is
 faster depends on the CPU and on how many rows a call has, and not a little:
 - On an AMD EPYC (AVX-512, AVX512_BF16): packed was faster everywhere. SmolLM2's 30 layers of
-  projections, bf16, one row 11.2 -> 8.6 ms; fp32, one row 26 -> 17 ms, 16 rows 46 -> 18 ms,
-  1,536 rows 2.2x faster.
+  projections, bf16 (before `MatrixLinear` ran there), one row 11.2 -> 8.6 ms; fp32, one row
+  26 -> 17 ms, 16 rows 46 -> 18 ms, 1,536 rows 2.2x faster.
 - On an Intel Xeon with AVX-512 but no bf16 (2026-11-30), fp32: packed was 1.5-5x *slower* at
   one row (576 x 576: 51 us plain, 179 us packed), 2.5-4x faster at 16 rows, and 5-10% slower
   at 512.

@@ -28,7 +28,6 @@
 #include "paged_attention_matrix.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
 #include <array>
@@ -55,37 +54,6 @@ constexpr int64_t kRowTarget = 192;
 constexpr int64_t kKeyStep = 32;
 
 std::atomic<bool> enabled{true};
-std::atomic<bool> amx_allowed{true};  // false: vdpbf16ps products even where AMX is (tests)
-
-// Whether the products run on oneDNN's micro-kernels (AMX). Asked each time: it is false while
-// oneDNN is switched off in torch, too; then, and on a CPU with AVX512_BF16 but no AMX, they
-// run on bf16_product.h's vdpbf16ps loops, where the kernels were built with AVX512_BF16.
-bool amx() { return amx_allowed && at::native::cpublas::could_pack(at::kBFloat16); }
-
-bool available() {
-#if defined(__AVX512BF16__)
-  return true;
-#else
-  return amx();
-#endif
-}
-
-// C = A B (+ C where `accumulate`): A [rows][depth] bf16 with rows `lda` apart, B packed pairs
-// [depth / 2][ldb], C [rows][cols] fp32 with rows `ldc` apart; on AMX where `on_amx`.
-void product(bool on_amx, int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ldb,
-             int64_t ldc, bool accumulate, const uint16_t* a, const uint32_t* b, float* c) {
-  if (on_amx) {
-    at::native::cpublas::brgemm(rows, cols, depth, lda, ldb, ldc, accumulate,
-                                reinterpret_cast<const c10::BFloat16*>(a),
-                                reinterpret_cast<const c10::BFloat16*>(b), c, true);
-    return;
-  }
-#if defined(__AVX512BF16__)
-  bf16_product(rows, cols, depth, lda, ldb, ldc, accumulate, a, b, c);
-#else
-  TORCH_CHECK(false, "this CPU has no bf16 matrix micro-kernels");
-#endif
-}
 
 // Where one sequence's packed tiles are: tiles [first_tile, first_tile + tiles) of its context,
 // per KV head `head` at packed + (head * tiles + t) * tile_words.
@@ -243,7 +211,7 @@ void pack_tile(const Geometry& g, const SequenceSpan& span, int64_t head, int64_
 
 // Scratch of one item, reused across the items a thread runs.
 struct Scratch {
-  bool on_amx = amx();  // which micro-kernels its products run on
+  bool on_amx = amx_products();  // which products it runs
   std::vector<uint16_t> q, probabilities;
   std::vector<float> scores, acc, max, sum;
   std::vector<int64_t> position;
@@ -326,11 +294,11 @@ void attend_tile(const Geometry& g, Scratch& s, int64_t rows, int64_t first_key,
                  const uint32_t* key_tile) {
   const int64_t dim = g.head_dim;
   const uint32_t* value_tile = key_tile + dim / 2 * kKeyTile;
-  product(s.on_amx, rows, keys, dim, dim, kKeyTile, kKeyTile, false, s.q.data(), key_tile,
-          s.scores.data());
+  bf16_product(s.on_amx, rows, keys, dim, dim, kKeyTile, kKeyTile, false, s.q.data(), key_tile,
+               s.scores.data());
   for (int64_t r = 0; r < rows; ++r) softmax_row(s, r, dim, first_key, keys, g.scale, g.window);
-  product(s.on_amx, rows, dim, keys, kKeyTile, dim, dim, true, s.probabilities.data(), value_tile,
-          s.acc.data());
+  bf16_product(s.on_amx, rows, dim, keys, kKeyTile, dim, dim, true, s.probabilities.data(),
+               value_tile, s.acc.data());
 }
 
 void attend_item(const Geometry& g, const WorkItem& item, const Packed& p, Scratch& s,
@@ -387,7 +355,7 @@ void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, 
   // small whatever the groups' sizes.
   const int64_t padded = (rows + 15) / 16 * 16;
   thread_local Scratch s;
-  s.on_amx = amx();
+  s.on_amx = amx_products();
   s.resize(padded, dim);
   std::fill(s.q.begin(), s.q.end(), 0);
   for (int64_t r = 0; r < padded; ++r) {
@@ -395,7 +363,7 @@ void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, 
     s.position[r] = end - 1;  // ...and masked: every row sees the tile's keys up to `end`
   }
   attend_tile(g, s, padded, first, visible_keys(first, end - 1), tile.data());
-  if (s.on_amx) at::native::cpublas::brgemm_release(true);
+  release_products(s.on_amx);
   std::copy(s.max.begin(), s.max.begin() + rows, state);
   std::copy(s.sum.begin(), s.sum.begin() + rows, state + rows);
   std::copy(s.acc.begin(), s.acc.begin() + rows * dim, state + 2 * rows);
@@ -403,12 +371,12 @@ void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, 
 
 std::string matrix_units(bool enable, bool allow_amx) {
   enabled = enable;
-  amx_allowed = allow_amx;
+  amx_allowed() = allow_amx;
   if (!matrix_units_on()) return "off";
-  return amx() ? "amx" : "vdpbf16ps";
+  return amx_products() ? "amx" : "vdpbf16ps";
 }
 
-bool matrix_units_on() { return enabled && available(); }
+bool matrix_units_on() { return enabled && bf16_products_available(); }
 
 void attend_matrix(const Geometry& g, const std::vector<SequenceSpan>& sequences,
                    const c10::BFloat16* query, const c10::BFloat16* key_cache,
@@ -480,7 +448,7 @@ void attend_matrix(const Geometry& g, const std::vector<SequenceSpan>& sequences
         attend_item(g, item, packed[item.sequence], scratch, query, out);
       }
     }
-    if (scratch.on_amx) at::native::cpublas::brgemm_release(true);
+    release_products(scratch.on_amx);
   });
 }
 

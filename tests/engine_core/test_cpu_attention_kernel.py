@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from engine.kernels import cpu_build
+from tests.support import matrix_products
 from tests.support.attention_cases import CASES, Case, Inputs, make_inputs, reference
 
 cpu_build.load()
@@ -43,36 +44,18 @@ def run_case(case: Case, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tenso
     return output.double(), reference(inputs, case.lengths, case.window)
 
 
-# The matrix path's products on this CPU: "amx" (oneDNN's micro-kernels), "vdpbf16ps"
-# (bf16_product.h, AVX512_BF16) or "off"; and whether the vdpbf16ps ones can run here.
-MATRIX_PRODUCTS = torch.ops.prefixgate.use_matrix_units(True)
-DOT_PRODUCTS = torch.ops.prefixgate.use_matrix_units(True, False) == "vdpbf16ps"
-torch.ops.prefixgate.use_matrix_units(True)
-
-
-def _take_path(path: str) -> Iterator[str]:
-    if path == "amx" and MATRIX_PRODUCTS != "amx":
-        pytest.skip("this CPU has no AMX")
-    if path == "vdpbf16ps" and not DOT_PRODUCTS:
-        pytest.skip("this CPU has no AVX512_BF16")
-    taken = torch.ops.prefixgate.use_matrix_units(path != "vector", path == "amx")
-    assert taken == ("off" if path == "vector" else path)
-    yield path
-    torch.ops.prefixgate.use_matrix_units(True)
-
-
 @pytest.fixture(params=["vector", "amx", "vdpbf16ps"])
 def bf16_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """bf16 prefill and extend of 16 or more tokens run as matrix products where the CPU has
     them (AMX, or AVX512_BF16's vdpbf16ps), else on the vector kernel; each path is tested where
     the CPU has it."""
-    yield from _take_path(request.param)
+    yield from matrix_products.take(request.param)
 
 
 @pytest.fixture(params=["amx", "vdpbf16ps"])
 def matrix_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """The matrix path on each kind of products this CPU has."""
-    yield from _take_path(request.param)
+    yield from matrix_products.take(request.param)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -13,11 +13,18 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kernels import cpu_build
 from engine.kernels.cpu_linear import MatrixLinear, PackedLinear, matrix_linear, pack_linears
+from tests.support import matrix_products
 from tests.support.models import engine_for, loaded, tiny_model
 
 cpu_build.load()
 if matrix_linear(torch.nn.Linear(32, 32).to(torch.bfloat16)) is None:
-    pytest.skip("this CPU has no bf16 matrix micro-kernels (AMX)", allow_module_level=True)
+    pytest.skip("this CPU has no bf16 matrix products (AMX, AVX512_BF16)", allow_module_level=True)
+
+
+@pytest.fixture(params=["amx", "vdpbf16ps"], autouse=True)
+def products(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test on each kind of bf16 products this CPU has."""
+    yield from matrix_products.take(request.param)
 
 
 def bf16_linear(inputs: int, outputs: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
