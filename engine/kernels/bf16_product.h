@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -32,8 +33,9 @@ namespace prefixgate {
 constexpr int kProductRows = 6;     // rows per register block
 constexpr int kProductVectors = 4;  // 16-column vectors per register block
 
+// A's pairs are copied out as words (memcpy): its bf16 storage is never read through a uint32_t.
 template <int Rows, int Vectors>
-inline void product_block(int64_t pairs, const uint32_t* a, int64_t a_words, const uint32_t* b,
+inline void product_block(int64_t pairs, const uint16_t* a, int64_t lda, const uint32_t* b,
                           int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   __m512 sums[Rows][Vectors];
   for (int i = 0; i < Rows; ++i) {
@@ -47,7 +49,9 @@ inline void product_block(int64_t pairs, const uint32_t* a, int64_t a_words, con
       columns[j] = (__m512bh)_mm512_loadu_si512(b + p * ldb + j * 16);
     }
     for (int i = 0; i < Rows; ++i) {
-      const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * a_words + p]));
+      int32_t word;
+      std::memcpy(&word, a + i * lda + 2 * p, sizeof(word));
+      const __m512bh pair = (__m512bh)_mm512_set1_epi32(word);
       for (int j = 0; j < Vectors; ++j) sums[i][j] = _mm512_dpbf16_ps(sums[i][j], pair, columns[j]);
     }
   }
@@ -59,17 +63,17 @@ inline void product_block(int64_t pairs, const uint32_t* a, int64_t a_words, con
 // One row block of `Rows` rows across all columns: blocks of kProductVectors vectors, then the
 // 1-3 vectors left.
 template <int Rows>
-inline void product_rows(int64_t cols, int64_t pairs, const uint32_t* a, int64_t a_words,
+inline void product_rows(int64_t cols, int64_t pairs, const uint16_t* a, int64_t lda,
                          const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   constexpr int64_t kBlock = kProductVectors * 16;
   int64_t n = 0;
   for (; n + kBlock <= cols; n += kBlock) {
-    product_block<Rows, kProductVectors>(pairs, a, a_words, b + n, ldb, c + n, ldc, accumulate);
+    product_block<Rows, kProductVectors>(pairs, a, lda, b + n, ldb, c + n, ldc, accumulate);
   }
   switch ((cols - n) / 16) {
-    case 3: product_block<Rows, 3>(pairs, a, a_words, b + n, ldb, c + n, ldc, accumulate); break;
-    case 2: product_block<Rows, 2>(pairs, a, a_words, b + n, ldb, c + n, ldc, accumulate); break;
-    case 1: product_block<Rows, 1>(pairs, a, a_words, b + n, ldb, c + n, ldc, accumulate); break;
+    case 3: product_block<Rows, 3>(pairs, a, lda, b + n, ldb, c + n, ldc, accumulate); break;
+    case 2: product_block<Rows, 2>(pairs, a, lda, b + n, ldb, c + n, ldc, accumulate); break;
+    case 1: product_block<Rows, 1>(pairs, a, lda, b + n, ldb, c + n, ldc, accumulate); break;
     default: break;
   }
 }
@@ -78,21 +82,20 @@ inline void product_rows(int64_t cols, int64_t pairs, const uint32_t* a, int64_t
 inline void dot_product(int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ldb,
                         int64_t ldc, bool accumulate, const uint16_t* a, const uint32_t* b,
                         float* c) {
-  const auto* words = reinterpret_cast<const uint32_t*>(a);
-  const int64_t pairs = depth / 2, a_words = lda / 2;
+  const int64_t pairs = depth / 2;
   int64_t r = 0;
   for (; r + kProductRows <= rows; r += kProductRows) {
-    product_rows<kProductRows>(cols, pairs, words + r * a_words, a_words, b, ldb, c + r * ldc,
-                               ldc, accumulate);
+    product_rows<kProductRows>(cols, pairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc,
+                               accumulate);
   }
-  const uint32_t* rest = words + r * a_words;
+  const uint16_t* rest = a + r * lda;
   float* target = c + r * ldc;
   switch (rows - r) {
-    case 5: product_rows<5>(cols, pairs, rest, a_words, b, ldb, target, ldc, accumulate); break;
-    case 4: product_rows<4>(cols, pairs, rest, a_words, b, ldb, target, ldc, accumulate); break;
-    case 3: product_rows<3>(cols, pairs, rest, a_words, b, ldb, target, ldc, accumulate); break;
-    case 2: product_rows<2>(cols, pairs, rest, a_words, b, ldb, target, ldc, accumulate); break;
-    case 1: product_rows<1>(cols, pairs, rest, a_words, b, ldb, target, ldc, accumulate); break;
+    case 5: product_rows<5>(cols, pairs, rest, lda, b, ldb, target, ldc, accumulate); break;
+    case 4: product_rows<4>(cols, pairs, rest, lda, b, ldb, target, ldc, accumulate); break;
+    case 3: product_rows<3>(cols, pairs, rest, lda, b, ldb, target, ldc, accumulate); break;
+    case 2: product_rows<2>(cols, pairs, rest, lda, b, ldb, target, ldc, accumulate); break;
+    case 1: product_rows<1>(cols, pairs, rest, lda, b, ldb, target, ldc, accumulate); break;
     default: break;
   }
 }
@@ -121,10 +124,12 @@ inline bool bf16_products_available() {
 }
 
 // The product at the top of this file, on AMX where `on_amx` (amx_products() of the caller's
-// kernel call), else on vdpbf16ps.
+// kernel call), else on vdpbf16ps; cols a multiple of 16, depth and lda even.
 inline void bf16_product(bool on_amx, int64_t rows, int64_t cols, int64_t depth, int64_t lda,
                          int64_t ldb, int64_t ldc, bool accumulate, const void* a, const void* b,
                          float* c) {
+  TORCH_CHECK(cols % 16 == 0 && depth % 2 == 0 && lda % 2 == 0,
+              "a bf16 product takes whole vectors of columns and pairs of depth");
   if (on_amx) {
     at::native::cpublas::brgemm(rows, cols, depth, lda, ldb, ldc, accumulate,
                                 static_cast<const c10::BFloat16*>(a),

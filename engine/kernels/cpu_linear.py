@@ -57,8 +57,8 @@ LARGE_ROWS_MAX_WEIGHT = 16 << 20
 # costs no second copy of the weight.
 MARGIN = 0.9
 _ROUNDS, _REPEATS = 2, 2
-# What matrix_linear.cpp says where the CPU (or torch, with oneDNN off) has no bf16 matrix
-# micro-kernels.
+# What matrix_linear.cpp says where it has no bf16 products: no AMX (or oneDNN off in torch),
+# and the kernels not built with AVX512_BF16.
 NO_MATRIX_UNITS = "this CPU has no bf16 matrix micro-kernels"
 
 
@@ -210,9 +210,10 @@ def _best_time(call: Callable[[], torch.Tensor]) -> float:
 
 def pack_linears(model: torch.nn.Module) -> dict[tuple[int, int], LinearPlan]:
     """Swap every bf16 CPU `nn.Linear` of `model` for a `MatrixLinear` where the CPU has bf16
-    matrix units, and every other fp32 or bf16 one for a `PackedLinear` on a plan measured once
-    per weight shape; returns the plans by (out, in) features. A layer stays as it was without
-    oneDNN, on other devices, or in bf16 where oneDNN has no bf16 support."""
+    matrix products (AMX or AVX512_BF16), and every other fp32 or bf16 one for a `PackedLinear`
+    on a plan measured once per weight shape; returns the plans by (out, in) features. A layer
+    stays as it was without oneDNN, on other devices, or in bf16 where oneDNN has no bf16
+    support."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and (swapped := matrix_linear(child)) is not None:

@@ -658,7 +658,7 @@ SharedPrefixes find_shared_prefixes(const Geometry& g, bool matrix, int64_t sequ
   SharedPrefixes shared;
   shared.group_of.assign(sequences, -1);
   shared.member_of.assign(sequences, -1);
-  // Without matrix units a member reads the prefix itself: the vector kernel's shared tiles
+  // Without the matrix path a member reads the prefix itself: the vector kernel's shared tiles
   // measured slower than its own decode loop over keys the cache already held. A window would
   // make each member see another range.
   if (!matrix || g.window > 0 || share_groups == nullptr) return shared;
@@ -972,16 +972,18 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   }
 }
 
-// Switches the matrix path on or off, and its AMX products (tests of the other paths); returns
-// which products it runs on: "amx", "vdpbf16ps" or "off".
-std::string use_matrix_units(bool enable, bool amx) { return matrix_units(enable, amx); }
+// Switches the matrix path on or off, and where `amx` is given AMX products (tests of the other
+// paths; see matrix_units); returns which products it runs on: "amx", "vdpbf16ps" or "off".
+std::string use_matrix_units(bool enable, std::optional<bool> amx) {
+  return matrix_units(enable, amx);
+}
 
 TORCH_LIBRARY(prefixgate, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_starts, Tensor context_lens, float scale, "
       "int window, Tensor? share_groups=None, Tensor? prompt_chunks=None) -> ()");
-  m.def("use_matrix_units(bool enable, bool amx=True) -> str", &use_matrix_units);
+  m.def("use_matrix_units(bool enable, bool? amx=None) -> str", &use_matrix_units);
 }
 
 TORCH_LIBRARY_IMPL(prefixgate, CPU, m) { m.impl("paged_attention", &paged_attention); }

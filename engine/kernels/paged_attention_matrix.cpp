@@ -35,6 +35,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "bf16_product.h"
@@ -369,9 +370,9 @@ void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, 
   std::copy(s.acc.begin(), s.acc.begin() + rows * dim, state + 2 * rows);
 }
 
-std::string matrix_units(bool enable, bool allow_amx) {
+std::string matrix_units(bool enable, std::optional<bool> allow_amx) {
   enabled = enable;
-  amx_allowed() = allow_amx;
+  if (allow_amx.has_value()) amx_allowed() = *allow_amx;
   if (!matrix_units_on()) return "off";
   return amx_products() ? "amx" : "vdpbf16ps";
 }

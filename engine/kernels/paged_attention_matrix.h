@@ -5,6 +5,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,9 +36,10 @@ constexpr int64_t kMatrixKeyTile = 256;
 // Whether the matrix path runs on this CPU (oneDNN's bf16 micro-kernels, which need AMX, with
 // oneDNN switched on in torch; or vdpbf16ps products where the kernels were built with
 // AVX512_BF16) and is switched on (`enable` false switches it off, for tests of the vector
-// path; `allow_amx` false takes vdpbf16ps products on a CPU with AMX too, for their tests).
-// Returns which products run now: "amx", "vdpbf16ps" or "off".
-std::string matrix_units(bool enable, bool allow_amx);
+// path; `allow_amx` false takes vdpbf16ps products on a CPU with AMX too, in the linear layers
+// as well, for their tests; without it that stays as it was). Returns which products the path
+// runs now: "amx", "vdpbf16ps" or "off".
+std::string matrix_units(bool enable, std::optional<bool> allow_amx);
 bool matrix_units_on();
 
 // Attention of `sequences` (prompt chunks, and others of at least kMatrixMinTokens queries)
