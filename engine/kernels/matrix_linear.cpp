@@ -157,9 +157,14 @@ at::Tensor matrix_linear(const at::Tensor& input, const at::Tensor& packed,
   const int64_t element = fp32_out ? 4 : 2;
   const int64_t groups = (rows + kGroupRows - 1) / kGroupRows;
   // Enough column chunks for every thread when there are few row groups (decode).
-  const int64_t chunks = std::min<int64_t>(
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = std::min<int64_t>(
       tiles, std::max<int64_t>((tiles + kChunkTiles - 1) / kChunkTiles,
-                               (at::get_num_threads() + groups - 1) / groups));
+                               (threads + groups - 1) / groups));
+  // Whole rounds of items for the threads where the tiles allow, so that no thread waits for
+  // another's extra chunk: the gate-and-up projection's 24 tiles in 3 chunks on 2 threads took
+  // 184 us at 16 rows, in 4 chunks 142 us (one row: 38 -> 34 us).
+  while (chunks < tiles && (groups * chunks) % threads != 0) ++chunks;
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kRowBlock * kColumns];
     alignas(64) float up_sums[kRowBlock * kColumns];
