@@ -15,7 +15,7 @@ import torch
 from engine.attention import PagedBatch
 from engine.block_pool import fill_zero
 from engine.kernels import KernelUnavailable, cpu_build
-from engine.precision import cpu_flags
+from engine.precision import native_bf16_flags
 
 
 class CpuAttention:
@@ -40,7 +40,7 @@ class CpuAttention:
         # Matrix products for bf16 prefill where they were measured to pay: on AMX, and on
         # AVX512_BF16's vdpbf16ps (bf16_product.h; a 1,536-token prefill's attention 2.2x faster
         # than the vector kernel's, measured on an AMD EPYC).
-        torch.ops.prefixgate.use_matrix_units(bool(cpu_flags() & {"amx_bf16", "avx512_bf16"}))
+        torch.ops.prefixgate.use_matrix_units(bool(native_bf16_flags()))
         return cls()
 
     def write(
