@@ -212,7 +212,7 @@ void pack_tile(const Geometry& g, const SequenceSpan& span, int64_t head, int64_
 
 // Scratch of one item, reused across the items a thread runs.
 struct Scratch {
-  bool on_amx = amx_products();  // which products it runs
+  bool on_amx = false;  // which products it runs: decided once per kernel call
   std::vector<uint16_t> q, probabilities;
   std::vector<float> scores, acc, max, sum;
   std::vector<int64_t> position;
@@ -442,8 +442,10 @@ void attend_matrix(const Geometry& g, const std::vector<SequenceSpan>& sequences
     }
   }
   const auto lanes = balance(std::move(items), at::get_num_threads());
+  const bool on_amx = amx_products();
   at::parallel_for(0, static_cast<int64_t>(lanes.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
+    scratch.on_amx = on_amx;
     for (int64_t lane = begin; lane < end; ++lane) {
       for (const WorkItem& item : lanes[lane]) {
         attend_item(g, item, packed[item.sequence], scratch, query, out);
