@@ -439,9 +439,13 @@ def test_a_worker_that_hangs_is_dropped_and_a_drained_one_takes_no_new_requests(
 
 
 def long_stream(client: openai.OpenAI) -> str | None:
-    """Stream a long answer to its end; the last choice's finish reason."""
+    """Stream a long answer to its end; the last choice's finish reason.
+
+    The end-of-sequence token (2) is biased away: a sampled one would end the stream early with
+    "stop", and the test asserts the whole stream, to max_tokens.
+    """
     chunks = client.chat.completions.create(
-        model=MODEL, max_tokens=1200, temperature=0.9, stream=True,
+        model=MODEL, max_tokens=1200, temperature=0.9, stream=True, logit_bias={"2": -100},
         messages=[{"role": "user", "content": "Write a very long story."}],
     )  # fmt: skip
     reasons = [
