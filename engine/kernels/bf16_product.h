@@ -6,13 +6,23 @@
 //
 // On a CPU with AMX they run on oneDNN's micro-kernels (torch's `cpublas::brgemm`); on one with
 // AVX512_BF16 but no AMX (AMD Zen 4 and later, Intel Cooper Lake), or while oneDNN is switched
-// off in torch, on the vdpbf16ps loops below, in the same layouts, so one packed tile or weight
-// serves either. Each output is one sum over the whole depth, in order, whatever the row count.
+// off in torch, on the vdpbf16ps loops below; on one with neither (AVX2 and FMA only), on fp32
+// FMA loops that widen each bf16 to fp32 on the way. All take the same layouts, so one packed
+// tile or weight serves any of them. Each output is one sum over the whole depth, in order,
+// whatever the row count.
 //
 // One vdpbf16ps multiplies 16 such pairs by a broadcast pair of A and adds both products to 16
 // fp32 sums. A block of up to 6 rows x 4 vectors (64 columns) keeps its 24 sums in registers
 // through the whole depth: per pair of depth it loads 4 vectors of B, broadcasts 6 words of A
 // and issues 24 vdpbf16ps, so the loads never bound it.
+//
+// With AVX2, a bf16 is the high half of the fp32 of the same value: a pair's high element is the
+// word with its low half masked off, its low element the word shifted up by 16 bits. Each pair
+// then takes two FMAs, the high element's first, the order Intel documents for vdpbf16ps (the
+// product of two bf16 is exact in fp32, so each FMA rounds once, as each of its adds does;
+// subnormals, which vdpbf16ps flushes to zero, are kept here). A block of 6 rows x 2 vectors
+// (16 columns) keeps its 12 sums in registers: 12 chains of FMAs, enough to hide their latency
+// (with 8, the products ran at 80% of torch's fp32 ones).
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
@@ -21,8 +31,9 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -78,17 +89,120 @@ inline void product_rows(int64_t cols, int64_t pairs, const uint16_t* a, int64_t
   }
 }
 
-// The product on vdpbf16ps; cols a multiple of 16, depth and lda even.
-inline void dot_product(int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ldb,
-                        int64_t ldc, bool accumulate, const uint16_t* a, const uint32_t* b,
-                        float* c) {
-  const int64_t pairs = depth / 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+
+constexpr int kProductRows = 6;  // rows per register block (of 2 vectors, 16 columns)
+
+// bf16 pairs in 32-bit words -> fp32 of their high and of their low elements.
+inline __m256 high_halves(__m256i words) {
+  return _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(0xFFFF0000)));
+}
+inline __m256 low_halves(__m256i words) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+}
+
+// `a`: A widened to fp32, rows lda apart. Each sum adds a pair's high product before its low
+// one. Blocks of 3 or more rows take, per pair of depth, every row's high products first, then
+// every row's low ones: B's high and low halves take turns in 2 registers, beside 12 sums and
+// a broadcast of A. Blocks of 1 or 2 rows (decode) are wider, 8 or 4 vectors, and go vector
+// by vector, both halves at once: per pair they read B's 64 columns (256 bytes, a weight's
+// whole packed tile row) in one pass. One row through SmolLM2's 30 layers of projections, their
+// weights streaming from memory: 20.6 ms in 2-vector blocks, 11.0 ms so (torch's bf16 product
+// 12.8 ms, fp32 32 ms).
+template <int Rows, int Vectors>
+inline void product_block(int64_t pairs, const float* a, int64_t lda, const uint32_t* b,
+                          int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  static_assert(Rows <= 2 || Vectors == 2, "blocks of 3 or more rows are 2 vectors wide");
+  __m256 sums[Rows][Vectors];
+  for (int i = 0; i < Rows; ++i) {
+    for (int j = 0; j < Vectors; ++j) {
+      sums[i][j] = accumulate ? _mm256_loadu_ps(c + i * ldc + j * 8) : _mm256_setzero_ps();
+    }
+  }
+  const auto words = [&](int64_t p, int j) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + p * ldb + j * 8));
+  };
+  for (int64_t p = 0; p < pairs; ++p) {
+    if constexpr (Rows <= 2) {
+      __m256 high_a[Rows], low_a[Rows];
+      for (int i = 0; i < Rows; ++i) {
+        high_a[i] = _mm256_broadcast_ss(a + i * lda + 2 * p + 1);
+        low_a[i] = _mm256_broadcast_ss(a + i * lda + 2 * p);
+      }
+      for (int j = 0; j < Vectors; ++j) {
+        const __m256i both = words(p, j);
+        const __m256 high = high_halves(both), low = low_halves(both);
+        for (int i = 0; i < Rows; ++i) {
+          sums[i][j] = _mm256_fmadd_ps(high_a[i], high, sums[i][j]);
+          sums[i][j] = _mm256_fmadd_ps(low_a[i], low, sums[i][j]);
+        }
+      }
+    } else {
+      const __m256 high[2] = {high_halves(words(p, 0)), high_halves(words(p, 1))};
+      for (int i = 0; i < Rows; ++i) {
+        const __m256 value = _mm256_broadcast_ss(a + i * lda + 2 * p + 1);
+        for (int j = 0; j < 2; ++j) sums[i][j] = _mm256_fmadd_ps(value, high[j], sums[i][j]);
+      }
+      const __m256 low[2] = {low_halves(words(p, 0)), low_halves(words(p, 1))};
+      for (int i = 0; i < Rows; ++i) {
+        const __m256 value = _mm256_broadcast_ss(a + i * lda + 2 * p);
+        for (int j = 0; j < 2; ++j) sums[i][j] = _mm256_fmadd_ps(value, low[j], sums[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < Rows; ++i) {
+    for (int j = 0; j < Vectors; ++j) _mm256_storeu_ps(c + i * ldc + j * 8, sums[i][j]);
+  }
+}
+
+template <int Rows>
+inline void product_rows(int64_t cols, int64_t pairs, const float* a, int64_t lda,
+                         const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  constexpr int kWide = Rows == 1 ? 8 : Rows == 2 ? 4 : 2;
+  int64_t n = 0;
+  for (; n + kWide * 8 <= cols; n += kWide * 8) {
+    product_block<Rows, kWide>(pairs, a, lda, b + n, ldb, c + n, ldc, accumulate);
+  }
+  for (; n < cols; n += 16) {
+    product_block<Rows, 2>(pairs, a, lda, b + n, ldb, c + n, ldc, accumulate);
+  }
+}
+
+// A's rows widened to fp32 into `wide` (rows x depth), for the blocks above.
+inline void widen_rows(int64_t rows, int64_t depth, const uint16_t* a, int64_t lda,
+                       std::vector<float>& wide) {
+  wide.resize(rows * depth);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* source = a + r * lda;
+    float* target = wide.data() + r * depth;
+    int64_t k = 0;
+    for (; k + 8 <= depth; k += 8) {
+      const __m128i narrow = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + k));
+      const __m256i words = _mm256_slli_epi32(_mm256_cvtepu16_epi32(narrow), 16);
+      _mm256_storeu_ps(target + k, _mm256_castsi256_ps(words));
+    }
+    for (; k < depth; ++k) {
+      const uint32_t bits = static_cast<uint32_t>(source[k]) << 16;
+      std::memcpy(target + k, &bits, sizeof(bits));
+    }
+  }
+}
+
+#endif
+
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+#define PREFIXGATE_DOT_PRODUCTS 1
+
+// Rows in blocks of kProductRows, then the 1-5 left, each block across all columns.
+template <typename Scalar>
+inline void row_blocks(int64_t rows, int64_t cols, int64_t pairs, const Scalar* a, int64_t lda,
+                       const uint32_t* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   int64_t r = 0;
   for (; r + kProductRows <= rows; r += kProductRows) {
     product_rows<kProductRows>(cols, pairs, a + r * lda, lda, b, ldb, c + r * ldc, ldc,
                                accumulate);
   }
-  const uint16_t* rest = a + r * lda;
+  const Scalar* rest = a + r * lda;
   float* target = c + r * ldc;
   switch (rows - r) {
     case 5: product_rows<5>(cols, pairs, rest, lda, b, ldb, target, ldc, accumulate); break;
@@ -100,9 +214,34 @@ inline void dot_product(int64_t rows, int64_t cols, int64_t depth, int64_t lda, 
   }
 }
 
-#endif  // __AVX512BF16__
+// The product on vdpbf16ps, or on AVX2's FMA with A widened to fp32 once per call (into each
+// thread's scratch), not once per block of columns; cols a multiple of 16, depth and lda even.
+inline void dot_product(int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ldb,
+                        int64_t ldc, bool accumulate, const uint16_t* a, const uint32_t* b,
+                        float* c) {
+#if defined(__AVX512BF16__)
+  row_blocks(rows, cols, depth / 2, a, lda, b, ldb, c, ldc, accumulate);
+#else
+  thread_local std::vector<float> wide;
+  widen_rows(rows, depth, a, lda, wide);
+  row_blocks(rows, cols, depth / 2, wide.data(), depth, b, ldb, c, ldc, accumulate);
+#endif
+}
 
-// False: the vdpbf16ps loops even where AMX is (tests of them on such a CPU).
+#endif
+
+// The loops this build has where AMX is not taken: "vdpbf16ps", "fma" (AVX2), or none ("").
+inline const char* dot_products_name() {
+#if defined(__AVX512BF16__)
+  return "vdpbf16ps";
+#elif defined(PREFIXGATE_DOT_PRODUCTS)
+  return "fma";
+#else
+  return "";
+#endif
+}
+
+// False: the vdpbf16ps or FMA loops even where AMX is (tests of them on such a CPU).
 inline std::atomic<bool>& amx_allowed() {
   static std::atomic<bool> allowed{true};
   return allowed;
@@ -114,9 +253,10 @@ inline bool amx_products() {
   return amx_allowed() && at::native::cpublas::could_pack(at::kBFloat16);
 }
 
-// Whether this CPU has bf16 products at all (AMX, or the kernels were built with AVX512_BF16).
+// Whether this CPU has bf16 products at all (AMX, or the kernels were built with AVX512_BF16,
+// or with AVX2 and FMA).
 inline bool bf16_products_available() {
-#if defined(__AVX512BF16__)
+#if defined(PREFIXGATE_DOT_PRODUCTS)
   return true;
 #else
   return amx_products();
@@ -124,7 +264,7 @@ inline bool bf16_products_available() {
 }
 
 // The product at the top of this file, on AMX where `on_amx` (amx_products() of the caller's
-// kernel call), else on vdpbf16ps; cols a multiple of 16, depth and lda even.
+// kernel call), else on vdpbf16ps or FMA; cols a multiple of 16, depth and lda even.
 inline void bf16_product(bool on_amx, int64_t rows, int64_t cols, int64_t depth, int64_t lda,
                          int64_t ldb, int64_t ldc, bool accumulate, const void* a, const void* b,
                          float* c) {
@@ -136,7 +276,7 @@ inline void bf16_product(bool on_amx, int64_t rows, int64_t cols, int64_t depth,
                                 static_cast<const c10::BFloat16*>(b), c, true);
     return;
   }
-#if defined(__AVX512BF16__)
+#if defined(PREFIXGATE_DOT_PRODUCTS)
   dot_product(rows, cols, depth, lda, ldb, ldc, accumulate, static_cast<const uint16_t*>(a),
               static_cast<const uint32_t*>(b), c);
 #else

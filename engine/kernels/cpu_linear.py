@@ -1,8 +1,8 @@
 """Linear layers on the CPU: bf16 ones on PrefixGate's own kernel where the CPU has bf16
-matrix products (AMX or AVX512_BF16), the rest on whichever of two torch paths measured faster
-here for the row count.
+matrix products (AMX, AVX512_BF16, or AVX2 and FMA), the rest on whichever of two torch paths
+measured faster here for the row count.
 
-**bf16 with AMX or AVX512_BF16: `MatrixLinear`** (`matrix_linear.cpp`). Every output is one
+**bf16 with AMX, AVX512_BF16 or AVX2: `MatrixLinear`** (`matrix_linear.cpp`). Every output is one
 micro-kernel product over all input features, in one order, whatever the call's row count and
 thread count, so a token's projections are the same bits alone, in a prefill of thousands of
 tokens, or beside other tenants' tokens in a step. oneDNN's matmul and torch's `linear` are not
@@ -14,7 +14,9 @@ here, so two processes on one machine compute the same bits. SmolLM2's 30 layers
 projections against the paths measured below, side by side: one row 13.0 -> 10.4 ms, 16 rows
 13.6 -> 11.0 ms, 512 rows equal, 1,536 rows 133-146 -> 146-166 ms. On an AMD EPYC with
 AVX512_BF16 and no AMX (vdpbf16ps products), against oneDNN's packed matmul, call by call: one
-row 1.2-1.4x as fast, 16 rows 0.9-1.25x, 512-1,536 rows 0.93-1.02x.
+row 1.2-1.4x as fast, 16 rows 0.9-1.25x, 512-1,536 rows 0.93-1.02x. On an AMD EPYC with AVX2
+only (fp32 FMA products), where torch's bf16 products convert at about 20 GFLOP/s: 1,536 rows
+7.5-8x as fast as those, 0.93-1.0x torch's fp32 ones; one row 2.9x as fast as fp32.
 
 **Everything else: `PackedLinear`.** torch's plain `linear` hands the weight over row-major on
 every call; oneDNN can instead read a copy packed once in its own blocked layout. Which is
@@ -58,7 +60,7 @@ LARGE_ROWS_MAX_WEIGHT = 16 << 20
 MARGIN = 0.9
 _ROUNDS, _REPEATS = 2, 2
 # What matrix_linear.cpp says where it has no bf16 products: no AMX (or oneDNN off in torch),
-# and the kernels not built with AVX512_BF16.
+# and the kernels built with neither AVX512_BF16 nor AVX2 and FMA.
 NO_MATRIX_UNITS = "this CPU has no bf16 matrix micro-kernels"
 
 
@@ -210,7 +212,7 @@ def _best_time(call: Callable[[], torch.Tensor]) -> float:
 
 def pack_linears(model: torch.nn.Module) -> dict[tuple[int, int], LinearPlan]:
     """Swap every bf16 CPU `nn.Linear` of `model` for a `MatrixLinear` where the CPU has bf16
-    matrix products (AMX or AVX512_BF16), and every other fp32 or bf16 one for a `PackedLinear`
+    matrix products (AMX, AVX512_BF16, AVX2), and every other fp32 or bf16 one for a `PackedLinear`
     on a plan measured once per weight shape; returns the plans by (out, in) features. A layer
     stays as it was without oneDNN, on other devices, or in bf16 where oneDNN has no bf16
     support."""

@@ -1,7 +1,7 @@
 // Linear layers of a bf16 model on the CPU's bf16 matrix products (bf16_product.h: oneDNN's AMX
-// micro-kernels, or vdpbf16ps loops on a CPU with AVX512_BF16 but no AMX), with one fixed order
-// of arithmetic for every output: a row's result never depends on how many rows share the call,
-// nor on how many threads run it.
+// micro-kernels, or its own loops without AMX: vdpbf16ps with AVX512_BF16, fp32 FMA with AVX2),
+// with one fixed order of arithmetic for every output: a row's result never depends on how many
+// rows share the call, nor on how many threads run it.
 //
 // oneDNN's own matmul and torch's plain `linear` choose their blocking by the row count, and
 // for some counts they split the sum over input features differently (measured here: SmolLM2's
@@ -25,7 +25,10 @@
 // 5% faster to 13% slower (the fused gate-and-up projection). Blockings of 16-256 rows a call,
 // 128-768 rows an item and 4-16 tiles a chunk measured no better. On vdpbf16ps (two AMD EPYC
 // cores with AVX512_BF16, interleaved 20-200 times): one row 1.2-1.4x as fast as oneDNN's packed
-// matmul (the LM head 2.4 ms against 3.1), 16 rows 0.9-1.25x, 512-1,536 rows 0.93-1.02x.
+// matmul (the LM head 2.4 ms against 3.1), 16 rows 0.9-1.25x, 512-1,536 rows 0.93-1.02x. On
+// AVX2's FMA (two AMD EPYC cores without AVX-512, interleaved), where torch's bf16 products
+// convert at 19-21 GFLOP/s: 1,536 rows 157-176 GFLOP/s (torch's fp32 ones 168-181), 16 rows
+// 118-169 (fp32 82-92), one row through 30 layers' weights from memory 11.0 ms (fp32 32).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

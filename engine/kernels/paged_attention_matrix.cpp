@@ -1,7 +1,8 @@
 // Paged attention for prefill and extend over a bf16 pool, as matrix products on oneDNN's bf16
-// micro-kernels (torch's `cpublas::brgemm`: AMX tiles where the CPU has them) or, on a CPU with
-// AVX512_BF16 but no AMX, on bf16_product.h's vdpbf16ps loops, the way torch's own flash
-// attention runs on the CPU, but reading K/V through the block tables.
+// micro-kernels (torch's `cpublas::brgemm`: AMX tiles where the CPU has them) or, on a CPU
+// without AMX, on bf16_product.h's own loops (vdpbf16ps with AVX512_BF16, fp32 FMA with AVX2),
+// the way torch's own flash attention runs on the CPU, but reading K/V through the block
+// tables.
 //
 // Two phases per call:
 //   1. Pack: each sequence's K and V, per KV head, are read once through its block table into
@@ -374,7 +375,7 @@ std::string matrix_units(bool enable, std::optional<bool> allow_amx) {
   enabled = enable;
   if (allow_amx.has_value()) amx_allowed() = *allow_amx;
   if (!matrix_units_on()) return "off";
-  return amx_products() ? "amx" : "vdpbf16ps";
+  return amx_products() ? "amx" : dot_products_name();
 }
 
 bool matrix_units_on() { return enabled && bf16_products_available(); }

@@ -34,11 +34,11 @@ constexpr int64_t kMatrixMinTokens = 16;
 constexpr int64_t kMatrixKeyTile = 256;
 
 // Whether the matrix path runs on this CPU (oneDNN's bf16 micro-kernels, which need AMX, with
-// oneDNN switched on in torch; or vdpbf16ps products where the kernels were built with
-// AVX512_BF16) and is switched on (`enable` false switches it off, for tests of the vector
-// path; `allow_amx` false takes vdpbf16ps products on a CPU with AMX too, in the linear layers
-// as well, for their tests; without it that stays as it was). Returns which products the path
-// runs now: "amx", "vdpbf16ps" or "off".
+// oneDNN switched on in torch; or bf16_product.h's own loops where the kernels were built with
+// AVX512_BF16, or with AVX2 and FMA) and is switched on (`enable` false switches it off, for
+// tests of the vector path; `allow_amx` false takes the own loops on a CPU with AMX too, in the
+// linear layers as well, for their tests; without it that stays as it was). Returns which
+// products the path runs now: "amx", "vdpbf16ps", "fma" or "off".
 std::string matrix_units(bool enable, std::optional<bool> allow_amx);
 bool matrix_units_on();
 

@@ -44,15 +44,15 @@ def run_case(case: Case, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tenso
     return output.double(), reference(inputs, case.lengths, case.window)
 
 
-@pytest.fixture(params=["vector", "amx", "vdpbf16ps"])
+@pytest.fixture(params=["vector", "amx", "dot"])
 def bf16_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """bf16 prefill and extend of 16 or more tokens run as matrix products where the CPU has
-    them (AMX, or AVX512_BF16's vdpbf16ps), else on the vector kernel; each path is tested where
-    the CPU has it."""
+    them (AMX, or bf16_product.h's loops: AVX512_BF16's vdpbf16ps, AVX2's FMA), else on the
+    vector kernel; each path is tested where the CPU has it."""
     yield from matrix_products.take(request.param)
 
 
-@pytest.fixture(params=["amx", "vdpbf16ps"])
+@pytest.fixture(params=["amx", "dot"])
 def matrix_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """The matrix path on each kind of products this CPU has."""
     yield from matrix_products.take(request.param)

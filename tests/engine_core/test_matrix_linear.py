@@ -18,10 +18,12 @@ from tests.support.models import engine_for, loaded, tiny_model
 
 cpu_build.load()
 if matrix_linear(torch.nn.Linear(32, 32).to(torch.bfloat16)) is None:
-    pytest.skip("this CPU has no bf16 matrix products (AMX, AVX512_BF16)", allow_module_level=True)
+    pytest.skip(
+        "this CPU has no bf16 matrix products (AMX, AVX512_BF16, AVX2)", allow_module_level=True
+    )
 
 
-@pytest.fixture(params=["amx", "vdpbf16ps"], autouse=True)
+@pytest.fixture(params=["amx", "dot"], autouse=True)
 def products(request: pytest.FixtureRequest) -> Iterator[str]:
     """Every test on each kind of bf16 products this CPU has."""
     yield from matrix_products.take(request.param)
@@ -40,7 +42,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 3, 16, 37])
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 5, 16, 37])
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp32_outputs_equal_a_float64_product_of_the_bf16_operands(rows: int, bias: bool) -> None:
     head = bf16_linear(96, 1000, bias)  # 1,000 outputs: a partial last tile
