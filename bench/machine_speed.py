@@ -35,6 +35,16 @@ class Speed:
     memory_gb_s: float
 
 
+def product_dtype(engine_dtype: torch.dtype, native_bf16: bool) -> torch.dtype:
+    """The dtype of the probe's product for engines computing in `engine_dtype`: bf16 only where
+    the CPU computes it natively. Elsewhere torch's bf16 product is a fallback that says nothing
+    of the machine (this shape at 1 GFLOP/s on an AMD EPYC with AVX2, five seconds a probe,
+    while PrefixGate's own bf16 products ran at 160), so the probe takes fp32 there."""
+    if engine_dtype == torch.bfloat16 and not native_bf16:
+        return torch.float32
+    return engine_dtype
+
+
 def rates(shape: tuple[int, int, int], product_s: float, nbytes: int, pass_s: float) -> Speed:
     """The rates of one product of `shape` (rows x inner x columns) taking `product_s` and one
     in-place pass over `nbytes` taking `pass_s`."""

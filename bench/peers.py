@@ -76,7 +76,7 @@ import torch
 from transformers import AutoTokenizer
 
 from bench.common import emit, fp32_kv_bytes_per_token, machine, plot_bars
-from bench.machine_speed import Prober, Speed, summary
+from bench.machine_speed import Prober, Speed, product_dtype, summary
 from bench.peer_runners import (
     GIB,
     ApiRunner,
@@ -91,7 +91,7 @@ from bench.peer_runners import (
 )
 from bench.peer_turns import interleave
 from engine.model_loader import embedded_model_dir
-from engine.precision import cpu_flags, resolve_dtype
+from engine.precision import cpu_flags, native_bf16_flags, resolve_dtype
 
 SEED = 0
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -333,7 +333,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         peers.append(TransformersRunner(workload, args.dtype))
     if "vllm" in engines and args.vllm_python:
         peers += [VllmRunner(workload, args.dtype, args.vllm_python, on) for on in (False, True)]
-    prober, speeds = Prober(resolve_dtype(args.dtype)), dict[str, Speed]()
+    dtype = product_dtype(resolve_dtype(args.dtype), bool(native_bf16_flags()))
+    prober, speeds = Prober(dtype), dict[str, Speed]()
 
     def probe(phase: Phase) -> None:
         speeds[phase.name] = prober.probe()

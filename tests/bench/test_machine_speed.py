@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench import machine_speed
-from bench.machine_speed import Prober, Speed, rates, summary
+from bench.machine_speed import Prober, Speed, product_dtype, rates, summary
 
 
 def test_rates_are_the_work_over_the_time() -> None:
@@ -34,3 +34,9 @@ def test_summary_gives_least_median_and_most_of_each_rate() -> None:
         "matmul_tflops": [0.0123, 1.0, 2.0],  # three significant digits, however small
         "memory_gb_s": [10.0, 20.0, 25.0],
     }
+
+
+def test_the_product_is_bf16_only_where_the_cpu_computes_bf16_natively() -> None:
+    assert product_dtype(torch.bfloat16, native_bf16=True) == torch.bfloat16
+    assert product_dtype(torch.bfloat16, native_bf16=False) == torch.float32
+    assert product_dtype(torch.float32, native_bf16=True) == torch.float32
