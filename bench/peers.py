@@ -47,9 +47,10 @@ on) ratios: cold and warm TTFT <= 1.0, single-stream decode and 16-at-once throu
 and PrefixGate's decode at 16 streams >= 8x one stream.
 
 `--dtype auto` lets each engine choose (PrefixGate: its `dtype` setting's rule, bf16 where the
-CPU computes bf16 natively; transformers: the checkpoint's dtype; vLLM: its own rule, bf16 on
-AVX512_BF16 CPUs); bfloat16 or float32 force one dtype everywhere (`PREFIXGATE_DTYPE` for the
-server). The dtype each engine used is reported: the API's as its `/readyz` states it.
+CPU computes bf16 natively; transformers: the checkpoint's dtype; vLLM: its own rule, which
+chose bf16 on every CPU tried here, AVX2-only ones included); bfloat16 or float32 force one
+dtype everywhere (`PREFIXGATE_DTYPE` for the server). The dtype each engine used is reported:
+the API's as its `/readyz` states it.
 
 A peer that fails (a vLLM worker that dies at start, say) is listed under "failed" with its
 error, and the others go on. PrefixGate's engine is the reference for agreement: if it fails,

@@ -6,7 +6,7 @@
 //
 // On a CPU with AMX they run on oneDNN's micro-kernels (torch's `cpublas::brgemm`); on one with
 // AVX512_BF16 but no AMX (AMD Zen 4 and later, Intel Cooper Lake), or while oneDNN is switched
-// off in torch, on the vdpbf16ps loops below; on one with neither (AVX2 and FMA only), on fp32
+// off in torch, on the vdpbf16ps loops below; on one with AVX2 and FMA but no AVX-512, on fp32
 // FMA loops that widen each bf16 to fp32 on the way. All take the same layouts, so one packed
 // tile or weight serves any of them. Each output is one sum over the whole depth, in order,
 // whatever the row count.
@@ -33,7 +33,13 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+// The FMA loops are built for AVX2 CPUs without AVX-512, where they were measured; a CPU with
+// AVX-512 but no AVX512_BF16 (Skylake to Ice Lake Xeons) keeps torch's products.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define PREFIXGATE_FMA_PRODUCTS 1
+#endif
+
+#if defined(__AVX512BF16__) || defined(PREFIXGATE_FMA_PRODUCTS)
 #include <immintrin.h>
 #endif
 
@@ -89,7 +95,7 @@ inline void product_rows(int64_t cols, int64_t pairs, const uint16_t* a, int64_t
   }
 }
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(PREFIXGATE_FMA_PRODUCTS)
 
 constexpr int kProductRows = 6;  // rows per register block (of 2 vectors, 16 columns)
 
@@ -105,8 +111,8 @@ inline __m256 low_halves(__m256i words) {
 // one. Blocks of 3 or more rows take, per pair of depth, every row's high products first, then
 // every row's low ones: B's high and low halves take turns in 2 registers, beside 12 sums and
 // a broadcast of A. Blocks of 1 or 2 rows (decode) are wider, 8 or 4 vectors, and go vector
-// by vector, both halves at once: per pair they read B's 64 columns (256 bytes, a weight's
-// whole packed tile row) in one pass. One row through SmolLM2's 30 layers of projections, their
+// by vector, both halves at once: a one-row block reads per pair all 64 columns of a weight's
+// packed tile (256 bytes) in one pass, a two-row block half of them. One row through SmolLM2's 30 layers of projections, their
 // weights streaming from memory: 20.6 ms in 2-vector blocks, 11.0 ms so (torch's bf16 product
 // 12.8 ms, fp32 32 ms).
 template <int Rows, int Vectors>
@@ -190,7 +196,7 @@ inline void widen_rows(int64_t rows, int64_t depth, const uint16_t* a, int64_t l
 
 #endif
 
-#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512BF16__) || defined(PREFIXGATE_FMA_PRODUCTS)
 #define PREFIXGATE_DOT_PRODUCTS 1
 
 // Rows in blocks of kProductRows, then the 1-5 left, each block across all columns.

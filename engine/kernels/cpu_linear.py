@@ -1,6 +1,6 @@
 """Linear layers on the CPU: bf16 ones on PrefixGate's own kernel where the CPU has bf16
-matrix products (AMX, AVX512_BF16, or AVX2 and FMA), the rest on whichever of two torch paths
-measured faster here for the row count.
+matrix products (AMX, AVX512_BF16, or AVX2 without AVX-512), the rest on whichever of two
+torch paths measured faster here for the row count.
 
 **bf16 with AMX, AVX512_BF16 or AVX2: `MatrixLinear`** (`matrix_linear.cpp`). Every output is one
 micro-kernel product over all input features, in one order, whatever the call's row count and
@@ -60,7 +60,7 @@ LARGE_ROWS_MAX_WEIGHT = 16 << 20
 MARGIN = 0.9
 _ROUNDS, _REPEATS = 2, 2
 # What matrix_linear.cpp says where it has no bf16 products: no AMX (or oneDNN off in torch),
-# and the kernels built with neither AVX512_BF16 nor AVX2 and FMA.
+# and the kernels built with neither AVX512_BF16 nor AVX2 and FMA (without AVX-512).
 NO_MATRIX_UNITS = "this CPU has no bf16 matrix micro-kernels"
 
 

@@ -245,6 +245,7 @@ def test_a_client_that_leaves_mid_stream_cancels_its_request_on_the_worker(
     gateway, workers = cluster
     body = {
         "model": MODEL, "stream": True, "max_tokens": 1500, "temperature": 0.9,
+        "logit_bias": {"2": -100},  # no sampled end of sequence: the answer runs its length
         "messages": [{"role": "user", "content": "Write a very long story."}],
     }  # fmt: skip
     headers = {"Authorization": f"Bearer {gateway.keys['acme']}"}
