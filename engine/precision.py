@@ -2,7 +2,7 @@
 
 `auto` is bf16 where the CPU computes bf16 natively (AVX512_BF16 or AMX-BF16: about twice the
 fp32 rate for the same weights, half the memory traffic) or on a CUDA device that supports it,
-and fp32 elsewhere. A setting overrides it. On a CPU with AVX2 but neither of those, a forced
+and fp32 elsewhere. A setting overrides it. On a CPU with AVX2 but no AVX-512, a forced
 bf16 runs on the kernels' FMA loops (`bf16_product.h`): prefill as fast as fp32, decode about
 twice as fast (half the bytes to read), at bf16's rounding; `auto` leaves that choice to the
 operator.

@@ -17,7 +17,6 @@ cpu_build.load()
 # are taken only when AMX is switched off).
 DEFAULT = torch.ops.prefixgate.use_matrix_units(True, True)
 DOT_PRODUCTS = torch.ops.prefixgate.use_matrix_units(True, False)
-
 torch.ops.prefixgate.use_matrix_units(True, True)
 
 
