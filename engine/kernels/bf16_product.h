@@ -33,6 +33,8 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_vector.h"
+
 // The FMA loops are built for AVX2 CPUs without AVX-512, where they were measured; a CPU with
 // AVX-512 but no AVX512_BF16 (Skylake to Ice Lake Xeons) keeps torch's products.
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -175,22 +177,15 @@ inline void product_rows(int64_t cols, int64_t pairs, const float* a, int64_t ld
 }
 
 // A's rows widened to fp32 into `wide` (rows x depth), for the blocks above.
-inline void widen_rows(int64_t rows, int64_t depth, const uint16_t* a, int64_t lda,
+inline void widen_rows(int64_t rows, int64_t depth, const c10::BFloat16* a, int64_t lda,
                        std::vector<float>& wide) {
   wide.resize(rows * depth);
   for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* source = a + r * lda;
+    const c10::BFloat16* source = a + r * lda;
     float* target = wide.data() + r * depth;
     int64_t k = 0;
-    for (; k + 8 <= depth; k += 8) {
-      const __m128i narrow = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + k));
-      const __m256i words = _mm256_slli_epi32(_mm256_cvtepu16_epi32(narrow), 16);
-      _mm256_storeu_ps(target + k, _mm256_castsi256_ps(words));
-    }
-    for (; k < depth; ++k) {
-      const uint32_t bits = static_cast<uint32_t>(source[k]) << 16;
-      std::memcpy(target + k, &bits, sizeof(bits));
-    }
+    for (; k + kLanes <= depth; k += kLanes) store(target + k, load(source + k));
+    for (; k < depth; ++k) target[k] = static_cast<float>(source[k]);
   }
 }
 
@@ -229,7 +224,7 @@ inline void dot_product(int64_t rows, int64_t cols, int64_t depth, int64_t lda, 
   row_blocks(rows, cols, depth / 2, a, lda, b, ldb, c, ldc, accumulate);
 #else
   thread_local std::vector<float> wide;
-  widen_rows(rows, depth, a, lda, wide);
+  widen_rows(rows, depth, reinterpret_cast<const c10::BFloat16*>(a), lda, wide);
   row_blocks(rows, cols, depth / 2, wide.data(), depth, b, ldb, c, ldc, accumulate);
 #endif
 }

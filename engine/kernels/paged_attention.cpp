@@ -168,7 +168,12 @@ void prefetch(const Chunk<scalar_t>& chunk, int64_t row_bytes) {
   }
 }
 
+// AVX2 without AVX-512: decode scores in 8-lane registers (chunk_scores).
 #if !defined(PREFIXGATE_VECTOR_REGISTERS) && defined(__AVX2__) && defined(__FMA__)
+#define PREFIXGATE_EIGHT_LANE_SCORES 1
+#endif
+
+#if defined(PREFIXGATE_EIGHT_LANE_SCORES)
 // Eight vectors into one: lane j of the result is the sum of the lanes of parts[j].
 inline __m256 transpose_sum8(const __m256* parts) {
   const __m256 t0 = _mm256_hadd_ps(parts[0], parts[1]), t1 = _mm256_hadd_ps(parts[2], parts[3]);
@@ -228,7 +233,7 @@ void attend_direct(Rows& rows, const Chunk<scalar_t>& chunk, int64_t context_len
                    int64_t window) {
   const int64_t dim = rows.dim, count = rows.count;
   vfloat probabilities[kPackRows];
-#if !defined(PREFIXGATE_VECTOR_REGISTERS) && defined(__AVX2__) && defined(__FMA__)
+#if defined(PREFIXGATE_EIGHT_LANE_SCORES)
   chunk_scores(rows, chunk, probabilities);
 #else
   vfloat partial[kPackRows][kLanes];
