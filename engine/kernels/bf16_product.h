@@ -114,9 +114,9 @@ inline __m256 low_halves(__m256i words) {
 // every row's low ones: B's high and low halves take turns in 2 registers, beside 12 sums and
 // a broadcast of A. Blocks of 1 or 2 rows (decode) are wider, 8 or 4 vectors, and go vector
 // by vector, both halves at once: a one-row block reads per pair all 64 columns of a weight's
-// packed tile (256 bytes) in one pass, a two-row block half of them. One row through SmolLM2's 30 layers of projections, their
-// weights streaming from memory: 20.6 ms in 2-vector blocks, 11.0 ms so (torch's bf16 product
-// 12.8 ms, fp32 32 ms).
+// packed tile (256 bytes) in one pass, a two-row block half of them. One row through
+// SmolLM2's 30 layers of projections, their weights streaming from memory: 20.6 ms in 2-vector
+// blocks, 11.0 ms so (torch's bf16 product 12.8 ms, fp32 32 ms).
 template <int Rows, int Vectors>
 inline void product_block(int64_t pairs, const float* a, int64_t lda, const uint32_t* b,
                           int64_t ldb, float* c, int64_t ldc, bool accumulate) {
