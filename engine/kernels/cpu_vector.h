@@ -24,6 +24,22 @@ namespace prefixgate {
 constexpr int64_t kLanes = 16;     // floats per vector
 constexpr float kMasked = -1e30f;  // finite, so no infinity arithmetic is ever needed
 
+// The cache line at `address`, into L2 ahead of use. An asm statement: GCC deletes a loop whose
+// body only calls __builtin_prefetch (a C++ loop without side effects may be removed), and so
+// every prefetch loop of these kernels was missing from the binary until 2026-12-04. Into L2
+// (prefetcht1), not L1: on an AMD EPYC VM, decode attention over 30 layers' K/V from memory
+// took 0.56x the time (16 sequences) and 0.41x (one) with prefetcht1, and prefetcht0 measured
+// the same as no prefetch at all (L1's few miss buffers fill).
+inline void prefetch_l2(const void* address) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(address)));
+#elif defined(__aarch64__)
+  asm volatile("prfm pldl2keep, [%0]" : : "r"(address));
+#else
+  __builtin_prefetch(address, 0, 2);
+#endif
+}
+
 #if defined(__AVX512F__)
 #define PREFIXGATE_VECTOR_REGISTERS 1  // a vfloat is one register: __m512 casts work
 

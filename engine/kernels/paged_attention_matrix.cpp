@@ -136,8 +136,8 @@ void pack_tile(const Geometry& g, const SequenceSpan& span, int64_t head, int64_
   const auto prefetch = [&](int64_t group) {
     for (int64_t j = group * kLanes; j < (group + 1) * kLanes; ++j) {
       for (int64_t byte = 0; byte < dim * 2; byte += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(keys[j]) + byte);
-        __builtin_prefetch(reinterpret_cast<const char*>(values[j]) + byte);
+        prefetch_l2(reinterpret_cast<const char*>(keys[j]) + byte);
+        prefetch_l2(reinterpret_cast<const char*>(values[j]) + byte);
       }
     }
   };
