@@ -55,7 +55,7 @@ constexpr int64_t kTileTokens = 16;   // query tokens per prefill work item
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;     // query heads per KV head
 constexpr int64_t kPackRows = 8;      // from this many rows on, a chunk is packed first
-constexpr int64_t kAhead = 2;         // chunks prefetched ahead (each again 1 ahead: `prefetch`)
+constexpr int64_t kAhead = 4;         // chunks prefetched ahead (each again nearer: `prefetch`)
 constexpr int64_t kSegmentKeys = 256; // keys per softmax update of bf16 decode rows
 
 // Two vectors of partial sums folded into one, level `level` (0-3) of a tree that sums
@@ -158,10 +158,14 @@ struct Chunk {
 };
 
 // Every cache line of a chunk's K and V rows (`row_bytes` each), into the cache ahead of use.
-// The kernels prefetch each chunk twice, kAhead chunks ahead and again one ahead, as some first
-// requests are lost: on an AMD EPYC VM, 30 layers of decode from memory took 0.81x the time of
-// one prefetch a chunk ahead in bf16 (0.86x with a shared prefix; fp32, 16 sequences: 0.87x),
-// where a second request at the same distance took 0.91x and one three chunks ahead 0.85x.
+// The kernels prefetch each chunk kAhead times, kAhead chunks ahead, then again at every
+// distance down to one, as some requests are lost: on an AMD EPYC VM of earlier days, 30 layers
+// of decode from memory took 0.81x the time of one prefetch a chunk ahead with two (2 and 1
+// ahead) in bf16 (0.86x with a shared prefix; fp32, 16 sequences: 0.87x), where a second
+// request at the same distance took 0.91x and one three chunks ahead 0.85x. On a Zen 5 EPYC
+// VM, against those two: four (4 to 1 ahead) 0.91x for 16 sequences' own keys (fp32 0.91x),
+// 0.95x with a shared prefix, 0.90x for one sequence; three 0.93-0.96x; six no better than
+// four; a single prefetch 1.06-1.09x and none 1.79x.
 template <typename scalar_t>
 void prefetch(const Chunk<scalar_t>& chunk, int64_t row_bytes) {
   for (int64_t j = 0; j < chunk.count; ++j) {
