@@ -1,7 +1,8 @@
 """Decode steps alone, in this process: a step's time at 1 and at N streams, and its shares.
 
-    python -m bench.decode_step [--model DIR | --tiny] [--prefix-tokens 1024]
-        [--unique-tokens 512] [--streams 16] [--steps 30] [--rounds 3] [--json] [--out F]
+    python -m bench.decode_step [--model DIR | --tiny] [--dtype auto|bfloat16|float32]
+        [--prefix-tokens 1024] [--unique-tokens 512] [--streams 16] [--steps 30] [--rounds 3]
+        [--json] [--out F] [--plot F.png]
 
 bench.peers' last target, aggregate decode at 16 streams >= 8x one stream, is a ratio of step
 times: it holds when a 16-stream step takes at most twice a one-stream step. bench.peers
@@ -9,24 +10,29 @@ measures it end to end, over 16 tokens a request with prefills around them; this
 decode steps alone (bench.peers' workload: a shared prefix cached once under one tenant, then
 each stream's own tokens), rounds of one stream and of N alternating so that the machine's
 drift lands on both, and reports the median step of each and `scaling` = N x one stream's
-step / N streams' step (the target: >= 8 at 16).
+step / N streams' step (the target: >= 8 at 16). Every measured step is checked to be a
+decode step of all N streams.
 
 Then it profiles `--steps` steps of each with torch's profiler and splits a step's time into
-attention (`prefixgate::paged_attention`, or the torch backend's ops), linear layers (the
-projections and the LM head: `prefixgate::matrix_linear`, torch's and oneDNN's products) and
-the rest (norms, RoPE, KV writes, sampling, the scheduler and Python), each op by its self
-time: the shares the issue asks for wherever the target is not met. The profiler adds its own
-overhead to the rest (about a millisecond a step for the embedded model).
+attention (`prefixgate::paged_attention`), linear layers (the projections and the LM head:
+`prefixgate::matrix_linear`, torch's and oneDNN's products) and the rest (norms, RoPE, KV
+writes, sampling, the scheduler and Python), each op by its self time: what bounds the
+16-stream scaling where it falls short. The split is exact for the `cpu` attention backend;
+under `torch`, its gathers count as the rest and its matrix products as linear layers. The
+profiler's own overhead lands in the rest (the profiled step is that much longer than the
+timed one).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import replace
+from typing import Any, TypeVar
 
 from torch.profiler import ProfilerActivity, profile
 
@@ -34,6 +40,7 @@ from bench.common import emit, machine, plot_bars
 from bench.prefix import tiny_llama
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.errors import EngineError
 from engine.kv_spec import dtype_name
 from engine.model_loader import LoadedModel, embedded_model_dir, load_model
 from engine.precision import resolve_dtype
@@ -42,6 +49,7 @@ from engine.sampler import SamplingParams
 from engine.scope import Tenant
 
 TENANT = "bench"
+T = TypeVar("T")
 LINEAR_OPS = ("::mm", "::addmm", "::bmm", "::matmul")
 
 
@@ -62,17 +70,24 @@ class Streams:
         vocab = int(loaded.model.config.vocab_size)
         self.rng = random.Random(0)
         self.prefix = [self.rng.randrange(100, vocab) for _ in range(args.prefix_tokens)]
-        tokens = (args.prefix_tokens + args.unique_tokens + args.steps + 8) * args.streams
-        config = EngineConfig(num_blocks=tokens // 16 + 64, max_num_seqs=max(64, args.streams))
+        defaults = EngineConfig()
+        # Prompts are prefilled a step's budget at a time while the first ones already decode:
+        # each request runs long enough that every stream decodes through the measured steps.
+        prompt = args.prefix_tokens + args.unique_tokens
+        prefill_steps = math.ceil(args.streams * prompt / defaults.max_num_batched_tokens)
+        self.max_tokens = args.steps + prefill_steps + 4
+        blocks = math.ceil((prompt + self.max_tokens) * (args.streams + 1) / defaults.block_size)
+        config = replace(defaults, num_blocks=blocks + 64, max_num_seqs=max(64, args.streams))
         self.engine = Engine(loaded, config)
         self.count = 0
         self.run(1, lambda: None)  # the prefix cached, code paths and allocators warm
 
-    def run(self, streams: int, steps: Callable[[], Any]) -> Any:
+    def run(self, streams: int, steps: Callable[[], T]) -> T:
         """Submit `streams` requests on the prefix, step until each has its first token, call
         `steps` (which steps the engine through the decode steps measured), then drain."""
         started: set[str] = set()
-        sampling = SamplingParams(max_tokens=self.args.steps + 4, temperature=0.0, ignore_eos=True)
+        failures: list[Exception] = []
+        sampling = SamplingParams(max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True)
         for _ in range(streams):
             self.count += 1
             request_id = f"r{self.count}"
@@ -83,16 +98,28 @@ class Streams:
 
             def sink(item: GenerationDelta | Exception, request_id: str = request_id) -> None:
                 if isinstance(item, Exception):
-                    raise item
-                started.add(request_id)
+                    failures.append(item)
+                else:
+                    started.add(request_id)
 
             self.engine.submit(request, sink)
-        while len(started) < streams:
-            self.engine.step()
+        while len(started) < streams and not failures and self.engine.step():
+            pass
+        if failures:
+            raise failures[0]
         measured = steps()
         while self.engine.step():
             pass
+        if failures:
+            raise failures[0]
         return measured
+
+    def decode_step(self, streams: int) -> None:
+        """One engine step, which must be a decode step of all `streams` streams."""
+        scheduler = self.engine.scheduler
+        if len(scheduler.running) != streams or scheduler.waiting:
+            raise RuntimeError(f"a measured step ran {len(scheduler.running)} of {streams} streams")
+        self.engine.step()
 
     def step_times(self, streams: int) -> list[float]:
         """Milliseconds of each of `--steps` decode steps of `streams` streams."""
@@ -101,12 +128,11 @@ class Streams:
             times = []
             for _ in range(self.args.steps):
                 begun = time.perf_counter()
-                self.engine.step()
+                self.decode_step(streams)
                 times.append((time.perf_counter() - begun) * 1000)
             return times
 
-        result: list[float] = self.run(streams, timed)
-        return result
+        return self.run(streams, timed)
 
     def shares(self, streams: int) -> dict[str, float]:
         """A profiled decode step of `streams` streams: milliseconds of attention, linear
@@ -116,7 +142,7 @@ class Streams:
             with profile(activities=[ProfilerActivity.CPU]) as trace:
                 begun = time.perf_counter()
                 for _ in range(self.args.steps):
-                    self.engine.step()
+                    self.decode_step(streams)
                 wall = (time.perf_counter() - begun) * 1000 / self.args.steps
             parts = {"attention": 0.0, "linear": 0.0}
             for event in trace.key_averages():
@@ -125,8 +151,22 @@ class Streams:
                     parts[part] += event.self_cpu_time_total / 1000 / self.args.steps
             return {**parts, "rest": wall - sum(parts.values()), "step": wall}
 
-        result: dict[str, float] = self.run(streams, profiled)
-        return result
+        return self.run(streams, profiled)
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer of at least `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+        return value
+
+    return parse
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -134,11 +174,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", help="a model directory (default: the embedded SmolLM2)")
     parser.add_argument("--tiny", action="store_true", help="a seeded tiny Llama instead")
     parser.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
-    parser.add_argument("--prefix-tokens", type=int, default=1024)
-    parser.add_argument("--unique-tokens", type=int, default=512)
-    parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=30, help="decode steps measured a round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prefix-tokens", type=at_least(0), default=1024)
+    parser.add_argument("--unique-tokens", type=at_least(1), default=512)
+    parser.add_argument("--streams", type=at_least(2), default=16)
+    parser.add_argument("--steps", type=at_least(1), default=30, help="decode steps a round")
+    parser.add_argument("--rounds", type=at_least(1), default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", help="also write the JSON result to this file")
     parser.add_argument("--plot", help="draw each stream count's step shares to this PNG")
@@ -147,12 +187,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         loaded = tiny_llama(args.prefix_tokens + args.unique_tokens + args.steps + 64)
     else:
         loaded = load_model(args.model or embedded_model_dir(), dtype=resolve_dtype(args.dtype))
-    streams = Streams(loaded, args)
     counts = (1, args.streams)
     medians: dict[int, list[float]] = {count: [] for count in counts}
-    for _ in range(args.rounds):
-        for count in counts:
-            medians[count].append(statistics.median(streams.step_times(count)))
+    try:
+        streams = Streams(loaded, args)
+        for _ in range(args.rounds):
+            for count in counts:
+                medians[count].append(statistics.median(streams.step_times(count)))
+        shares = {str(count): streams.shares(count) for count in counts}
+    except EngineError as error:  # a workload this model or pool cannot hold
+        parser.error(str(error))
     step_ms = {count: statistics.median(medians[count]) for count in counts}
     result = {
         "bench": "decode_step",
@@ -166,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step_ms": {str(count): step_ms[count] for count in counts},
         "step_ms_per_round": {str(count): medians[count] for count in counts},
         "scaling": args.streams * step_ms[1] / step_ms[args.streams],
-        "shares_ms": {str(count): streams.shares(count) for count in counts},
+        "shares_ms": shares,
         "machine": machine(),
     }
     if not args.json:

@@ -11,8 +11,8 @@
 // Work items are (sequence, kv head, tile of up to 16 query tokens), dealt to torch's threads
 // so that they finish together. Keys are taken 16 positions at a time (a "chunk", whatever the
 // block size) and processed with 16-lane vectors (cpu_vector.h: one AVX-512 register, or two
-// 8-lane halves elsewhere); the next chunk's rows are prefetched, as they usually sit in
-// another block. Decode rows take dot products straight from the cache and sum 16 keys at once
+// 8-lane halves elsewhere); the next chunks' rows are prefetched, as they usually sit in
+// other blocks. Decode rows take dot products straight from the cache and sum 16 keys at once
 // with a shuffle tree; prefill tiles first convert the chunk into a small tile on the stack
 // (K transposed), which their many rows then share. Math is fp32 with an online softmax; the
 // pool may hold fp32 or bf16, and bf16 on a CPU with AVX512_BF16 multiplies with vdpbf16ps
@@ -158,14 +158,16 @@ struct Chunk {
 };
 
 // Every cache line of a chunk's K and V rows (`row_bytes` each), into the cache ahead of use.
-// The kernels prefetch each chunk kAhead times, kAhead chunks ahead, then again at every
-// distance down to one, as some requests are lost: on an AMD EPYC VM of earlier days, 30 layers
-// of decode from memory took 0.81x the time of one prefetch a chunk ahead with two (2 and 1
-// ahead) in bf16 (0.86x with a shared prefix; fp32, 16 sequences: 0.87x), where a second
-// request at the same distance took 0.91x and one three chunks ahead 0.85x. On a Zen 5 EPYC
-// VM, against those two: four (4 to 1 ahead) 0.91x for 16 sequences' own keys (fp32 0.91x),
-// 0.95x with a shared prefix, 0.90x for one sequence; three 0.93-0.96x; six no better than
-// four; a single prefetch 1.06-1.09x and none 1.79x.
+// attend_keys and attend_decode_segment prefetch each chunk kAhead times, kAhead chunks ahead,
+// then again at every distance down to one (a range's first chunks fewer times), as some
+// requests are lost. On an AMD EPYC VM of earlier days, two prefetches (2 and 1 ahead) took 30
+// layers of decode from memory 0.81x the time of one a chunk ahead in bf16 (0.86x with a shared
+// prefix; fp32, 16 sequences: 0.87x), where a second request at the same distance took 0.91x
+// and one three chunks ahead 0.85x. On a Zen 5 EPYC VM, against those two: four (4 to 1 ahead)
+// 0.91x for 16 sequences' own keys (fp32 0.91x), 0.95x with a shared prefix, 0.90x for one
+// sequence, and the same for a 1,536-token fp32 prefill on the vector kernel (1.00x); three
+// 0.93-0.96x; six no better than four; a single prefetch 1.06-1.09x and none 1.79x. Not
+// measured on a CPU with AVX2 only. (The matrix path's tiles prefetch on their own.)
 template <typename scalar_t>
 void prefetch(const Chunk<scalar_t>& chunk, int64_t row_bytes) {
   for (int64_t j = 0; j < chunk.count; ++j) {
@@ -617,7 +619,7 @@ inline int64_t decode_slot(int64_t d) {
 }
 
 // Keys [from, to) of KV head `kv_head`, read through `block_table`, into `rows`: chunks of
-// kLanes keys, the next one prefetched (it usually sits in another block, somewhere else in the
+// kLanes keys, the next kAhead prefetched (they usually sit in other blocks, anywhere in the
 // pool, so decode is not a chain of cache misses); decode rows in the decode layout take them
 // a segment of kSegmentKeys at a time. Keys at or past `context_len` are unseen.
 template <typename scalar_t, bool dot_bf16>
