@@ -215,17 +215,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     if not args.json:
         for count in counts:
-            shares = result["shares_ms"][str(count)]
+            parts_ms = shares[str(count)]
             print(
                 f"{count:3d} streams: step {step_ms[count]:.2f} ms (profiled "
-                f"{shares['step']:.2f}: attention {shares['attention']:.2f}, linear "
-                f"{shares['linear']:.2f}, rest {shares['rest']:.2f})"
+                f"{parts_ms['step']:.2f}: attention {parts_ms['attention']:.2f}, linear "
+                f"{parts_ms['linear']:.2f}, rest {parts_ms['rest']:.2f})"
             )
         print(f"{args.streams} streams decode {result['scaling']:.2f}x one stream (target 8x)")
     if args.plot:
         parts = ("attention", "linear", "rest")
         labels = [f"{count}: {part}" for count in counts for part in parts]
-        values = [result["shares_ms"][str(count)][part] for count in counts for part in parts]
+        values = [shares[str(count)][part] for count in counts for part in parts]
         plot_bars(args.plot, "decode step, ms", labels, values, "ms")
     emit(result, args.json, args.out)
     return result
