@@ -198,12 +198,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except EngineError as error:  # a workload this model or pool cannot hold
         parser.error(str(error))
     step_ms = {count: statistics.median(medians[count]) for count in counts}
+    served = streams.engine.describe()
     result = {
         "bench": "decode_step",
         "model": loaded.name,
         "dtype": dtype_name(loaded.model.dtype),
-        "attention_backend": streams.engine.describe()["attention_backend"],
-        "linear_kernel": streams.engine.describe()["linear_kernel"],
+        "attention_backend": served["attention_backend"],
+        "linear_kernel": served["linear_kernel"],
         "prefix_tokens": args.prefix_tokens,
         "unique_tokens": args.unique_tokens,
         "streams": args.streams,
