@@ -28,6 +28,7 @@
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -121,6 +122,9 @@ template <int Rows, int Vectors>
 inline void product_block(int64_t pairs, const float* a, int64_t lda, const uint32_t* b,
                           int64_t ldb, float* c, int64_t ldc, bool accumulate) {
   static_assert(Rows <= 2 || Vectors == 2, "blocks of 3 or more rows are 2 vectors wide");
+  // Without this return (dot_product handles an empty depth), GCC kept each sum on the stack
+  // too, a store after every FMA of a 6-row block (12 a pair of depth, besides its 24 FMAs).
+  if (pairs <= 0) return;
   __m256 sums[Rows][Vectors];
   for (int i = 0; i < Rows; ++i) {
     for (int j = 0; j < Vectors; ++j) {
@@ -220,6 +224,10 @@ inline void row_blocks(int64_t rows, int64_t cols, int64_t pairs, const Scalar* 
 inline void dot_product(int64_t rows, int64_t cols, int64_t depth, int64_t lda, int64_t ldb,
                         int64_t ldc, bool accumulate, const uint16_t* a, const uint32_t* b,
                         float* c) {
+  if (depth <= 0) {  // the blocks return at once
+    for (int64_t r = 0; r < rows && !accumulate; ++r) std::fill_n(c + r * ldc, cols, 0.0f);
+    return;
+  }
 #if defined(__AVX512BF16__)
   row_blocks(rows, cols, depth / 2, a, lda, b, ldb, c, ldc, accumulate);
 #else

@@ -33,7 +33,13 @@ SOURCES = (
     "logits_rows.cpp",
     "kv_write.cpp",
 )
-HEADERS = ("bf16_product.h", "cpu_vector.h", "paged_attention_matrix.h", "work_items.h")
+HEADERS = (
+    "bf16_product.h",
+    "fp32_product.h",
+    "cpu_vector.h",
+    "paged_attention_matrix.h",
+    "work_items.h",
+)
 # -fopenmp: at::parallel_for is inline and runs its threads with `omp parallel` in this file.
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 

@@ -33,6 +33,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -41,6 +42,7 @@
 #include <optional>
 
 #include "bf16_product.h"
+#include "fp32_product.h"
 #include "cpu_vector.h"
 
 namespace prefixgate {
@@ -50,15 +52,39 @@ constexpr int64_t kColumns = 64;     // outputs per packed tile
 constexpr int64_t kRowBlock = 32;    // rows per micro-kernel call
 constexpr int64_t kGroupRows = 256;  // rows per work item
 constexpr int64_t kChunkTiles = 8;   // column tiles per work item (at most)
+constexpr int64_t kDepthBlock = 128;  // input features per pass of fp32 products
+constexpr const char* kNoBf16Products = "this CPU has no bf16 matrix micro-kernels";
+constexpr const char* kNoFp32Products = "this build has no fp32 matrix products";
 
-// weight [out, in] bf16 -> [tiles][in / 2][kColumns] pairs; outputs past `out` are zero.
+// weight [out, in] bf16 -> [tiles][in / 2][kColumns] pairs; fp32 -> [tiles][kColumns / 16][in]
+// [16] (fp32_product.h's groups).
+// Outputs past `out` are zero.
 at::Tensor pack_matrix_weight(const at::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16 &&
-                  weight.is_contiguous() && weight.size(1) % 2 == 0,
-              "the weight must be a contiguous bf16 [out, in] matrix with an even `in`");
-  TORCH_CHECK(bf16_products_available(), "this CPU has no bf16 matrix micro-kernels");
-  const int64_t out = weight.size(0), pairs = weight.size(1) / 2;
+  const bool fp32 = weight.scalar_type() == at::kFloat;
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
+                  (fp32 || (weight.scalar_type() == at::kBFloat16 && weight.size(1) % 2 == 0)),
+              "the weight must be a contiguous bf16 [out, in] matrix with an even `in`, or fp32");
+  TORCH_CHECK(fp32 ? fp32_products_available() : bf16_products_available(),
+              fp32 ? kNoFp32Products : kNoBf16Products);
+  const int64_t out = weight.size(0), features = weight.size(1);
   const int64_t tiles = (out + kColumns - 1) / kColumns;
+  if (fp32) {
+    constexpr int64_t kGroups = kColumns / kFp32Group;
+    at::Tensor packed = at::zeros({tiles, kGroups, features, kFp32Group}, weight.options());
+    const float* source = weight.data_ptr<float>();
+    float* target = packed.data_ptr<float>();
+    at::parallel_for(0, tiles * kGroups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t group = begin; group < end; ++group) {  // of all tiles
+        for (int64_t n = 0; n < kFp32Group && group * kFp32Group + n < out; ++n) {
+          const float* row = source + (group * kFp32Group + n) * features;
+          float* column = target + group * features * kFp32Group + n;
+          for (int64_t k = 0; k < features; ++k) column[k * kFp32Group] = row[k];
+        }
+      }
+    });
+    return packed;
+  }
+  const int64_t pairs = features / 2;
   at::Tensor packed = at::empty({tiles, pairs, kColumns, 2}, weight.options());
   const c10::BFloat16* source = weight.data_ptr<c10::BFloat16>();
   auto* target = reinterpret_cast<uint32_t*>(packed.data_ptr<c10::BFloat16>());
@@ -112,8 +138,9 @@ void store_row(const float* sums, const float* bias, int64_t columns, bool fp32_
 
 // One row of a gated product: silu(gate) * up, each of gate, up and silu(gate) rounded to bf16
 // first, as the unfused product's output and gated_silu round them.
+template <typename scalar_t>
 void store_gated_row(const float* gate, const float* up, const float* gate_bias,
-                     const float* up_bias, c10::BFloat16* target) {
+                     const float* up_bias, scalar_t* target) {
   for (int64_t c = 0; c < kColumns; c += kLanes) {
     vfloat g = load(gate + c), u = load(up + c);
     if (gate_bias != nullptr) {
@@ -126,35 +153,59 @@ void store_gated_row(const float* gate, const float* up, const float* gate_bias,
   }
 }
 
+// `count` rows of fp32 inputs times one packed fp32 tile, into `sums` (rows kColumns apart),
+// the depth in blocks of kDepthBlock: a block's part of the tile (32 KB) stays in L1 while every
+// 6-row block of the rows runs over it. The sums are the same bits as in one pass
+// (fp32_product.h).
+void product_fp32(int64_t count, int64_t features, const float* a, const float* tile,
+                  float* sums) {
+#if defined(PREFIXGATE_FP32_PRODUCTS)
+  for (int64_t k = 0; k < features; k += kDepthBlock) {
+    fp32_product(count, kColumns, std::min(kDepthBlock, features - k), a + k, features,
+                 tile + k * kFp32Group, features * kFp32Group, sums, kColumns, k > 0);
+  }
+#else
+  TORCH_CHECK(false, kNoFp32Products);
+#endif
+}
+
 // input [rows, in] bf16 x packed weight (+ bias, fp32) -> [rows, out], fp32 or bf16; `gated`:
-// -> silu(gate) * up, [rows, out / 2] bf16 (see the top of this file).
+// -> silu(gate) * up, [rows, out / 2] bf16 (see the top of this file). An fp32 input and weight
+// give fp32 outputs (`fp32_out` is then moot).
 at::Tensor matrix_linear(const at::Tensor& input, const at::Tensor& packed,
                          const std::optional<at::Tensor>& bias, int64_t out, bool fp32_out,
                          bool gated) {
-  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16 && input.is_contiguous(),
-              "the input must be a contiguous bf16 [rows, in] matrix");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kColumns && packed.size(3) == 2 &&
-                  packed.is_contiguous() && packed.scalar_type() == at::kBFloat16 &&
-                  packed.size(1) * 2 == input.size(1) && out > (packed.size(0) - 1) * kColumns &&
-                  out <= packed.size(0) * kColumns,
+  const bool fp32 = input.scalar_type() == at::kFloat;
+  TORCH_CHECK(input.dim() == 2 && input.is_contiguous() &&
+                  (fp32 || input.scalar_type() == at::kBFloat16),
+              "the input must be a contiguous bf16 or fp32 [rows, in] matrix");
+  const bool layout = fp32 ? packed.dim() == 4 && packed.size(1) == kColumns / kFp32Group &&
+                                 packed.size(3) == kFp32Group
+                           : packed.dim() == 4 && packed.size(2) == kColumns && packed.size(3) == 2;
+  const int64_t depth = fp32 ? packed.size(2) : packed.size(1) * 2;
+  TORCH_CHECK(packed.scalar_type() == input.scalar_type() && packed.is_contiguous() && layout &&
+                  depth == input.size(1) &&
+                  out > (packed.size(0) - 1) * kColumns && out <= packed.size(0) * kColumns,
               "the packed weight does not match the input and `out`");
+  fp32_out = fp32_out || fp32;
   // Asked each call: AMX products are off while oneDNN is switched off in torch.
-  const bool on_amx = amx_products();
-  TORCH_CHECK(on_amx || bf16_products_available(), "this CPU has no bf16 matrix micro-kernels");
+  const bool on_amx = !fp32 && amx_products();
+  TORCH_CHECK(fp32 ? fp32_products_available() : on_amx || bf16_products_available(),
+              fp32 ? kNoFp32Products : kNoBf16Products);
   TORCH_CHECK(!bias.has_value() ||
                   (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
                    bias->dim() == 1 && bias->size(0) == out),
               "the bias must be a contiguous fp32 vector of `out` values");
-  TORCH_CHECK(!gated || (!fp32_out && out % (2 * kColumns) == 0),
-              "a gated product has bf16 output and halves a multiple of 64 wide");
+  TORCH_CHECK(!gated || ((fp32 || !fp32_out) && out % (2 * kColumns) == 0),
+              "a gated product has the input's dtype and halves a multiple of 64 wide");
   const int64_t rows = input.size(0), features = input.size(1);
   const int64_t width = gated ? out / 2 : out;  // outputs per row
   const int64_t tiles = (width + kColumns - 1) / kColumns;  // of the output (the gate's)
   at::Tensor result =
       at::empty({rows, width}, input.options().dtype(fp32_out ? at::kFloat : at::kBFloat16));
   if (rows == 0) return result;
-  const c10::BFloat16* a = input.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* b = packed.data_ptr<c10::BFloat16>();
+  const void* a = input.data_ptr();
+  const void* b = packed.data_ptr();
   const float* bias_values = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto* target = static_cast<char*>(result.data_ptr());
   const int64_t element = fp32_out ? 4 : 2;
@@ -168,6 +219,17 @@ at::Tensor matrix_linear(const at::Tensor& input, const at::Tensor& packed,
   // another's extra chunk: the gate-and-up projection's 24 tiles in 3 chunks on 2 threads took
   // 184 us at 16 rows, in 4 chunks 142 us (one row: 38 -> 34 us).
   while (chunks < tiles && (groups * chunks) % threads != 0) ++chunks;
+  // Rows [row, row + count) times column tile `tile` (of the packed weight) into `sums`.
+  const auto product = [&](int64_t row, int64_t count, int64_t tile, float* sums) {
+    if (fp32) {
+      product_fp32(count, features, static_cast<const float*>(a) + row * features,
+                   static_cast<const float*>(b) + tile * features * kColumns, sums);
+    } else {
+      bf16_product(on_amx, count, kColumns, features, features, kColumns, kColumns, false,
+                   static_cast<const c10::BFloat16*>(a) + row * features,
+                   static_cast<const c10::BFloat16*>(b) + tile * features * kColumns, sums);
+    }
+  };
   at::parallel_for(0, groups * chunks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kRowBlock * kColumns];
     alignas(64) float up_sums[kRowBlock * kColumns];
@@ -179,22 +241,20 @@ at::Tensor matrix_linear(const at::Tensor& input, const at::Tensor& packed,
         const int64_t first = t * kColumns, columns = std::min(kColumns, width - first);
         for (int64_t row = first_row; row < last_row; row += kRowBlock) {
           const int64_t count = std::min(kRowBlock, last_row - row);
-          bf16_product(on_amx, count, kColumns, features, features, kColumns, kColumns, false,
-                       a + row * features, b + t * features * kColumns, sums);
-          if (gated) {  // the up tile that pairs with gate tile t
-            bf16_product(on_amx, count, kColumns, features, features, kColumns, kColumns, false,
-                         a + row * features, b + (t + tiles) * features * kColumns, up_sums);
-          }
+          product(row, count, t, sums);
+          if (gated) product(row, count, t + tiles, up_sums);  // the up tile paired with t
           for (int64_t r = 0; r < count; ++r) {
             char* destination = target + ((row + r) * width + first) * element;
-            if (gated) {
-              store_gated_row(sums + r * kColumns, up_sums + r * kColumns,
-                              bias_values ? bias_values + first : nullptr,
-                              bias_values ? bias_values + width + first : nullptr,
+            const float* bias_at = bias_values ? bias_values + first : nullptr;
+            const float* up_bias = bias_values ? bias_values + width + first : nullptr;
+            if (gated && fp32) {
+              store_gated_row(sums + r * kColumns, up_sums + r * kColumns, bias_at, up_bias,
+                              reinterpret_cast<float*>(destination));
+            } else if (gated) {
+              store_gated_row(sums + r * kColumns, up_sums + r * kColumns, bias_at, up_bias,
                               reinterpret_cast<c10::BFloat16*>(destination));
             } else {
-              store_row(sums + r * kColumns, bias_values ? bias_values + first : nullptr,
-                        columns, fp32_out, destination);
+              store_row(sums + r * kColumns, bias_at, columns, fp32_out, destination);
             }
           }
         }
