@@ -687,17 +687,19 @@ void attend_keys(const Geometry& g, Rows& rows, const uint32_t* query_pairs,
       return;
     }
   }
-  Chunk<scalar_t> chunk, ahead;
-  for (int64_t start = from; start < to && start < from + kAhead * kLanes; start += kLanes) {
-    locate(ahead, start);
-    prefetch(ahead, row_bytes);
+  // Chunk i sits in ring[i % kRing] from when it is first prefetched until it is attended.
+  constexpr int64_t kRing = kAhead + 1;
+  Chunk<scalar_t> ring[kRing];
+  for (int64_t i = 0; i < kAhead && from + i * kLanes < to; ++i) {
+    locate(ring[i], from + i * kLanes);
+    prefetch(ring[i], row_bytes);
   }
-  for (int64_t start = from; start < to; start += kLanes) {
-    locate(chunk, start);
+  for (int64_t i = 0, start = from; start < to; ++i, start += kLanes) {
+    const Chunk<scalar_t>& chunk = ring[i % kRing];
+    if (start + kAhead * kLanes < to) locate(ring[(i + kAhead) % kRing], start + kAhead * kLanes);
     for (int64_t distance = kAhead; distance >= 1; --distance) {
       if (start + distance * kLanes >= to) continue;
-      locate(ahead, start + distance * kLanes);
-      prefetch(ahead, row_bytes);
+      prefetch(ring[(i + distance) % kRing], row_bytes);
     }
     if constexpr (dot_bf16) {
       if (packed) {
