@@ -12,10 +12,11 @@
 //
 // Register blocks, as for bf16_product.h's FMA loops: 6 rows x 2 vectors (one group) keep 12
 // chains of FMAs in flight, enough to hide their latency; one and two rows (decode) take 8 and
-// 4 vectors (4 and 2 groups at once). A group's columns are contiguous so that a block reads B
-// as a stream, which the CPU's own prefetchers follow from memory: with 64 columns a row (one
-// cache line of a 6 x 16 block's in every four), 16 rows through SmolLM2's 30 layers of
-// projections took 63 ms with the weights streaming from memory, 34 ms with them in cache.
+// 4 vectors (4 and 2 groups at once). A group's rows are contiguous so that a block reads B as
+// a stream, which the CPU's own prefetchers follow from memory: with rows of 64 columns (of
+// which a 6 x 16 block reads one cache line in four), 16 rows through SmolLM2's 30 layers of
+// projections took 63 ms with the weights streaming from memory; in groups, 41 ms (28 with the
+// weights in cache). Measured on an AMD EPYC with AVX2 only (2 vCPUs, 2026-12-04).
 //
 // Built for AVX2 CPUs without AVX-512, where it was measured; elsewhere fp32 linear layers stay
 // on torch's products (cpu_linear.py).
