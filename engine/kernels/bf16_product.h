@@ -239,6 +239,9 @@ inline void dot_product(int64_t rows, int64_t cols, int64_t depth, int64_t lda, 
 
 #endif
 
+// What a bf16 product says where this CPU has none (cpu_linear.py's NO_PRODUCTS matches it).
+constexpr const char* kNoBf16Products = "this CPU has no bf16 matrix micro-kernels";
+
 // The loops this build has where AMX is not taken: "vdpbf16ps", "fma" (AVX2), or none ("").
 inline const char* dot_products_name() {
 #if defined(__AVX512BF16__)
@@ -289,7 +292,7 @@ inline void bf16_product(bool on_amx, int64_t rows, int64_t cols, int64_t depth,
   dot_product(rows, cols, depth, lda, ldb, ldc, accumulate, static_cast<const uint16_t*>(a),
               static_cast<const uint32_t*>(b), c);
 #else
-  TORCH_CHECK(false, "this CPU has no bf16 matrix micro-kernels");
+  TORCH_CHECK(false, kNoBf16Products);
 #endif
 }
 

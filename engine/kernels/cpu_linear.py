@@ -226,17 +226,20 @@ def _best_time(call: Callable[[], torch.Tensor]) -> float:
     return best
 
 
-def pack_linears(model: torch.nn.Module, matrix: bool = True) -> dict[tuple[int, int], LinearPlan]:
+def pack_linears(
+    model: torch.nn.Module, matrix_kernel: bool = True
+) -> dict[tuple[int, int], LinearPlan]:
     """Swap every bf16 CPU `nn.Linear` of `model` for a `MatrixLinear` where the CPU has bf16
     matrix products (AMX, AVX512_BF16, AVX2), every fp32 one where it has fp32 ones (AVX2
     without AVX-512), and every other fp32 or bf16 one for a `PackedLinear` on a plan measured
     once per weight shape; returns the plans by (out, in) features. A layer stays as it was
-    without oneDNN, on other devices, or in bf16 where oneDNN has no bf16 support. `matrix`
-    False: no `MatrixLinear` at all (torch's paths alone, to compare with)."""
-    for parent in list(model.modules()) if matrix else []:
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and (swapped := matrix_linear(child)) is not None:
-                setattr(parent, name, swapped)
+    without oneDNN, on other devices, or in bf16 where oneDNN has no bf16 support.
+    `matrix_kernel` False: no `MatrixLinear` at all (torch's paths alone, to compare with)."""
+    if matrix_kernel:
+        for parent in list(model.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear and (swapped := matrix_linear(child)) is not None:
+                    setattr(parent, name, swapped)
     if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return {}
     dtypes = {torch.float32}

@@ -1,4 +1,5 @@
-"""Logits on the CPU: fp32 logits for a bf16 model, and the sampler's pass over them.
+"""Logits on the CPU: fp32 logits for a bf16 model (an fp32 model's head on the same kernel),
+and the sampler's pass over them.
 
 A bf16 LM head rounds its logits to bf16: near 25 that is steps of 0.125, so near-ties between
 the top tokens are decided by rounding, and greedy decoding follows whichever way it fell. The
@@ -33,8 +34,9 @@ def argmax_finite(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp32_logits(model: torch.nn.Module) -> bool:
-    """Give a bf16 CPU model's LM head fp32 logits where the CPU kernels can; returns whether
-    it did (the head keeps bf16 logits otherwise)."""
+    """Put a CPU model's LM head on `MatrixLinear` with fp32 logits where the CPU kernels can (a
+    bf16 head's would be rounded to bf16; an fp32 head sums in one order there too); returns
+    whether it did (a bf16 head keeps bf16 logits otherwise)."""
     head = getattr(model, "lm_head", None)
     if isinstance(head, MatrixLinear):  # a runner made again for the same model (a restart)
         return head.fp32_out

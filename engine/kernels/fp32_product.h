@@ -105,6 +105,9 @@ inline void fp32_product(int64_t rows, int64_t cols, int64_t depth, const float*
 
 #endif
 
+// What an fp32 product says where this build has none (cpu_linear.py's NO_PRODUCTS matches it).
+constexpr const char* kNoFp32Products = "this build has no fp32 matrix products";
+
 // Whether this build has the fp32 products above.
 inline bool fp32_products_available() {
 #if defined(PREFIXGATE_FP32_PRODUCTS)

@@ -1,7 +1,8 @@
 // Linear layers of a bf16 model on the CPU's bf16 matrix products (bf16_product.h: oneDNN's AMX
 // micro-kernels, or its own loops without AMX: vdpbf16ps with AVX512_BF16, fp32 FMA with AVX2),
-// with one fixed order of arithmetic for every output: a row's result never depends on how many
-// rows share the call, nor on how many threads run it.
+// and of an fp32 model on fp32 FMA products where the CPU has AVX2 without AVX-512
+// (fp32_product.h), with one fixed order of arithmetic for every output: a row's result never
+// depends on how many rows share the call, nor on how many threads run it.
 //
 // oneDNN's own matmul and torch's plain `linear` choose their blocking by the row count, and
 // for some counts they split the sum over input features differently (measured here: SmolLM2's
@@ -12,13 +13,15 @@
 // prompt extended after cached blocks.
 //
 // Here each output element is one micro-kernel product over all input features, in order, in
-// fp32 (bias added in fp32), rounded once (to bf16, or kept in fp32 for an LM head's logits).
-// The weight is packed once at start into column tiles of kColumns outputs in the VNNI layout
-// (pairs of input features side by side). Work items are (up to kGroupRows rows) x (up to
-// kChunkTiles column tiles): a group's rows stay in L2 while a chunk's tiles stream past them.
+// fp32 (bias added in fp32), rounded once (to bf16, or kept in fp32 for an LM head's logits and
+// for an fp32 model). The weight is packed once at start into column tiles of kColumns outputs:
+// bf16 in the VNNI layout (pairs of input features side by side), fp32 in fp32_product.h's
+// groups of 16 columns, the inputs in passes of kDepthBlock. Work items are (up to kGroupRows
+// rows) x (up to kChunkTiles column tiles): a group's rows stay in L2 while a chunk's tiles
+// stream past them.
 // `gated`: the weight is a fused gate-and-up projection ([gate; up]), and the result is
 // silu(gate) * up, the way elementwise.cpp's gated_silu computes it from the unfused product's
-// bf16 output (the same bits), without writing and reading back the product.
+// output (the same bits), without writing and reading back the product.
 //
 // Single calls on warm caches, two Xeon cores with AMX, against oneDNN's packed matmul for
 // SmolLM2's shapes: 1 to 86 rows up to 4x faster (no primitive to run), 512 to 1,536 rows from
@@ -53,12 +56,9 @@ constexpr int64_t kRowBlock = 32;    // rows per micro-kernel call
 constexpr int64_t kGroupRows = 256;  // rows per work item
 constexpr int64_t kChunkTiles = 8;   // column tiles per work item (at most)
 constexpr int64_t kDepthBlock = 128;  // input features per pass of fp32 products
-constexpr const char* kNoBf16Products = "this CPU has no bf16 matrix micro-kernels";
-constexpr const char* kNoFp32Products = "this build has no fp32 matrix products";
 
-// weight [out, in] bf16 -> [tiles][in / 2][kColumns] pairs; fp32 -> [tiles][kColumns / 16][in]
-// [16] (fp32_product.h's groups).
-// Outputs past `out` are zero.
+// weight [out, in] bf16 -> [tiles][in / 2][kColumns] pairs, fp32 -> [tiles][4][in][16] (groups
+// of 16 columns, fp32_product.h). Outputs past `out` are zero.
 at::Tensor pack_matrix_weight(const at::Tensor& weight) {
   const bool fp32 = weight.scalar_type() == at::kFloat;
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
@@ -136,8 +136,9 @@ void store_row(const float* sums, const float* bias, int64_t columns, bool fp32_
   }
 }
 
-// One row of a gated product: silu(gate) * up, each of gate, up and silu(gate) rounded to bf16
-// first, as the unfused product's output and gated_silu round them.
+// One row of a gated product: silu(gate) * up, each of gate, up and silu(gate) rounded to the
+// output's dtype first (nothing to round in fp32), as the unfused product's output and
+// gated_silu round them.
 template <typename scalar_t>
 void store_gated_row(const float* gate, const float* up, const float* gate_bias,
                      const float* up_bias, scalar_t* target) {
@@ -154,16 +155,18 @@ void store_gated_row(const float* gate, const float* up, const float* gate_bias,
 }
 
 // `count` rows of fp32 inputs times one packed fp32 tile, into `sums` (rows kColumns apart),
-// the depth in blocks of kDepthBlock: a block's part of the tile (32 KB) stays in L1 while every
-// 6-row block of the rows runs over it. The sums are the same bits as in one pass
-// (fp32_product.h).
+// the depth in blocks of kDepthBlock: a block's part of the tile (32 KB) stays near the core
+// (L1, else L2) while every 6-row block of the rows runs over it. The sums are the same bits as
+// in one pass (fp32_product.h). No inputs: zeros.
 void product_fp32(int64_t count, int64_t features, const float* a, const float* tile,
                   float* sums) {
 #if defined(PREFIXGATE_FP32_PRODUCTS)
-  for (int64_t k = 0; k < features; k += kDepthBlock) {
+  int64_t k = 0;
+  do {  // once at least: an empty depth writes the zeros
     fp32_product(count, kColumns, std::min(kDepthBlock, features - k), a + k, features,
                  tile + k * kFp32Group, features * kFp32Group, sums, kColumns, k > 0);
-  }
+    k += kDepthBlock;
+  } while (k < features);
 #else
   TORCH_CHECK(false, kNoFp32Products);
 #endif
@@ -179,12 +182,12 @@ at::Tensor matrix_linear(const at::Tensor& input, const at::Tensor& packed,
   TORCH_CHECK(input.dim() == 2 && input.is_contiguous() &&
                   (fp32 || input.scalar_type() == at::kBFloat16),
               "the input must be a contiguous bf16 or fp32 [rows, in] matrix");
-  const bool layout = fp32 ? packed.dim() == 4 && packed.size(1) == kColumns / kFp32Group &&
+  const bool layout_matches = fp32 ? packed.dim() == 4 && packed.size(1) == kColumns / kFp32Group &&
                                  packed.size(3) == kFp32Group
                            : packed.dim() == 4 && packed.size(2) == kColumns && packed.size(3) == 2;
   const int64_t depth = fp32 ? packed.size(2) : packed.size(1) * 2;
-  TORCH_CHECK(packed.scalar_type() == input.scalar_type() && packed.is_contiguous() && layout &&
-                  depth == input.size(1) &&
+  TORCH_CHECK(packed.scalar_type() == input.scalar_type() && packed.is_contiguous() &&
+                  layout_matches && depth == input.size(1) &&
                   out > (packed.size(0) - 1) * kColumns && out <= packed.size(0) * kColumns,
               "the packed weight does not match the input and `out`");
   fp32_out = fp32_out || fp32;

@@ -54,7 +54,8 @@ using namespace prefixgate;
 constexpr int64_t kTileTokens = 16;   // query tokens per prefill work item
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;     // query heads per KV head
-constexpr int64_t kPackRows = 8;      // from this many rows on, a chunk is packed first
+// From this many rows on, a chunk is packed first (attend_direct's switch takes fewer).
+constexpr int64_t kPackRows = 8;
 constexpr int64_t kAhead = 4;         // chunks prefetched ahead (each again nearer: `prefetch`)
 constexpr int64_t kSegmentKeys = 256; // keys per softmax update of bf16 decode rows
 
@@ -293,7 +294,8 @@ void attend_direct(Rows& rows, const Chunk<scalar_t>& chunk, int64_t context_len
     case 4: attend_direct_rows<4>(rows, chunk, context_len, window); break;
     case 5: attend_direct_rows<5>(rows, chunk, context_len, window); break;
     case 6: attend_direct_rows<6>(rows, chunk, context_len, window); break;
-    default: attend_direct_rows<7>(rows, chunk, context_len, window); break;
+    case 7: attend_direct_rows<7>(rows, chunk, context_len, window); break;
+    default: TORCH_CHECK(false, "a direct item has 1 to kPackRows - 1 rows");
   }
 }
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.kernels import cpu_build
 from engine.kernels.cpu_linear import (
     LARGE_ROWS_MAX_WEIGHT,
+    NO_PRODUCTS,
     LinearPlan,
     PackedLinear,
     measure_plan,
@@ -48,9 +50,18 @@ def test_a_weight_too_large_to_time_at_many_rows_is_timed_up_to_64() -> None:
     assert rows_to_time(torch.empty(3072, 576, device="meta")) == (1, 16, 64, 1024)
 
 
+def test_the_refusals_recognized_are_the_kernels_own_words() -> None:
+    # matrix_linear() tells "no products for this dtype here" (None: torch's paths) from other
+    # errors by these strings; a CPU without the products is the only place they show.
+    headers = [cpu_build.source_file(name).read_text() for name in cpu_build.HEADERS]
+    assert all(any(f'"{reason}"' in text for text in headers) for reason in NO_PRODUCTS)
+
+
 def test_the_model_gets_one_measured_plan_per_weight_shape() -> None:
     model = tiny_model("llama")
-    plans = pack_linears(model, matrix=False)  # fp32 takes MatrixLinear where AVX2 products are
+    plans = pack_linears(
+        model, matrix_kernel=False
+    )  # fp32 takes MatrixLinear where AVX2 products are
     # q and o, k and v, gate and up, down, and the LM head: five shapes.
     assert set(plans) == {(64, 64), (32, 64), (128, 64), (64, 128), (512, 64)}
     swapped = [module for module in model.modules() if isinstance(module, PackedLinear)]
