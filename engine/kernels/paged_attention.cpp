@@ -167,8 +167,11 @@ struct Chunk {
 // and one three chunks ahead 0.85x. On a Zen 5 EPYC VM, against those two: four (4 to 1 ahead)
 // 0.91x for 16 sequences' own keys (fp32 0.91x), 0.95x with a shared prefix, 0.90x for one
 // sequence, and the same for a 1,536-token fp32 prefill on the vector kernel (1.00x); three
-// 0.93-0.96x; six no better than four; a single prefetch 1.06-1.09x and none 1.79x. Not
-// measured on a CPU with AVX2 only. (The matrix path's tiles prefetch on their own.)
+// 0.93-0.96x; six no better than four; a single prefetch 1.06-1.09x and none 1.79x. On an AMD
+// EPYC with AVX2 only (Zen 2), against four: in fp32, 16 sequences, two 0.94x, a single one 4
+// or 8 ahead 0.92-0.94x, none 0.91x (one sequence: none the same); in bf16 none 1.16x. Four is
+// kept, the one measured best where prefetching matters most. (The matrix path's tiles
+// prefetch on their own.)
 template <typename scalar_t>
 void prefetch(const Chunk<scalar_t>& chunk, int64_t row_bytes) {
   for (int64_t j = 0; j < chunk.count; ++j) {

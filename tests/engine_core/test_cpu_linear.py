@@ -59,9 +59,8 @@ def test_the_refusals_recognized_are_the_kernels_own_words() -> None:
 
 def test_the_model_gets_one_measured_plan_per_weight_shape() -> None:
     model = tiny_model("llama")
-    plans = pack_linears(
-        model, matrix_kernel=False
-    )  # fp32 takes MatrixLinear where AVX2 products are
+    # Without the matrix kernel: fp32 takes MatrixLinear where the CPU has AVX2 products.
+    plans = pack_linears(model, matrix_kernel=False)
     # q and o, k and v, gate and up, down, and the LM head: five shapes.
     assert set(plans) == {(64, 64), (32, 64), (128, 64), (64, 128), (512, 64)}
     swapped = [module for module in model.modules() if isinstance(module, PackedLinear)]
