@@ -205,7 +205,9 @@ def test_a_build_killed_mid_way_does_not_block_the_next_load(tmp_path: Path) -> 
     assert not (tmp_path / key / "lock").exists()
 
 
-def _attend(inputs: Inputs, rows: list[int], share_groups: list[int] | None) -> torch.Tensor:
+def _attend(
+    inputs: Inputs, rows: list[int], share_groups: list[int] | None, window: int = 0
+) -> torch.Tensor:
     """The kernel's output for the sequences `rows` of `inputs` as one batch."""
     starts = inputs.starts.tolist()
     query = torch.cat([inputs.query[starts[r] : starts[r + 1]] for r in rows])
@@ -220,7 +222,7 @@ def _attend(inputs: Inputs, rows: list[int], share_groups: list[int] | None) -> 
         torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
         inputs.contexts[rows].contiguous(),
         0.125,
-        0,
+        window,
         None if share_groups is None else torch.tensor(share_groups, dtype=torch.int32),
     )
     return output
@@ -289,6 +291,36 @@ def test_a_prefill_rounds_the_same_whatever_the_thread_count(matrix_path: str) -
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(outputs[0], outputs[1])
+
+
+@pytest.mark.parametrize("window", [0, 275])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_a_decode_gets_the_same_bits_in_a_whole_row_item(window: int, block_size: int) -> None:
+    # With at least two decodes a thread, each bf16 decode's item takes every KV head of its
+    # sequence, one after another (whole token rows prefetched once); with fewer, an item per
+    # head. Each head's rows are the same computation either way: the same bits, with or without
+    # a shared prefix (its first 160 keys). Contexts span several 256-key segments, one sits in a
+    # single block; a window starts mid-segment.
+    if matrix_products.DOT_PRODUCTS != "vdpbf16ps":
+        pytest.skip("whole-row items exist where the kernels were built with AVX512_BF16")
+    contexts = [600, 300, 170, 165, 257, 512, 190, 333]
+    case = Case([(1, context) for context in contexts], heads=9, kv_heads=3, head_dim=64,
+                block_size=block_size, window=window, num_blocks=2048 // block_size,
+                shared_blocks=160 // block_size)  # fmt: skip
+    inputs = make_inputs(case, torch.bfloat16)
+    rows = list(range(len(contexts)))
+    expected = reference(inputs, case.lengths, window)
+    threads = torch.get_num_threads()
+    for groups in (None, [0] * len(rows)):
+        outputs = []
+        try:
+            for count in (1, 8):  # eight decodes on one thread: whole rows; on eight: heads
+                torch.set_num_threads(count)
+                outputs.append(_attend(inputs, rows, groups, window))
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(outputs[0], outputs[1]), groups
+        torch.testing.assert_close(outputs[0].double(), expected, atol=1.6e-2, rtol=1.6e-2)
 
 
 def test_share_groups_must_be_one_int32_per_sequence() -> None:
