@@ -8,9 +8,10 @@
 // window, > its own - window). Grouped-query attention: the `heads / kv_heads` query heads of a
 // KV head are computed together, so each K/V element read serves all of them.
 //
-// Work items are (sequence, kv head, tile of up to 16 query tokens), or for bf16 decodes in
-// batches of two or more a thread (sequence, every kv head), dealt to torch's threads so that
-// they finish together. Keys are taken 16 positions at a time (a "chunk", whatever the
+// Work items are (sequence, kv head, tile of up to 16 query tokens), or for bf16 decodes in the
+// decode layout (AVX512_BF16, head_dim a multiple of 32) in batches of two or more a thread
+// (sequence, every kv head: "whole rows" below), dealt to torch's threads so that they finish
+// together. Keys are taken 16 positions at a time (a "chunk", whatever the
 // block size) and processed with 16-lane vectors (cpu_vector.h: one AVX-512 register, or two
 // 8-lane halves elsewhere); the next chunks' rows are prefetched, as they usually sit in
 // other blocks. Decode rows take dot products straight from the cache and sum 16 keys at once
@@ -945,6 +946,8 @@ void attend_item(const Geometry& g, const WorkItem& item, int64_t kv_head, Prefe
     const float inverse = rows.sum[r] > 0.0f ? 1.0f / rows.sum[r] : 0.0f;
     float* acc = rows.acc.data() + r * dim;
     if (decode_layout) reorder_decode_slots(acc, dim, false);
+    // bf16 rounds as the matrix path's outputs do (with AVX512_BF16 `vcvtneps2bf16`, which
+    // flushes an fp32 subnormal to zero where a scalar conversion kept it).
     for (int64_t d = 0; d < dim; d += kLanes) store(target + d, load(acc + d) * inverse);
   }
 }
@@ -985,10 +988,11 @@ void run_items(const Geometry& g, SharedPrefixes& shared,
           attend(item.kv_head, {row_bytes, false});
           continue;
         }
-        // The first head's pass prefetches whole token rows (every head's K and V), once;
-        // the others find them in the cache.
+        // The first head's pass prefetches whole token rows (every head's K and V), once; the
+        // others find them in the cache, or, for a context longer than the cache keeps, prefetch
+        // their own rows again (once: at 3,000 keys, none made the attention 1.27x slower).
         for (int64_t h = 0; h < kv_heads; ++h) {
-          attend(h, {h == 0 ? kv_heads * row_bytes : 0, true});
+          attend(h, {h == 0 ? kv_heads * row_bytes : row_bytes, true});
         }
       }
     }
@@ -1063,21 +1067,31 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   // decoding sequences for the threads: the first head's pass prefetches each key's whole
   // token rows of K and V (every head's; a block's 16 tokens are then 6 KB side by side for
   // SmolLM2, which the hardware's prefetchers follow too), once, and the other heads' passes
-  // find them in the cache, where items of one head fetched 128 of every 384 bytes, each line
-  // four times. On an
-  // Intel Xeon with AMX (2 vCPUs, 2026-12-04; 30 layers, builds alternating in one process,
-  // the same bits): 16 decodes over 1,024 shared + 520 own keys 0.93-0.94x the attention's
-  // time, over 520 own keys 0.93x, 4 decodes 0.90x. Prefetching one head's rows once instead of
-  // four times gave 1.00x, whole rows at every distance 0.95x, whole rows once 2 or 8 chunks
-  // ahead 0.94x. With fewer decodes than two a thread, items of one head keep every thread
-  // busy (one decode's three heads on two threads).
+  // find them in the cache (and prefetch their own rows once), where items of one head fetched
+  // 128 of every 384 bytes, each line four times. On an Intel Xeon with AMX (2 vCPUs,
+  // 2026-12-04; 30 layers, builds alternating in one process, the same bits): 16 decodes over
+  // 1,024 shared + 520 own keys 0.89x the attention's time, over 1,544 own keys 0.93x, over
+  // 3,000 own keys 0.96x, 4 decodes 0.90x. Prefetching one head's rows once instead of four
+  // times gave 1.00x, whole rows at every distance 0.95x, whole rows once 2 or 8 chunks ahead
+  // 0.94x. With fewer decodes than two a thread, or one decode longer than a thread's
+  // share of them all, items of one head keep every thread busy (one decode's three heads on
+  // two threads).
   const bool whole_rows_possible = kNativeBf16 && dtype == at::kBFloat16 && dim % 32 == 0 &&
                                    heads / kv_heads < kPackRows;
-  int64_t decoding = 0;
+  const auto decode_keys = [&](int32_t s) {  // what a decode's item reads
+    return window > 0 ? std::min<int64_t>(contexts[s], window + 1) : int64_t{contexts[s]};
+  };
+  int64_t decoding = 0, all_keys = 0, most_keys = 0;
   for (int32_t s = 0; s < sequences; ++s) {
-    decoding += starts[s + 1] - starts[s] == 1 && (prompts == nullptr || prompts[s] == 0);
+    if (starts[s + 1] - starts[s] == 1 && (prompts == nullptr || prompts[s] == 0)) {
+      ++decoding;
+      all_keys += decode_keys(s);
+      most_keys = std::max(most_keys, decode_keys(s));
+    }
   }
-  const bool whole_rows = whole_rows_possible && decoding >= 2 * at::get_num_threads();
+  const int64_t threads = at::get_num_threads();
+  const bool whole_rows = whole_rows_possible && decoding >= 2 * threads &&
+                          most_keys * threads <= all_keys;
   for (int32_t s = 0; s < sequences; ++s) {
     const int64_t query_len = starts[s + 1] - starts[s];
     TORCH_CHECK(query_len >= 0 && query_len <= contexts[s] && starts[s + 1] <= query.size(0),
@@ -1093,8 +1107,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
       continue;
     }
     if (whole_rows && query_len == 1) {
-      const int64_t keys = window > 0 ? std::min<int64_t>(contexts[s], window + 1) : contexts[s];
-      items.push_back({s, kEveryHead, 0, 1, kv_heads * keys * (g.group + 4)});
+      items.push_back({s, kEveryHead, 0, 1, kv_heads * decode_keys(s) * (g.group + 4)});
       continue;
     }
     for (int64_t first = 0; first < query_len; first += kTileTokens) {

@@ -317,9 +317,10 @@ void attend_tile(const Geometry& g, Scratch& s, int64_t rows, int64_t first_key,
   const uint32_t* value_tile = key_tile + dim / 2 * kKeyTile;
   bf16_product(s.on_amx, rows, keys, dim, dim, kKeyTile, kKeyTile, false, s.q.data(), key_tile,
                s.scores.data());
-  int64_t r = 0;  // in pairs: rows are padded to a multiple of 16 (an odd one goes alone)
-  for (; r + 2 <= rows; r += 2) softmax_rows<2>(s, r, dim, first_key, keys, g.scale, g.window);
-  for (; r < rows; ++r) softmax_rows<1>(s, r, dim, first_key, keys, g.scale, g.window);
+  TORCH_CHECK(rows % 2 == 0, "rows are padded to a multiple of 16");
+  for (int64_t r = 0; r < rows; r += 2) {
+    softmax_rows<2>(s, r, dim, first_key, keys, g.scale, g.window);
+  }
   bf16_product(s.on_amx, rows, dim, keys, kKeyTile, dim, dim, true, s.probabilities.data(),
                value_tile, s.acc.data());
 }
