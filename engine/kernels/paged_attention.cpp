@@ -10,15 +10,15 @@
 //
 // Work items are (sequence, kv head, tile of up to 16 query tokens), or for bf16 decodes in the
 // decode layout (AVX512_BF16, head_dim a multiple of 32) in batches of two or more a thread
-// (sequence, every kv head: "whole rows" below), dealt to torch's threads so that they finish
-// together. Keys are taken 16 positions at a time (a "chunk", whatever the
-// block size) and processed with 16-lane vectors (cpu_vector.h: one AVX-512 register, or two
-// 8-lane halves elsewhere); the next chunks' rows are prefetched, as they usually sit in
-// other blocks. Decode rows take dot products straight from the cache and sum 16 keys at once
-// with a shuffle tree; prefill tiles first convert the chunk into a small tile on the stack
-// (K transposed), which their many rows then share. Math is fp32 with an online softmax; the
-// pool may hold fp32 or bf16, and bf16 on a CPU with AVX512_BF16 multiplies with vdpbf16ps
-// (its decode rows update their softmax once per 256 keys: attend_decode_segment).
+// (sequence, every kv head: `every_head_items` below), dealt to torch's threads so that they finish
+// together. Keys are taken 16 positions at a time (a "chunk", whatever the block size) and
+// processed with 16-lane vectors (cpu_vector.h: one AVX-512 register, or two 8-lane halves
+// elsewhere); the next chunks' rows are prefetched, as they usually sit in other blocks. Decode
+// rows take dot products straight from the cache and sum 16 keys at once with a shuffle tree;
+// prefill tiles first convert the chunk into a small tile on the stack (K transposed), which their
+// many rows then share. Math is fp32 with an online softmax; the pool may hold fp32 or bf16, and
+// bf16 on a CPU with AVX512_BF16 multiplies with vdpbf16ps (its decode rows update their softmax
+// once per 256 keys: attend_decode_segment).
 //
 // Sequences with 16 or more query tokens over a bf16 pool go to paged_attention_matrix.cpp
 // instead, where the CPU has bf16 matrix products (bf16_product.h: AMX, AVX512_BF16, or AVX2's
@@ -60,7 +60,7 @@ constexpr int64_t kMaxGroup = 16;     // query heads per KV head
 constexpr int64_t kPackRows = 8;
 constexpr int64_t kAhead = 4;         // chunks prefetched ahead (each again nearer: `prefetch`)
 constexpr int64_t kSegmentKeys = 256; // keys per softmax update of bf16 decode rows
-constexpr int32_t kEveryHead = -1;    // a work item's kv_head: all of them (`whole_rows` below)
+constexpr int32_t kEveryHead = -1;    // a work item's kv_head: all of them (`every_head_items`)
 
 // Two vectors of partial sums folded into one, level `level` (0-3) of a tree that sums
 // sixteen vectors' lanes: with w = 8 >> level, lanes 0-7 of the result come from a and 8-15 from
@@ -184,14 +184,6 @@ void prefetch(const Chunk<scalar_t>& chunk, int64_t row_bytes) {
     }
   }
 }
-
-// How the decode segments prefetch the chunks ahead: `bytes` of each key's K and V from its
-// pointers (0: none), at every distance from kAhead down to one chunk (see `prefetch`) or,
-// `once`, only kAhead chunks ahead.
-struct Prefetch {
-  int64_t bytes;
-  bool once;
-};
 
 // AVX2 without AVX-512: decode scores in 8-lane registers (chunk_scores).
 #if !defined(PREFIXGATE_VECTOR_REGISTERS) && defined(__AVX2__) && defined(__FMA__)
@@ -483,11 +475,9 @@ void attend_direct_bf16(Rows& rows, const uint32_t* query_pairs,
   }
 }
 
-
-
 // Decode rows (fewer than kPackRows, R of them: the query heads of a KV head) over a bf16 pool,
 // head_dim a multiple of 32, for one segment of up to kSegmentKeys keys (`count` chunks; the
-// chunks after them, up to `available`, are prefetched too, as `ahead` says). Three passes:
+// chunks after them, up to `available`, are prefetched too). Three passes:
 //   1. Scores of every chunk: each key's dot products folded into 16-lane scores as they come
 //      (transpose_sum's tree, one level per pair of keys), masked where a row cannot see a key.
 //   2. One online-softmax update per row for the whole segment: one max, one sum and one
@@ -499,8 +489,7 @@ void attend_direct_bf16(Rows& rows, const uint32_t* query_pairs,
 template <int R>
 void attend_decode_segment(Rows& rows, const uint32_t* query_pairs,
                            const Chunk<c10::BFloat16>* chunks, int64_t count,
-                           int64_t available, int64_t context_len, int64_t window, float scale,
-                           Prefetch ahead) {
+                           int64_t available, int64_t context_len, int64_t window, float scale) {
   const int64_t dim = rows.dim, pairs = dim / 2;
   alignas(64) float scores[R][kSegmentKeys];
   alignas(64) uint32_t probability_pairs[R][kSegmentKeys / 2];
@@ -517,9 +506,8 @@ void attend_decode_segment(Rows& rows, const uint32_t* query_pairs,
   const vfloat lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   for (int64_t c = 0; c < count; ++c) {
     const Chunk<c10::BFloat16>& chunk = chunks[c];
-    for (int64_t distance = kAhead; ahead.bytes > 0 && distance >= (ahead.once ? kAhead : 1);
-         --distance) {  // usually in other blocks
-      if (c + distance < available) prefetch(chunks[c + distance], ahead.bytes);
+    for (int64_t ahead = kAhead; ahead >= 1; --ahead) {  // usually in other blocks
+      if (c + ahead < available) prefetch(chunks[c + ahead], dim * 2);
     }
     vfloat pending[4][R], node_scores[R];
 #pragma GCC unroll 16
@@ -623,12 +611,12 @@ void attend_decode_segment(Rows& rows, const uint32_t* query_pairs,
 void attend_decode_segment_rows(Rows& rows, const uint32_t* query_pairs,
                                 const Chunk<c10::BFloat16>* chunks, int64_t count,
                                 int64_t available, int64_t context_len, int64_t window,
-                                float scale, Prefetch ahead) {
+                                float scale) {
   switch (rows.count) {
 #define PREFIXGATE_SEGMENT_ROWS(n)                                                             \
   case n:                                                                                      \
     attend_decode_segment<n>(rows, query_pairs, chunks, count, available, context_len, window, \
-                             scale, ahead);                                                    \
+                             scale);                                                           \
     return;
     PREFIXGATE_SEGMENT_ROWS(1)
     PREFIXGATE_SEGMENT_ROWS(2)
@@ -672,13 +660,12 @@ inline void reorder_decode_slots(float* acc, int64_t dim, bool to_layout) {
 // Keys [from, to) of KV head `kv_head`, read through `block_table`, into `rows`: chunks of
 // kLanes keys, the next kAhead prefetched (they usually sit in other blocks, anywhere in the
 // pool, so decode is not a chain of cache misses); decode rows in the decode layout take them
-// a segment of kSegmentKeys at a time, prefetching as `ahead` says. Keys at or past
-// `context_len` are unseen.
+// a segment of kSegmentKeys at a time. Keys at or past `context_len` are unseen.
 template <typename scalar_t, bool dot_bf16>
 void attend_keys(const Geometry& g, Rows& rows, const uint32_t* query_pairs,
                  const scalar_t* key_cache, const scalar_t* value_cache,
                  const int32_t* block_table, int64_t kv_head, int64_t from, int64_t to,
-                 int64_t context_len, bool decode_layout, Prefetch ahead) {
+                 int64_t context_len, bool decode_layout) {
   const int64_t dim = g.head_dim, kv_offset = kv_head * dim;
   alignas(64) float key_t[kMaxHeadDim * kLanes];
   alignas(64) float value[kLanes * kMaxHeadDim];
@@ -706,15 +693,15 @@ void attend_keys(const Geometry& g, Rows& rows, const uint32_t* query_pairs,
       for (int64_t start = from; start < to; start += kSegmentKeys) {
         const int64_t count = std::min(kSegmentChunks, (to - start + kLanes - 1) / kLanes);
         for (int64_t c = 0; c < count; ++c) locate(segment[c], start + c * kLanes);
-        if (start == from && ahead.bytes > 0) {
-          for (int64_t c = 0; c < std::min(count, kAhead); ++c) prefetch(segment[c], ahead.bytes);
+        if (start == from) {
+          for (int64_t c = 0; c < std::min(count, kAhead); ++c) prefetch(segment[c], row_bytes);
         }
         int64_t next = 0;  // chunks of the next segment located for the prefetches
         for (; next < kAhead && start + kSegmentKeys + next * kLanes < to; ++next) {
           locate(segment[count + next], start + kSegmentKeys + next * kLanes);
         }
         attend_decode_segment_rows(rows, query_pairs, segment, count, count + next,
-                                   context_len, g.window, g.scale, ahead);
+                                   context_len, g.window, g.scale);
       }
       return;
     }
@@ -895,10 +882,10 @@ void start_from_shared(Rows& rows, SharedPrefixes& shared, const SharedGroup& gr
   }
 }
 
-// One KV head of an item (`item.kv_head` is ignored: whole-row items take every head, one
-// after another). `ahead`: how its decode segments prefetch.
+// One KV head of an item (`item.kv_head` is ignored: items of every head take them one after
+// another).
 template <typename scalar_t>
-void attend_item(const Geometry& g, const WorkItem& item, int64_t kv_head, Prefetch ahead,
+void attend_item(const Geometry& g, const WorkItem& item, int64_t kv_head,
                  const scalar_t* query, const scalar_t* key_cache, const scalar_t* value_cache,
                  const int32_t* block_table, int64_t query_start, int64_t query_len,
                  int64_t context_len, SharedPrefixes& shared, scalar_t* out) {
@@ -937,7 +924,7 @@ void attend_item(const Geometry& g, const WorkItem& item, int64_t kv_head, Prefe
   }
   attend_keys<scalar_t, dot_bf16>(g, rows, query_pairs.data(), key_cache, value_cache,
                                   block_table, kv_head, from, last_position + 1,
-                                  context_len, decode_layout, ahead);
+                                  context_len, decode_layout);
 
   for (int64_t r = 0; r < rows.count; ++r) {
     const int64_t token = query_start + item.first_token + r / group;
@@ -963,7 +950,6 @@ void run_items(const Geometry& g, SharedPrefixes& shared,
   const scalar_t* v = value_cache.data_ptr<scalar_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   const int64_t kv_heads = g.heads / g.group;
-  const int64_t row_bytes = g.head_dim * static_cast<int64_t>(sizeof(scalar_t));
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // only bf16 pools share prefixes
     if (!shared.groups.empty()) {  // the shared prefixes' pieces first: members start from them
       at::parallel_for(0, static_cast<int64_t>(shared_lanes.size()), 1,
@@ -980,19 +966,12 @@ void run_items(const Geometry& g, SharedPrefixes& shared,
     for (int64_t lane = begin; lane < end; ++lane) {
       for (const WorkItem& item : lanes[lane]) {
         const int32_t s = item.sequence;
-        const auto attend = [&](int64_t kv_head, Prefetch ahead) {
-          attend_item<scalar_t>(g, item, kv_head, ahead, q, k, v, tables + s * g.table_stride,
-                                starts[s], starts[s + 1] - starts[s], contexts[s], shared, o);
-        };
-        if (item.kv_head != kEveryHead) {
-          attend(item.kv_head, {row_bytes, false});
-          continue;
-        }
-        // The first head's pass prefetches whole token rows (every head's K and V), once; the
-        // others find them in the cache, or, for a context longer than the cache keeps, prefetch
-        // their own rows again (once: at 3,000 keys, none made the attention 1.27x slower).
-        for (int64_t h = 0; h < kv_heads; ++h) {
-          attend(h, {h == 0 ? kv_heads * row_bytes : row_bytes, true});
+        const bool every_head = item.kv_head == kEveryHead;
+        const int64_t first = every_head ? 0 : item.kv_head;
+        const int64_t last = every_head ? kv_heads - 1 : item.kv_head;
+        for (int64_t h = first; h <= last; ++h) {
+          attend_item<scalar_t>(g, item, h, q, k, v, tables + s * g.table_stride, starts[s],
+                                starts[s + 1] - starts[s], contexts[s], shared, o);
         }
       }
     }
@@ -1063,20 +1042,21 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   std::vector<SequenceSpan> matrix_spans;
   std::vector<WorkItem> items;
   // Decode rows in the decode layout (bf16 with vdpbf16ps, head_dim a multiple of 32) take
-  // every KV head of their sequence in one item ("whole rows") where the batch has enough
-  // decoding sequences for the threads: the first head's pass prefetches each key's whole
-  // token rows of K and V (every head's; a block's 16 tokens are then 6 KB side by side for
-  // SmolLM2, which the hardware's prefetchers follow too), once, and the other heads' passes
-  // find them in the cache (and prefetch their own rows once), where items of one head fetched
-  // 128 of every 384 bytes, each line four times. On an Intel Xeon with AMX (2 vCPUs,
-  // 2026-12-04; 30 layers, builds alternating in one process, the same bits): 16 decodes over
-  // 1,024 shared + 520 own keys 0.89x the attention's time, over 1,544 own keys 0.93x, over
-  // 3,000 own keys 0.96x, 4 decodes 0.90x. Prefetching one head's rows once instead of four
-  // times gave 1.00x, whole rows at every distance 0.95x, whole rows once 2 or 8 chunks ahead
-  // 0.94x. With fewer decodes than two a thread, or one decode longer than a thread's
-  // share of them all, items of one head keep every thread busy (one decode's three heads on
-  // two threads).
-  const bool whole_rows_possible = kNativeBf16 && dtype == at::kBFloat16 && dim % 32 == 0 &&
+  // every KV head of their sequence in one item, one head after another on one thread, where
+  // the batch has enough decoding sequences for the threads. Each head prefetches its own rows
+  // as items of one head do; the lines the hardware fetches beside them hold the sequence's
+  // other heads, which the same core reads next. On a Zen 5 EPYC (2 vCPUs, 2026-12-04; 30
+  // layers from memory, builds alternating in one process, the same bits), against items of
+  // one head: 16 decodes over 1,024 shared + 520 own keys 0.89x the attention's time, over
+  // 1,544 or 512 own keys 0.90x, 8 decodes over 3,000 own keys 0.97x, 4 decodes 0.96x, 16 in
+  // cache 0.92x. Prefetching the whole token rows of every head in the first head's pass (once,
+  // four chunks ahead; the others then prefetching their own rows once) measured 0.89x on an
+  // Intel Xeon with AMX that day but 1.20x on the Zen 5 (1.41-1.49x over own keys alone) and
+  // was taken out: whole rows four chunks ahead are 48 KB in flight a thread, as much as Zen
+  // 5's L1. With fewer decodes than two a thread, or one decode longer than a thread's share
+  // of them all, items of one head keep every thread busy (one decode's three heads on two
+  // threads).
+  const bool every_head_possible = kNativeBf16 && dtype == at::kBFloat16 && dim % 32 == 0 &&
                                    heads / kv_heads < kPackRows;
   const auto decode_keys = [&](int32_t s) {  // what a decode's item reads
     return window > 0 ? std::min<int64_t>(contexts[s], window + 1) : int64_t{contexts[s]};
@@ -1090,7 +1070,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
     }
   }
   const int64_t threads = at::get_num_threads();
-  const bool whole_rows = whole_rows_possible && decoding >= 2 * threads &&
+  const bool every_head_items = every_head_possible && decoding >= 2 * threads &&
                           most_keys * threads <= all_keys;
   for (int32_t s = 0; s < sequences; ++s) {
     const int64_t query_len = starts[s + 1] - starts[s];
@@ -1106,7 +1086,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
       matrix_spans.push_back({starts[s], query_len, contexts[s], tables + s * g.table_stride});
       continue;
     }
-    if (whole_rows && query_len == 1) {
+    if (every_head_items && query_len == 1) {
       items.push_back({s, kEveryHead, 0, 1, kv_heads * decode_keys(s) * (g.group + 4)});
       continue;
     }

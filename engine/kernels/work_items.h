@@ -7,8 +7,8 @@
 
 namespace prefixgate {
 
-// A tile of one sequence's query tokens against one KV head (paged_attention.cpp's whole-row
-// decode items: kv_head -1, every head).
+// A tile of one sequence's query tokens against one KV head (paged_attention.cpp's decode items
+// of every head: kv_head -1).
 struct WorkItem {
   int32_t sequence, kv_head, first_token, tokens;
   int64_t cost;  // keys x rows, for ordering

@@ -295,14 +295,14 @@ def test_a_prefill_rounds_the_same_whatever_the_thread_count(matrix_path: str) -
 
 @pytest.mark.parametrize("window", [0, 275])
 @pytest.mark.parametrize("block_size", [16, 8])
-def test_a_decode_gets_the_same_bits_in_a_whole_row_item(window: int, block_size: int) -> None:
+def test_a_decode_gets_the_same_bits_in_an_item_of_every_head(window: int, block_size: int) -> None:
     # With at least two decodes a thread, each bf16 decode's item takes every KV head of its
-    # sequence, one after another (whole token rows prefetched once); with fewer, an item per
-    # head. Each head's rows are the same computation either way: the same bits, with or without
-    # a shared prefix (its first 160 keys; none is shared under a window). Contexts span up to
-    # three 256-key segments, one fits in a single block; a window starts mid-chunk.
+    # sequence, one after another; with fewer, an item per head. Each head's rows are the same
+    # computation either way: the same bits, with or without a shared prefix (its first 160 keys;
+    # none is shared under a window). Contexts span up to three 256-key segments, one fits in a
+    # single block; a window starts mid-chunk.
     if matrix_products.DOT_PRODUCTS != "vdpbf16ps":
-        pytest.skip("whole-row items exist where the kernels were built with AVX512_BF16")
+        pytest.skip("items of every head exist where the kernels were built with AVX512_BF16")
     contexts = [600, 300, 170, 165, 257, 512, 190, 333, 9]
     case = Case([(1, context) for context in contexts], heads=9, kv_heads=3, head_dim=64,
                 block_size=block_size, window=window, num_blocks=2048 // block_size,
@@ -314,7 +314,7 @@ def test_a_decode_gets_the_same_bits_in_a_whole_row_item(window: int, block_size
     for groups in (None, [0] * len(rows)):
         outputs = []
         try:
-            for count in (1, 8):  # nine decodes on one thread: whole rows; on eight: heads
+            for count in (1, 8):  # nine decodes on one thread: every head; on eight: one each
                 torch.set_num_threads(count)
                 outputs.append(_attend(inputs, rows, groups, window))
         finally:
