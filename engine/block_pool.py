@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import huge_pages
 from engine.block_hash import BlockHash
 from engine.budget import Owner
 from engine.kv_spec import KVSpec
@@ -77,7 +78,9 @@ class BlockPool:
         self.zero_blocks = zero_blocks
         self.num_blocks = num_blocks
         shape = (spec.num_layers, 2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        if kv is None:
+        if kv is None and torch.device(device).type == "cpu":
+            kv = huge_pages.zeros(shape, spec.dtype)  # read from memory at every step
+        elif kv is None:
             kv = torch.zeros(shape, dtype=spec.dtype, device=device)
         elif tuple(kv.shape) != shape or kv.dtype != spec.dtype:
             raise ValueError("kv does not have the pool's shape and dtype")

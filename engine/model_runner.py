@@ -15,7 +15,12 @@ from transformers import PreTrainedModel
 from engine.attention import ATTENTION_NAME, AttentionBackend, PagedBatch
 from engine.kernels.cpu_decoder import llama_decoder
 from engine.kernels.cpu_fused import fuse_elementwise
-from engine.kernels.cpu_linear import MatrixLinear, PackedLinear, pack_linears
+from engine.kernels.cpu_linear import (
+    MatrixLinear,
+    PackedLinear,
+    gather_packed_weights,
+    pack_linears,
+)
 from engine.kernels.cpu_logits import fp32_logits
 
 
@@ -56,6 +61,7 @@ class ModelRunner:
         self.decoder = llama_decoder(model)
         forward: torch.nn.Module = self.decoder if self.decoder is not None else model
         pack_linears(forward)
+        gather_packed_weights(forward)
         # Whether every projection, the LM head too, sums in one order whatever else is in
         # the step (cpu_linear).
         kinds = {type(module) for module in forward.modules()}

@@ -57,6 +57,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from engine import huge_pages
 from engine.kernels import KernelUnavailable, cpu_build
 
 # Row classes a call falls into (up to each bound; the last is open), and the row count each
@@ -141,6 +142,7 @@ class MatrixLinear(torch.nn.Module):
         with torch.no_grad():
             self.packed = torch.ops.prefixgate.pack_matrix_weight(linear.weight.detach())
             self.bias_fp32 = None if linear.bias is None else linear.bias.detach().float()
+        self.gathered = False  # moved into huge pages by `gather_packed_weights`
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self._product(inputs, self.fp32_out, gated=False)
@@ -176,6 +178,31 @@ def matrix_linear(linear: torch.nn.Linear, fp32_out: bool = False) -> MatrixLine
         if not any(reason in str(error) for reason in NO_PRODUCTS):
             raise
         return None
+
+
+def gather_packed_weights(model: torch.nn.Module) -> None:
+    """Move the packed weights of `model`'s `MatrixLinear`s into one buffer in 2 MB pages
+    (`engine.huge_pages`: each decode step reads them all from memory), in module order, one
+    at a time, so that memory holds each weight about once while they move. Layers already
+    moved (a runner made again for the same model) stay where they are."""
+    linears = [
+        module
+        for module in model.modules()
+        if isinstance(module, MatrixLinear) and not module.gathered
+    ]
+    sizes = [module.packed.numel() * module.packed.element_size() for module in linears]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + -(-size // 64) * 64)  # each weight 64-byte aligned
+    if not linears:
+        return
+    arena = huge_pages.empty((starts[-1],), torch.uint8)
+    for module, start, size in zip(linears, starts, sizes, strict=False):
+        packed = module.packed
+        moved = arena[start : start + size].view(packed.dtype).view(packed.shape)
+        moved.copy_(packed)
+        module.packed = moved
+        module.gathered = True
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

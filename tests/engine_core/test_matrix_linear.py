@@ -12,7 +12,13 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kernels import cpu_build
-from engine.kernels.cpu_linear import MatrixLinear, PackedLinear, matrix_linear, pack_linears
+from engine.kernels.cpu_linear import (
+    MatrixLinear,
+    PackedLinear,
+    gather_packed_weights,
+    matrix_linear,
+    pack_linears,
+)
 from tests.support import matrix_products
 from tests.support.models import engine_for, loaded, tiny_model
 
@@ -134,6 +140,23 @@ def test_every_bf16_projection_goes_to_the_matrix_kernel_without_timing() -> Non
     pack_linears(fp32)
     fp32_matrix = any(isinstance(module, MatrixLinear) for module in fp32.modules())
     assert fp32_matrix == fp32_products()
+
+
+def test_packed_weights_move_into_one_buffer_and_compute_the_same_bits() -> None:
+    model = tiny_model("llama").to(torch.bfloat16)
+    pack_linears(model)
+    linears = [module for module in model.modules() if isinstance(module, MatrixLinear)]
+    hidden = torch.randn(5, linears[0].in_features).to(torch.bfloat16)
+    before = [linear(hidden) for linear in linears if linear.in_features == hidden.shape[1]]
+    gather_packed_weights(model)
+    buffers = {linear.packed.untyped_storage().data_ptr() for linear in linears}
+    assert len(buffers) == 1 and all(linear.gathered for linear in linears)
+    assert all(linear.packed.data_ptr() % 64 == 0 for linear in linears)
+    after = [linear(hidden) for linear in linears if linear.in_features == hidden.shape[1]]
+    assert len(after) > 1 and all(map(torch.equal, before, after))
+    where = [linear.packed.data_ptr() for linear in linears]
+    gather_packed_weights(model)  # a runner made again: nothing moves
+    assert [linear.packed.data_ptr() for linear in linears] == where
 
 
 def fp32_products() -> bool:
