@@ -8,61 +8,68 @@ is a few hundred. On a Zen 5 EPYC (2 vCPUs, 2026-12-04; side by side in one proc
 30 layers of projections took 0.91x the time at one row and 0.92x at 16 with their weights in
 2 MB pages, and 30 layers of decode attention 0.96x for one sequence (0.99x for 16). In the
 engine (`bench.decode_step`'s workload, the weights switched between 2 MB and 4 KB pages
-between rounds, three runs) a one-stream decode step took 0.85-0.97x the time, a 16-stream
-step 0.97-1.04x (no change beyond the machine's noise).
+between rounds, five runs on a noisy machine) a one-stream step took 0.85-1.10x the time, a
+16-stream step 0.97-1.04x (the longest run's paired rounds: median 0.97x and 0.99x).
 
 Linux backs a range with huge pages when asked (`madvise(MADV_HUGEPAGE)`) if
 `/sys/kernel/mm/transparent_hugepage/enabled` says `madvise` or `always`; the range must be
 asked for before it is first touched, and only whole 2 MB-aligned pages within it are huge.
+Each tensor here gets a private anonymous mapping of its own (not the allocator's heap, whose
+memory may already be touched and outlives the tensor), unmapped when the tensor is freed.
 Elsewhere (THP `never`, other systems) the memory is ordinary and everything works the same.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
+import mmap
 import sys
-from collections.abc import Callable
-from functools import cache
 
 import torch
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14  # Linux's value on every architecture
-
-
-@cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's `madvise`, where there is one to call."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    function.restype = ctypes.c_int
-    advise: Callable[[int, int, int], int] = function
-    return advise
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor whose memory starts on a 2 MB boundary and is asked to be
-    huge pages. It is a view into a buffer up to 2 MB larger; the pages before its start are
-    never touched, so they cost address space, not memory."""
+    huge pages: a view into a mapping up to 2 MB larger, whose pages before the tensor's start
+    are never touched (address space, not memory). Under one huge page: an ordinary tensor."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE:  # not one whole huge page: an ordinary tensor
+    if nbytes < HUGE_PAGE:
         return torch.empty(shape, dtype=dtype)
-    buffer = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    mapping = mmap.mmap(
+        -1,
+        nbytes + HUGE_PAGE,
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,  # shared memory has its own THP setting
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+    )
+    buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
     start = -buffer.data_ptr() % HUGE_PAGE
-    madvise = _madvise()
-    if madvise is not None:
-        # The whole huge pages inside the tensor; a failure (an old kernel, THP compiled out)
-        # leaves ordinary pages.
-        madvise(buffer.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE, MADV_HUGEPAGE)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux's
+    if advice is not None:
+        # The whole huge pages inside the tensor; a kernel without THP refuses: ordinary pages.
+        with contextlib.suppress(OSError):
+            mapping.madvise(advice, start, nbytes // HUGE_PAGE * HUGE_PAGE)
     return buffer[start : start + nbytes].view(dtype).view(shape)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """`empty`, zeroed."""
     return empty(shape, dtype).zero_()
+
+
+def trim_heap() -> None:
+    """Give the C heap's free memory back to the system (glibc's `malloc_trim`), once large
+    tensors that lived there have been freed: glibc keeps freed heap memory resident, so
+    tensors moved into mappings of their own would otherwise still count in the process's
+    memory. Nothing elsewhere (no glibc)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = (ctypes.c_size_t,)
+    trim(0)

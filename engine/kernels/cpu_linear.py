@@ -183,8 +183,9 @@ def matrix_linear(linear: torch.nn.Linear, fp32_out: bool = False) -> MatrixLine
 def gather_packed_weights(model: torch.nn.Module) -> None:
     """Move the packed weights of `model`'s `MatrixLinear`s into one buffer in 2 MB pages
     (`engine.huge_pages`: each decode step reads them all from memory), in module order, one
-    at a time, so that memory holds each weight about once while they move. Layers already
-    moved (a runner made again for the same model) stay where they are."""
+    at a time, so that memory holds each weight about once while they move, then give their
+    old memory back to the system. Layers already moved (a runner made again for the same
+    model) stay where they are."""
     linears = [
         module
         for module in model.modules()
@@ -203,6 +204,7 @@ def gather_packed_weights(model: torch.nn.Module) -> None:
         moved.copy_(packed)
         module.packed = moved
         module.gathered = True
+    huge_pages.trim_heap()  # the packed weights' old memory, freed above
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

@@ -1069,8 +1069,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
     }
   }
   const int64_t threads = at::get_num_threads();
-  const bool every_head_items = every_head_possible && decoding >= 2 * threads &&
-                          most_keys * threads <= all_keys;
+  const bool every_head_items =
+      every_head_possible && decoding >= 2 * threads && most_keys * threads <= all_keys;
   for (int32_t s = 0; s < sequences; ++s) {
     const int64_t query_len = starts[s + 1] - starts[s];
     TORCH_CHECK(query_len >= 0 && query_len <= contexts[s] && starts[s + 1] <= query.size(0),

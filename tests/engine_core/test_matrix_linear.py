@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from engine import huge_pages
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kernels import cpu_build
@@ -157,6 +158,18 @@ def test_packed_weights_move_into_one_buffer_and_compute_the_same_bits() -> None
     where = [linear.packed.data_ptr() for linear in linears]
     gather_packed_weights(model)  # a runner made again: nothing moves
     assert [linear.packed.data_ptr() for linear in linears] == where
+
+
+def test_packed_weights_of_a_few_megabytes_start_on_a_huge_page() -> None:
+    model = torch.nn.Sequential(bf16_linear(1024, 2048, True), bf16_linear(2048, 96, False, 1))
+    pack_linears(model)
+    hidden = torch.randn(3, 1024).to(torch.bfloat16)
+    before = model(hidden)
+    gather_packed_weights(model)
+    first, second = model[0].packed, model[1].packed  # 4 MB and 384 KB
+    assert first.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert second.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+    assert torch.equal(model(hidden), before)
 
 
 def fp32_products() -> bool:
