@@ -1044,8 +1044,8 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   // Decode rows in the decode layout (bf16 with vdpbf16ps, head_dim a multiple of 32) take every KV
   // head of their sequence in one item, one head after another on one thread, where the batch has
   // enough decoding sequences for the threads. Each head prefetches its own rows as items of one
-  // head do; the lines the hardware fetches beside them hold the sequence's other heads, which the
-  // same core reads next. On a Zen 5 EPYC (2 vCPUs, 2026-12-04; 30 layers from memory, builds
+  // head do (perhaps what helps: the lines the hardware fetches beside them hold the sequence's
+  // other heads, which the same core reads next). On a Zen 5 EPYC (2 vCPUs, 2026-12-04; 30 layers from memory, builds
   // alternating in one process, the same bits), against items of one head: 16 decodes over 1,024
   // shared + 520 own keys 0.89x the attention's time, over 1,544 or 512 own keys 0.90x, 8 decodes
   // over 3,000 own keys 0.97x, 4 decodes 0.96x, 16 in cache 0.92x. Prefetching the whole token rows
