@@ -1041,20 +1041,21 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   const int32_t* prompts = prompt_chunks.has_value() ? prompt_chunks->data_ptr<int32_t>() : nullptr;
   std::vector<SequenceSpan> matrix_spans;
   std::vector<WorkItem> items;
-  // Decode rows in the decode layout (bf16 with vdpbf16ps, head_dim a multiple of 32) take every KV
-  // head of their sequence in one item, one head after another on one thread, where the batch has
-  // enough decoding sequences for the threads. Each head prefetches its own rows as items of one
-  // head do (perhaps what helps: the lines the hardware fetches beside them hold the sequence's
-  // other heads, which the same core reads next). On a Zen 5 EPYC (2 vCPUs, 2026-12-04; 30 layers from memory, builds
-  // alternating in one process, the same bits), against items of one head: 16 decodes over 1,024
-  // shared + 520 own keys 0.89x the attention's time, over 1,544 or 512 own keys 0.90x, 8 decodes
-  // over 3,000 own keys 0.97x, 4 decodes 0.96x, 16 in cache 0.92x. Prefetching the whole token rows
-  // of every head in the first head's pass (once, four chunks ahead; the others then prefetching
-  // their own rows once) measured 0.89x on an Intel Xeon with AMX that day but 1.20x on the Zen 5
-  // (1.41-1.49x over own keys alone) and was taken out (whole rows four chunks ahead are 48 KB in
-  // flight a thread, as much as Zen 5's L1 holds: perhaps why). With fewer decodes than two a
-  // thread, or one decode longer than a thread's share of them all, items of one head keep every
-  // thread busy (one decode's three heads on two threads).
+  // Decode rows in the decode layout (bf16 with vdpbf16ps, head_dim a multiple of 32) take every
+  // KV head of their sequence in one item, one head after another on one thread, where the batch
+  // has enough decoding sequences for the threads. Each head prefetches its own rows as items of
+  // one head do (perhaps what helps: the lines the hardware fetches beside them hold the
+  // sequence's other heads, which the same core reads next). On a Zen 5 EPYC (2 vCPUs,
+  // 2026-12-04; 30 layers from memory, builds alternating in one process, the same bits), against
+  // items of one head: 16 decodes over 1,024 shared + 520 own keys 0.89x the attention's time,
+  // over 1,544 or 512 own keys 0.90x, 8 decodes over 3,000 own keys 0.97x, 4 decodes 0.96x, 16 in
+  // cache 0.92x. Prefetching the whole token rows of every head in the first head's pass (once,
+  // four chunks ahead; the others then prefetching their own rows once) measured 0.89x on an
+  // Intel Xeon with AMX that day but 1.20x on the Zen 5 (1.41-1.49x over own keys alone) and was
+  // taken out (whole rows four chunks ahead are 48 KB in flight a thread, as much as Zen 5's L1
+  // holds: perhaps why). With fewer decodes than two a thread, or one decode longer than a
+  // thread's share of them all, items of one head keep every thread busy (one decode's three
+  // heads on two threads).
   const bool every_head_possible = kNativeBf16 && dtype == at::kBFloat16 && dim % 32 == 0 &&
                                    heads / kv_heads < kPackRows;
   const auto decode_keys = [&](int32_t s) {  // what a decode's item reads
