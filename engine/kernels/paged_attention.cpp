@@ -1052,10 +1052,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   // cache 0.92x. Prefetching the whole token rows of every head in the first head's pass (once,
   // four chunks ahead; the others then prefetching their own rows once) measured 0.89x on an
   // Intel Xeon with AMX that day but 1.20x on the Zen 5 (1.41-1.49x over own keys alone) and was
-  // taken out (whole rows four chunks ahead are 48 KB in flight a thread, as much as Zen 5's L1
-  // holds: perhaps why). With fewer decodes than two a thread, or one decode longer than a
-  // thread's share of them all, items of one head keep every thread busy (one decode's three
-  // heads on two threads).
+  // taken out (why, not found: whole rows four chunks ahead are 48 KB in flight a thread, three
+  // times what items of one head ask for, and prefetcht1 fills L2, not L1). With fewer decodes
+  // than two a thread, or one decode longer than a thread's share of them all, items of one head
+  // keep every thread busy (one decode's three heads on two threads).
   const bool every_head_possible = kNativeBf16 && dtype == at::kBFloat16 && dim % 32 == 0 &&
                                    heads / kv_heads < kPackRows;
   const auto decode_keys = [&](int32_t s) {  // what a decode's item reads
