@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 from engine import huge_pages
 from engine.kernels import KernelUnavailable, cpu_build
+from engine.math_utils import cdiv
 
 # Row classes a call falls into (up to each bound; the last is open), and the row count each
 # is measured at.
@@ -191,12 +192,12 @@ def gather_packed_weights(model: torch.nn.Module) -> None:
         for module in model.modules()
         if isinstance(module, MatrixLinear) and not module.gathered
     ]
+    if not linears:
+        return
     sizes = [module.packed.numel() * module.packed.element_size() for module in linears]
     starts = [0]
     for size in sizes:
-        starts.append(starts[-1] + -(-size // 64) * 64)  # each weight 64-byte aligned
-    if not linears:
-        return
+        starts.append(starts[-1] + cdiv(size, 64) * 64)  # each weight 64-byte aligned
     arena = huge_pages.empty((starts[-1],), torch.uint8)
     for module, start, size in zip(linears, starts, sizes, strict=False):
         packed = module.packed
