@@ -21,6 +21,17 @@ writes, sampling, the scheduler and Python), each op by its self time: what boun
 under `torch`, its gathers count as the rest and its matrix products as linear layers. The
 profiler's own overhead lands in the rest (the profiled step is that much longer than the
 timed one).
+
+Last, the floor: the least time a step could take at the rates `bench.machine_speed` probes on
+this machine (before and after the rounds, their medians), from what a step must do at least:
+multiply every weight matrix a step reads whole by each stream's token and attend over each
+stream's context (2 FLOP a multiply-add), and read those weights and the K/V once (the shared
+prefix's once for all streams). A step takes at least the longer of its arithmetic at the
+probe's product rate and its bytes at the probe's memory rate, so `floor.scaling` = N x one
+stream's floor / N streams' floor is the scaling that steps with no other work would reach: one
+stream is bound by reading the weights, many by their arithmetic, and where the product rate
+is low beside the memory rate, that is under 8 at 16 streams. The probe's rates are what torch's
+product and an in-place pass reach, not the hardware's peaks, so the floor is an estimate.
 """
 
 from __future__ import annotations
@@ -31,19 +42,21 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from torch.profiler import ProfilerActivity, profile
+from transformers import PreTrainedModel
 
 from bench.common import emit, machine, plot_bars
+from bench.machine_speed import Prober, Speed, product_dtype, summary
 from bench.prefix import tiny_llama
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.kv_spec import dtype_name
 from engine.model_loader import LoadedModel, embedded_model_dir, load_model
-from engine.precision import resolve_dtype
+from engine.precision import native_bf16_flags, resolve_dtype
 from engine.request import GenerationDelta, GenerationRequest
 from engine.sampler import SamplingParams
 from engine.scope import Tenant
@@ -60,6 +73,49 @@ def share_of(name: str) -> str:
     if "linear" in name or name.endswith(LINEAR_OPS):
         return "linear"
     return "rest"
+
+
+@dataclass(frozen=True, slots=True)
+class StepWork:
+    """What a decode step must do at least: FLOPs of arithmetic and bytes read."""
+
+    flops: float
+    nbytes: float
+
+    def floor_ms(self, speed: Speed) -> tuple[float, str]:
+        """The least milliseconds this work takes at `speed`'s rates, and which one bounds it:
+        "compute" or "memory"."""
+        compute = self.flops / (speed.matmul_tflops * 1e12)
+        memory = self.nbytes / (speed.memory_gb_s * 1e9)
+        return max(compute, memory) * 1000, "compute" if compute >= memory else "memory"
+
+
+def step_work(
+    model: PreTrainedModel, prefix_tokens: int, unique_tokens: int, streams: int
+) -> StepWork:
+    """A decode step of `streams` streams over a shared prefix of `prefix_tokens` and
+    `unique_tokens` of each stream's own: every weight matrix a step reads whole (all but an
+    input embedding that is not also the LM head: a step reads only its tokens' rows of that)
+    times each stream's token, each stream's attention over its whole context (q.k and p.v, one
+    multiply-add each per head and dimension), and the bytes of those weights and of the K/V."""
+    config = model.config
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding
+    weights = sum(
+        p.numel() for p in model.parameters() if p.dim() == 2 and (tied or p is not embedding)
+    )
+    element = model.dtype.itemsize
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    context = prefix_tokens + unique_tokens
+    attention = 2 * 2 * layers * heads * head_dim * context
+    kv_per_token = layers * 2 * kv_heads * head_dim * element
+    return StepWork(
+        flops=streams * (2 * weights + attention),
+        nbytes=weights * element + kv_per_token * (prefix_tokens + streams * unique_tokens),
+    )
 
 
 class Streams:
@@ -188,6 +244,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         loaded = load_model(args.model or embedded_model_dir(), dtype=resolve_dtype(args.dtype))
     counts = (1, args.streams)
+    # Before the engine packs the weights (the model's own parameters are counted).
+    work = {
+        count: step_work(loaded.model, args.prefix_tokens, args.unique_tokens, count)
+        for count in counts
+    }
+    prober = Prober(product_dtype(loaded.model.dtype, bool(native_bf16_flags())))
+    speeds = [prober.probe()]
     medians: dict[int, list[float]] = {count: [] for count in counts}
     try:
         streams = Streams(loaded, args)
@@ -197,6 +260,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         shares = {str(count): streams.shares(count) for count in counts}
     except EngineError as error:  # a workload this model or pool cannot hold
         parser.error(str(error))
+    speeds.append(prober.probe())
+    rates = summary(speeds)
+    speed = Speed(rates["matmul_tflops"][1], rates["memory_gb_s"][1])
+    floor: dict[str, Any] = {"product": prober.describe(), "rates": rates}
+    for count in counts:
+        ms, bound = work[count].floor_ms(speed)
+        floor[str(count)] = {
+            "flops": work[count].flops,
+            "bytes": work[count].nbytes,
+            "ms": ms,
+            "bound": bound,
+        }
+    floor["scaling"] = args.streams * floor["1"]["ms"] / floor[str(args.streams)]["ms"]
     step_ms = {count: statistics.median(medians[count]) for count in counts}
     served = streams.engine.describe()
     result = {
@@ -212,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step_ms_per_round": {str(count): medians[count] for count in counts},
         "scaling": args.streams * step_ms[1] / step_ms[args.streams],
         "shares_ms": shares,
+        "floor": floor,
         "machine": machine(),
     }
     if not args.json:
@@ -223,6 +300,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{parts_ms['linear']:.2f}, rest {parts_ms['rest']:.2f})"
             )
         print(f"{args.streams} streams decode {result['scaling']:.2f}x one stream (target 8x)")
+        many = floor[str(args.streams)]
+        print(
+            f"floor at the probed {speed.matmul_tflops:g} TFLOP/s and {speed.memory_gb_s:g} GB/s: "
+            f"{floor['1']['ms']:.2f} ms at 1 stream ({floor['1']['bound']}), {many['ms']:.2f} ms "
+            f"at {args.streams} ({many['bound']}): {floor['scaling']:.2f}x with no other work"
+        )
     if args.plot:
         parts = ("attention", "linear", "rest")
         labels = [f"{count}: {part}" for count in counts for part in parts]

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.decode_step import main, share_of
+from bench.decode_step import StepWork, main, share_of, step_work
+from bench.machine_speed import Speed
+from bench.prefix import TINY_VOCAB, tiny_llama
 
 
 def test_a_step_splits_into_attention_linear_layers_and_the_rest() -> None:
@@ -20,6 +23,37 @@ def test_a_step_splits_into_attention_linear_layers_and_the_rest() -> None:
         # The kernels' ops are found, and they take less than the whole step.
         assert shares["attention"] > 0 and shares["linear"] > 0
         assert shares["attention"] + shares["linear"] < shares["step"]
+    floor = result["floor"]
+    assert floor["rates"]["matmul_tflops"][1] > 0 and floor["rates"]["memory_gb_s"][1] > 0
+    assert floor["8"]["flops"] == pytest.approx(8 * floor["1"]["flops"])
+    assert floor["8"]["bytes"] > floor["1"]["bytes"]
+    assert {floor["1"]["bound"], floor["8"]["bound"]} <= {"compute", "memory"}
+    assert floor["scaling"] == pytest.approx(8 * floor["1"]["ms"] / floor["8"]["ms"])
+
+
+def test_a_steps_work_counts_every_weight_read_whole_and_each_streams_attention() -> None:
+    model = tiny_llama(64).model  # fp32, its LM head apart from its embedding
+    per_layer = 256 * 256 + 2 * 256 * 128 + 256 * 256 + 3 * 256 * 688  # q, k and v, o, MLP
+    weights = 4 * per_layer + TINY_VOCAB * 256  # the LM head's, not the embedding's
+    attention = 2 * 2 * 4 * 4 * 64 * (10 + 6)  # q.k and p.v: layers x heads x dim x context
+    kv_per_token = 4 * 2 * 2 * 64 * 4  # layers x (K, V) x KV heads x dim x 4 bytes
+    work = step_work(model, prefix_tokens=10, unique_tokens=6, streams=3)
+    assert work.flops == 3 * (2 * weights + attention)
+    assert work.nbytes == weights * 4 + kv_per_token * (10 + 3 * 6)  # the prefix read once
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    tied = LlamaForCausalLM(config)  # fp32
+    one_layer = 32 * 32 * 4 + 3 * 32 * 64
+    kv_bytes = 1 * 2 * (2 * 16) * 4  # one layer, K and V, 2 KV heads of 16, one token
+    assert step_work(tied, 0, 1, 1).nbytes == 4 * (one_layer + 100 * 32) + kv_bytes
+
+
+def test_the_floor_is_the_longer_of_the_arithmetic_and_the_reading() -> None:
+    work = StepWork(flops=2e12, nbytes=1e9)
+    assert work.floor_ms(Speed(matmul_tflops=1.0, memory_gb_s=100.0)) == (2000.0, "compute")
+    assert work.floor_ms(Speed(matmul_tflops=10.0, memory_gb_s=0.5)) == (2000.0, "memory")
 
 
 @pytest.mark.parametrize(
