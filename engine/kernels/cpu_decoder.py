@@ -107,7 +107,7 @@ class LlamaDecoder(torch.nn.Module):
                 normed = torch.ops.prefixgate.add_rms_norm_(
                     residual, hidden, layer.input_norm.weight, layer.input_norm.variance_epsilon
                 )
-            qkv = layer.qkv_proj(normed)
+            qkv = project(layer.qkv_proj, normed)
             torch.ops.prefixgate.rotary_(qkv, cos, sin, self.q_heads + self.kv_heads, self.head_dim)
             query = qkv[:, :q_width].view(tokens, self.q_heads, self.head_dim)
             key = qkv[:, q_width : q_width + kv_width].view(tokens, self.kv_heads, self.head_dim)
@@ -115,16 +115,28 @@ class LlamaDecoder(torch.nn.Module):
             attended = write_and_attend(
                 batch, layer.layer_index, query, key, value, layer.scaling, None
             )
-            hidden = layer.o_proj(attended.reshape(tokens, q_width))
+            hidden = project(layer.o_proj, attended.reshape(tokens, q_width))
             normed = torch.ops.prefixgate.add_rms_norm_(
                 residual, hidden, layer.post_norm.weight, layer.post_norm.variance_epsilon
             )
-            hidden = layer.down_proj(layer.activated(normed))
+            hidden = project(layer.down_proj, layer.activated(normed))
         normed = torch.ops.prefixgate.add_rms_norm_(
             residual, hidden, self.norm.weight, self.norm.variance_epsilon
         )
         logits: torch.Tensor = self.lm_head(normed[logit_rows])
         return logits
+
+
+def project(linear: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """`linear(rows)` for [tokens, features] rows: a `MatrixLinear`'s kernel called directly
+    where the rows are contiguous (`MatrixLinear.rows`), without nn.Module's call. Side by side
+    in one process (the embedded model in bf16, bench.decode_step's workload, an AMD EPYC Zen 4,
+    two runs of ten paired rounds), a one-stream decode step took 0.95-0.96x the time (0.65 ms
+    less) and a sixteen-stream step 0.97-0.98x."""
+    if type(linear) is MatrixLinear and rows.is_contiguous():
+        return linear.rows(rows, linear.fp32_out)
+    output: torch.Tensor = linear(rows)
+    return output
 
 
 def _fuse(parent: torch.nn.Module, names: tuple[str, ...]) -> torch.nn.Linear:

@@ -155,11 +155,21 @@ class MatrixLinear(torch.nn.Module):
         return self._product(inputs, fp32_out=False, gated=True)
 
     def _product(self, inputs: torch.Tensor, fp32_out: bool, gated: bool) -> torch.Tensor:
+        if inputs.dim() == 2 and inputs.is_contiguous():  # rows already (the decoder's)
+            return self.rows(inputs, fp32_out, gated)
         rows = inputs.reshape(-1, self.in_features).contiguous()
+        output = self.rows(rows, fp32_out, gated)
+        return output.reshape(*inputs.shape[:-1], output.shape[-1])
+
+    def rows(self, rows: torch.Tensor, fp32_out: bool, gated: bool = False) -> torch.Tensor:
+        """The product of a contiguous [rows, in_features] input, the kernel called directly.
+        `LlamaDecoder` calls this instead of the module (121 projections a decode step): for
+        one row of a 576 x 576 projection, nn.Module's call and the reshapes around the kernel
+        took 5 us of 13."""
         output: torch.Tensor = torch.ops.prefixgate.matrix_linear(
             rows, self.packed, self.bias_fp32, self.out_features, fp32_out, gated
         )
-        return output.reshape(*inputs.shape[:-1], output.shape[-1])
+        return output
 
 
 def matrix_linear(linear: torch.nn.Linear, fp32_out: bool = False) -> MatrixLinear | None:

@@ -13,6 +13,7 @@ from engine import huge_pages
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kernels import cpu_build
+from engine.kernels.cpu_decoder import project
 from engine.kernels.cpu_linear import (
     MatrixLinear,
     PackedLinear,
@@ -91,6 +92,19 @@ def test_a_rows_result_does_not_depend_on_the_other_rows_or_the_threads(
     everything = narrow(inputs[:, :48].contiguous())
     for rows in (1, 5, 40, 300):
         assert torch.equal(narrow(inputs[:rows, :48].contiguous()), everything[:rows]), rows
+
+
+def test_the_decoders_direct_call_computes_what_the_module_does() -> None:
+    linear = MatrixLinear(bf16_linear(96, 200, bias=True))
+    wide = torch.randn(7, 2 * 96, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    rows = wide[:, :96]  # not contiguous: project takes the module's path
+    expected = linear(rows.contiguous())
+    assert torch.equal(linear.rows(rows.contiguous(), fp32_out=False), expected)
+    assert torch.equal(project(linear, rows), expected)
+    assert torch.equal(project(linear, rows.contiguous()), expected)
+    head = MatrixLinear(bf16_linear(96, 200, bias=False), fp32_out=True)
+    logits = project(head, rows.contiguous())
+    assert logits.dtype == torch.float32 and torch.equal(logits, head(rows))
 
 
 @pytest.mark.parametrize("bias", [False, True])
