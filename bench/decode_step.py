@@ -27,11 +27,11 @@ this machine (before and after the rounds, their medians), from what a step must
 multiply every weight matrix a step reads whole by each stream's token and attend over each
 stream's context (2 FLOP a multiply-add), and read those weights and the K/V once (the shared
 prefix's once for all streams). A step takes at least the longer of its arithmetic at the
-probe's product rate and its bytes at the probe's memory rate, so `floor.scaling` = N x one
+probe's product rate and its bytes at the probe's read rate, so `floor.scaling` = N x one
 stream's floor / N streams' floor is the scaling that steps with no other work would reach: one
-stream is bound by reading the weights, many by their arithmetic, and where the product rate
-is low beside the memory rate, that is under 8 at 16 streams. The probe's rates are what torch's
-product and an in-place pass reach, not the hardware's peaks, so the floor is an estimate.
+stream is bound by reading the weights, many by their arithmetic (or their K/V), and where the
+product rate is low beside the read rate, that is under 8 at 16 streams. The probe's rates are
+what torch's product and sum reach, not the hardware's peaks, so the floor is an estimate.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class StepWork:
         """The least milliseconds this work takes at `speed`'s rates, and which one bounds it:
         "compute" or "memory"."""
         compute = self.flops / (speed.matmul_tflops * 1e12)
-        memory = self.nbytes / (speed.memory_gb_s * 1e9)
+        memory = self.nbytes / (speed.read_gb_s * 1e9)
         return max(compute, memory) * 1000, "compute" if compute >= memory else "memory"
 
 
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(str(error))
     speeds.append(prober.probe())
     rates = summary(speeds)
-    speed = Speed(rates["matmul_tflops"][1], rates["memory_gb_s"][1])
+    speed = Speed(*(rates[name][1] for name in ("matmul_tflops", "memory_gb_s", "read_gb_s")))
     floor: dict[str, Any] = {"product": prober.describe(), "rates": rates}
     for count in counts:
         ms, bound = work[count].floor_ms(speed)
@@ -302,9 +302,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{args.streams} streams decode {result['scaling']:.2f}x one stream (target 8x)")
         many = floor[str(args.streams)]
         print(
-            f"floor at the probed {speed.matmul_tflops:g} TFLOP/s and {speed.memory_gb_s:g} GB/s: "
-            f"{floor['1']['ms']:.2f} ms at 1 stream ({floor['1']['bound']}), {many['ms']:.2f} ms "
-            f"at {args.streams} ({many['bound']}): {floor['scaling']:.2f}x with no other work"
+            f"floor at the probed {speed.matmul_tflops:g} TFLOP/s and {speed.read_gb_s:g} GB/s "
+            f"read: {floor['1']['ms']:.2f} ms at 1 stream ({floor['1']['bound']}), "
+            f"{many['ms']:.2f} ms at {args.streams} ({many['bound']}): {floor['scaling']:.2f}x "
+            "with no other work"
         )
     if args.plot:
         parts = ("attention", "linear", "rest")

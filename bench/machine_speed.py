@@ -2,14 +2,20 @@
 
 The machines the benches run on change speed by up to 2x within minutes (a virtual machine
 gets what its host leaves it), and a bench's JSON that records only the CPU's model and flags
-cannot tell a slow minute from a slow build. `Prober.probe()` times two fixed operations that
+cannot tell a slow minute from a slow build. `Prober.probe()` times fixed operations that
 bound an inference engine's steps on a CPU: a matrix product the shape of the embedded model's
-gate-and-up projection over a 1,536-token prefill (compute-bound), and a pass over a buffer
+gate-and-up projection over a 1,536-token prefill (compute-bound), and passes over a buffer
 larger than the biggest last-level caches seen here (480 MB; memory-bound, as a many-stream
-decode is). A bench probes between its phases and reports the range, so that a reader compares
-its engines' numbers with how fast the machine was while they were taken.
+decode is): one that reads and writes each element in place, and one that only reads (a sum),
+as a decode step reads its weights and K/V. The two rates differ: on an AMD EPYC (Zen 4, 2
+vCPUs, 2026-12-04) the in-place pass moved 40-85 GB/s, reads and writes counted, while reads
+alone came at 21-53 GB/s within minutes (a core read about 16 GB/s by itself). A bench probes
+between its phases and reports the range, so that a reader compares its engines' numbers with
+how fast the machine was while they were taken.
 
-The pass leaves the caches empty, as any engine's turn leaves them for the next (a model's
+The buffer is in 2 MB pages where Linux gives them (`engine/huge_pages.py`), as the engine's
+weights and KV pool are (in 4 KB pages the sum read 27 GB/s there, in 2 MB pages 33). The
+passes leave the caches empty, as any engine's turn leaves them for the next (a model's
 weights and activations are hundreds of MB).
 """
 
@@ -21,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import huge_pages
+
 MATMUL_SHAPE = (1536, 576, 3072)  # tokens x hidden x (gate + up) of SmolLM2-135M
 PASS_BYTES = 512 << 20  # read and written in place per pass: 1 GiB of traffic
 MATMUL_BUDGET_S = 0.1  # repeat the product for this long and take the median call
@@ -29,10 +37,12 @@ PASSES = 3
 
 @dataclass(frozen=True, slots=True)
 class Speed:
-    """One probe's median rates: matrix product TFLOP/s, memory GB/s (read + write)."""
+    """One probe's median rates: matrix product TFLOP/s, memory GB/s (read + write, in place),
+    memory GB/s read alone."""
 
     matmul_tflops: float
     memory_gb_s: float
+    read_gb_s: float
 
 
 def product_dtype(engine_dtype: torch.dtype, native_bf16: bool) -> torch.dtype:
@@ -45,13 +55,16 @@ def product_dtype(engine_dtype: torch.dtype, native_bf16: bool) -> torch.dtype:
     return engine_dtype
 
 
-def rates(shape: tuple[int, int, int], product_s: float, nbytes: int, pass_s: float) -> Speed:
-    """The rates of one product of `shape` (rows x inner x columns) taking `product_s` and one
-    in-place pass over `nbytes` taking `pass_s`."""
+def rates(
+    shape: tuple[int, int, int], product_s: float, nbytes: int, pass_s: float, read_s: float
+) -> Speed:
+    """The rates of one product of `shape` (rows x inner x columns) taking `product_s`, one
+    in-place pass over `nbytes` taking `pass_s` and one read of them taking `read_s`."""
     rows, inner, columns = shape
     return Speed(
         matmul_tflops=2 * rows * inner * columns / product_s / 1e12,
         memory_gb_s=2 * nbytes / pass_s / 1e9,
+        read_gb_s=nbytes / read_s / 1e9,
     )
 
 
@@ -70,7 +83,8 @@ class Prober:
         generator = torch.Generator().manual_seed(0)
         self.left = torch.randn(rows, inner, generator=generator).to(dtype)
         self.right = torch.randn(inner, columns, generator=generator).to(dtype)
-        self.buffer = torch.ones(pass_bytes // 4, dtype=torch.float32)  # every page touched
+        self.buffer = huge_pages.empty((pass_bytes // 4,), torch.float32)
+        self.buffer.fill_(1.0)  # every page touched
         torch.mm(self.left, self.right)  # let torch choose its kernel before timing
 
     def describe(self) -> str:
@@ -78,8 +92,8 @@ class Prober:
         return "x".join(map(str, self.shape)) + " " + str(self.dtype).removeprefix("torch.")
 
     def probe(self) -> Speed:
-        """Time the product (repeated for MATMUL_BUDGET_S) and PASSES passes over the buffer;
-        their medians as rates."""
+        """Time the product (repeated for MATMUL_BUDGET_S), PASSES in-place passes over the
+        buffer and PASSES reads of it; their medians as rates."""
         product: list[float] = []
         started = time.perf_counter()
         while not product or time.perf_counter() - started < MATMUL_BUDGET_S:
@@ -91,14 +105,25 @@ class Prober:
             began = time.perf_counter()
             self.buffer.mul_(1.0)  # each element read and written back
             passes.append(time.perf_counter() - began)
+        reads = []
+        for _ in range(PASSES):
+            began = time.perf_counter()
+            self.buffer.sum()  # each element read
+            reads.append(time.perf_counter() - began)
         nbytes = self.buffer.numel() * self.buffer.element_size()
-        return rates(self.shape, statistics.median(product), nbytes, statistics.median(passes))
+        return rates(
+            self.shape,
+            statistics.median(product),
+            nbytes,
+            statistics.median(passes),
+            statistics.median(reads),
+        )
 
 
 def summary(speeds: list[Speed]) -> dict[str, list[float]]:
     """Each rate's least, median and most over `speeds`, to three significant digits."""
     report = {}
-    for name in ("matmul_tflops", "memory_gb_s"):
+    for name in ("matmul_tflops", "memory_gb_s", "read_gb_s"):
         values = sorted(getattr(speed, name) for speed in speeds)
         middle = statistics.median(values)
         report[name] = [float(f"{v:.3g}") for v in (values[0], middle, values[-1])]

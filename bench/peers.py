@@ -31,8 +31,8 @@ Each engine's notes say how long the machine stayed busy after its phases
 loaded for the whole run: memory for each one's model and KV pool at once. The result is
 written at the end; a run killed midway leaves nothing, as every metric needs every phase.
 
-Before each phase the bench times a fixed matrix product in the engines' dtype and a pass
-over 512 MiB (bench/machine_speed.py, about a third of a second, then it waits for idle CPUs
+Before each phase the bench times a fixed matrix product in the engines' dtype, a pass over
+512 MiB and a read of it (bench/machine_speed.py, about half a second, then it waits for idle CPUs
 again) and reports their range over the run (`machine_speed`, and the table's last line): a
 run whose matrix product swung from 2.6 to 1.3 TFLOP/s was taken on a machine that changed
 speed under it, and its ratios are only as good as their paired ranges.
@@ -418,9 +418,11 @@ def print_table(
             lines.append(f"{engine} {target}: {ratio}, target {check['target']}: {verdict}")
     low, middle, high = speed["matmul_tflops"]
     slow, usual, fast = speed["memory_gb_s"]
+    read_slow, read_usual, read_fast = speed["read_gb_s"]
     lines.append(
         f"machine before each phase: {speed['matmul']} matmul {low}-{high} TFLOP/s "
-        f"(median {middle}), memory {slow}-{fast} GB/s (median {usual})"
+        f"(median {middle}), memory {slow}-{fast} GB/s (median {usual}), reads alone "
+        f"{read_slow}-{read_fast} GB/s (median {read_usual})"
     )
     print("\n".join(lines), file=sys.stderr)
 

@@ -75,7 +75,7 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
     phases = ["warmup", "cold-0", "prime", "warm-0", "streams-2-0"]
     assert list(speed["before_phase"]) == phases
     assert speed["matmul"] == "1536x576x3072 float32"
-    for rate in ("matmul_tflops", "memory_gb_s"):
+    for rate in ("matmul_tflops", "memory_gb_s", "read_gb_s"):
         low, middle, high = speed[rate]
         assert 0 < low <= middle <= high, rate
     assert (tmp_path / "peers.json").exists()
