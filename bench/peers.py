@@ -92,7 +92,7 @@ from bench.peer_runners import (
 )
 from bench.peer_turns import interleave
 from engine.model_loader import embedded_model_dir
-from engine.precision import cpu_flags, native_bf16_flags, resolve_dtype
+from engine.precision import cpu_flags, cpu_info, native_bf16_flags, resolve_dtype
 
 SEED = 0
 SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -284,13 +284,10 @@ def ratios_to(mine: EngineResult, peer: EngineResult) -> dict[str, Any]:
 
 def machine_info() -> dict[str, Any]:
     """`bench.common.machine()` plus the CPU's model and the flags that decide its speed."""
-    with open("/proc/cpuinfo") as cpuinfo:
-        fields = dict(line.split(":", 1) for line in cpuinfo if ":" in line)  # the last CPU's
-    info = {key.strip(): value.strip() for key, value in fields.items()}
     flags = cpu_flags()
     return {
         **machine(),
-        "cpu_model": info.get("model name", "unknown"),
+        "cpu_model": cpu_info().get("model name", "unknown"),
         "cpus": len(os.sched_getaffinity(0)),
         "cpu_flags": {flag: flag in flags for flag in SPEED_FLAGS},
     }

@@ -21,16 +21,27 @@ _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 @cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+def cpu_info() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo ("vendor_id", "cpu family", "model name",
+    "flags"...), stripped; empty where there is no such file."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return {}
+    info: dict[str, str] = {}
     for line in text.splitlines():
-        if line.startswith(("flags", "Features")):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        if not line.strip():
+            break  # the end of the first CPU's fields
+        name, separator, value = line.partition(":")
+        if separator:
+            info[name.strip()] = value.strip()
+    return info
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    info = cpu_info()
+    return frozenset(info.get("flags", info.get("Features", "")).split())
 
 
 def native_bf16_flags() -> list[str]:

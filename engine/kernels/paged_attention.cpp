@@ -58,7 +58,12 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;     // query heads per KV head
 // From this many rows on, a chunk is packed first (attend_direct's switch takes fewer).
 constexpr int64_t kPackRows = 8;
-constexpr int64_t kAhead = 4;         // chunks prefetched ahead (each again nearer: `prefetch`)
+// Chunks prefetched ahead (each again nearer: `prefetch`): 4, or what cpu_build.py measured
+// best on this CPU (Zen 4: 2).
+#ifndef PREFIXGATE_PREFETCH_AHEAD
+#define PREFIXGATE_PREFETCH_AHEAD 4
+#endif
+constexpr int64_t kAhead = PREFIXGATE_PREFETCH_AHEAD;
 constexpr int64_t kSegmentKeys = 256; // keys per softmax update of bf16 decode rows
 constexpr int32_t kEveryHead = -1;    // a work item's kv_head: all of them (`every_head_items`)
 
@@ -173,8 +178,9 @@ struct Chunk {
 // 0.93-0.96x; six no better than four; a single prefetch 1.06-1.09x and none 1.79x. On an AMD
 // EPYC with AVX2 only (Zen 2), against four: in fp32, 16 sequences, two 0.94x, a single one 4
 // or 8 ahead 0.92-0.94x, none 0.91x (one sequence: none the same); in bf16 none 1.16x. Four is
-// kept, the one measured best where prefetching matters most. (The matrix path's tiles
-// prefetch on their own.)
+// the default, the one measured best where prefetching matters most. On a Zen 4 EPYC two
+// measured better (0.91-0.99x the time of four, bf16), and the build takes two there
+// (cpu_build.prefetch_ahead). (The matrix path's tiles prefetch on their own.)
 template <typename scalar_t>
 void prefetch(const Chunk<scalar_t>& chunk, int64_t row_bytes) {
   for (int64_t j = 0; j < chunk.count; ++j) {

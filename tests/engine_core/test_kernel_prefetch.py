@@ -38,3 +38,25 @@ def test_the_built_attention_kernels_keep_their_prefetches(source: str) -> None:
         check=True,
     ).stdout
     assert listing.count("prefetcht1") >= 2, f"{source}.o lost its prefetches"
+
+
+ZEN4 = {"vendor_id": "AuthenticAMD", "cpu family": "25", "flags": "fpu avx2 avx512f avx512_bf16"}
+
+
+def test_the_prefetch_distance_is_the_one_measured_best_on_the_cpu() -> None:
+    assert cpu_build.prefetch_ahead(ZEN4) == 2
+    zen3 = {**ZEN4, "flags": "fpu avx2"}  # family 25 without AVX-512: not measured, the default
+    zen5 = {**ZEN4, "cpu family": "26"}
+    xeon = {**ZEN4, "vendor_id": "GenuineIntel", "cpu family": "6"}
+    assert [cpu_build.prefetch_ahead(info) for info in (zen3, zen5, xeon, {})] == [4, 4, 4, 4]
+
+
+def test_a_build_for_another_prefetch_distance_is_another_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_build, "cpu_info", lambda: ZEN4)
+    assert "-DPREFIXGATE_PREFETCH_AHEAD=2" in cpu_build.compile_flags()
+    zen4_build = cpu_build.build_directory()
+    monkeypatch.setattr(cpu_build, "cpu_info", lambda: {**ZEN4, "cpu family": "26"})
+    assert "-DPREFIXGATE_PREFETCH_AHEAD=4" in cpu_build.compile_flags()
+    assert cpu_build.build_directory() != zen4_build
