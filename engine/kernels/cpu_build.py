@@ -3,8 +3,9 @@
 `kv_write.cpp`, with their headers).
 
 The extension is compiled with `torch.utils.cpp_extension` for the CPU it runs on
-(`-march=native`; its threads are torch's own pool) into a directory keyed by the sources,
-torch's version and the CPU's flags, so a second start loads it in well under a second.
+(`-march=native`; its threads are torch's own pool; tuning constants measured per CPU,
+`compile_flags`) into a directory keyed by the sources, torch's version, the CPU's flags and
+those constants, so a second start loads it in well under a second.
 `make run` / `make test` build it at install time (`python -m engine.kernels.cpu_build`); a
 start that finds no build compiles it then (about 10 s), once, under a lock.
 """
