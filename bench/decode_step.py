@@ -49,7 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import PreTrainedModel
 
 from bench.common import emit, machine, plot_bars
-from bench.machine_speed import Prober, Speed, product_dtype, summary
+from bench.machine_speed import Prober, Speed, product_dtype, summary, typical
 from bench.prefix import tiny_llama
 from engine.config import EngineConfig
 from engine.engine import Engine
@@ -261,9 +261,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except EngineError as error:  # a workload this model or pool cannot hold
         parser.error(str(error))
     speeds.append(prober.probe())
-    rates = summary(speeds)
-    speed = Speed(*(rates[name][1] for name in ("matmul_tflops", "memory_gb_s", "read_gb_s")))
-    floor: dict[str, Any] = {"product": prober.describe(), "rates": rates}
+    speed = typical(speeds)
+    floor: dict[str, Any] = {"product": prober.describe(), "rates": summary(speeds)}
     for count in counts:
         ms, bound = work[count].floor_ms(speed)
         floor[str(count)] = {

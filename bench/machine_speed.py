@@ -8,8 +8,8 @@ gate-and-up projection over a 1,536-token prefill (compute-bound), and passes ov
 larger than the biggest last-level caches seen here (480 MB; memory-bound, as a many-stream
 decode is): one that reads and writes each element in place, and one that only reads (a sum),
 as a decode step reads its weights and K/V. The two rates differ: on an AMD EPYC (Zen 4, 2
-vCPUs, 2026-12-04) the in-place pass moved 40-85 GB/s, reads and writes counted, while reads
-alone came at 21-53 GB/s within minutes (a core read about 16 GB/s by itself). A bench probes
+vCPUs, 2026-12-04) the in-place pass moved 40-96 GB/s, reads and writes counted, while reads
+alone came at 21-60 GB/s within minutes (a core read about 16 GB/s by itself). A bench probes
 between its phases and reports the range, so that a reader compares its engines' numbers with
 how fast the machine was while they were taken.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -123,8 +123,16 @@ class Prober:
 def summary(speeds: list[Speed]) -> dict[str, list[float]]:
     """Each rate's least, median and most over `speeds`, to three significant digits."""
     report = {}
-    for name in ("matmul_tflops", "memory_gb_s", "read_gb_s"):
+    for name in (field.name for field in fields(Speed)):
         values = sorted(getattr(speed, name) for speed in speeds)
         middle = statistics.median(values)
         report[name] = [float(f"{v:.3g}") for v in (values[0], middle, values[-1])]
     return report
+
+
+def typical(speeds: list[Speed]) -> Speed:
+    """Each rate's median over `speeds` (not rounded)."""
+    rates = {
+        field.name: [getattr(speed, field.name) for speed in speeds] for field in fields(Speed)
+    }
+    return Speed(**{name: statistics.median(values) for name, values in rates.items()})

@@ -10,8 +10,10 @@ operator.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -21,20 +23,32 @@ _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 @cache
-def cpu_info() -> dict[str, str]:
-    """The first CPU's fields in /proc/cpuinfo ("vendor_id", "cpu family", "model name",
-    "flags"...), stripped; empty where there is no such file."""
+def cpu_info() -> Mapping[str, str]:
+    """This machine's /proc/cpuinfo as `parse_cpuinfo` reads it (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return {}
+        return MappingProxyType({})
+    return MappingProxyType(parse_cpuinfo(text))
+
+
+def parse_cpuinfo(text: str) -> dict[str, str]:
+    """The first CPU's fields of a /proc/cpuinfo text ("vendor_id", "cpu family", "model name",
+    "flags"...), stripped. Where that block has no "flags" or "Features" (32-bit ARM kernels
+    list "Features" once, after every CPU's block), the first such line anywhere."""
     info: dict[str, str] = {}
-    for line in text.splitlines():
-        if not line.strip():
-            break  # the end of the first CPU's fields
-        name, separator, value = line.partition(":")
-        if separator:
-            info[name.strip()] = value.strip()
+    fields = [line.partition(":") for line in text.splitlines()]
+    for name, separator, value in fields:
+        if not separator:
+            if info and not name.strip():
+                break  # the blank line after the first CPU's fields
+            continue
+        info[name.strip()] = value.strip()
+    if "flags" not in info and "Features" not in info:
+        for name, separator, value in fields:
+            if separator and name.strip() in ("flags", "Features"):
+                info[name.strip()] = value.strip()
+                break
     return info
 
 

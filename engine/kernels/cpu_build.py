@@ -18,6 +18,7 @@ import importlib.resources
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 
@@ -45,7 +46,7 @@ HEADERS = (
 FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 
 
-def prefetch_ahead(info: dict[str, str]) -> int:
+def prefetch_ahead(info: Mapping[str, str]) -> int:
     """How many chunks ahead the attention kernels prefetch K/V (`kAhead` in
     paged_attention.cpp) on the CPU /proc/cpuinfo describes: the count measured best there.
     On an AMD EPYC of CPU family 25 with AVX-512 (Zen 4; 2026-12-04, 30 layers, the two builds

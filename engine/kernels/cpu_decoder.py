@@ -123,17 +123,19 @@ class LlamaDecoder(torch.nn.Module):
         normed = torch.ops.prefixgate.add_rms_norm_(
             residual, hidden, self.norm.weight, self.norm.variance_epsilon
         )
-        logits: torch.Tensor = self.lm_head(normed[logit_rows])
-        return logits
+        return project(self.lm_head, normed[logit_rows])
 
 
 def project(linear: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
     """`linear(rows)` for [tokens, features] rows: a `MatrixLinear`'s kernel called directly
-    where the rows are contiguous (`MatrixLinear.rows`), without nn.Module's call. Side by side
-    in one process (the embedded model in bf16, bench.decode_step's workload, an AMD EPYC Zen 4,
-    two runs of ten paired rounds), a one-stream decode step took 0.95-0.96x the time (0.65 ms
-    less) and a sixteen-stream step 0.97-0.98x."""
-    if type(linear) is MatrixLinear and rows.is_contiguous():
+    where the rows are contiguous (`MatrixLinear.rows`), without nn.Module's call and the
+    reshapes around the kernel, which took 5 us of a one-row 576 x 576 projection's 13 (a
+    decode step runs 91 such calls, and 30 gate-and-up products through `gated_silu`, whose
+    reshapes `MatrixLinear` also skips for such rows). Side by side in one process (the embedded
+    model in bf16, bench.decode_step's workload, an AMD EPYC Zen 4, two runs of ten paired
+    rounds), a one-stream decode step took 0.95-0.96x the time (0.65 ms less) and a
+    sixteen-stream step 0.97-0.98x."""
+    if type(linear) is MatrixLinear and rows.dim() == 2 and rows.is_contiguous():
         return linear.rows(rows, linear.fp32_out)
     output: torch.Tensor = linear(rows)
     return output

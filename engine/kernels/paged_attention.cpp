@@ -178,9 +178,9 @@ struct Chunk {
 // 0.93-0.96x; six no better than four; a single prefetch 1.06-1.09x and none 1.79x. On an AMD
 // EPYC with AVX2 only (Zen 2), against four: in fp32, 16 sequences, two 0.94x, a single one 4
 // or 8 ahead 0.92-0.94x, none 0.91x (one sequence: none the same); in bf16 none 1.16x. Four is
-// the default, the one measured best where prefetching matters most. On a Zen 4 EPYC two
-// measured better (0.91-0.99x the time of four, bf16), and the build takes two there
-// (cpu_build.prefetch_ahead). (The matrix path's tiles prefetch on their own.)
+// the default, the one measured best where prefetching matters most; on a Zen 4 EPYC two
+// measured better, and the build takes two there (cpu_build.prefetch_ahead says by how much).
+// (The matrix path's tiles prefetch on their own.)
 template <typename scalar_t>
 void prefetch(const Chunk<scalar_t>& chunk, int64_t row_bytes) {
   for (int64_t j = 0; j < chunk.count; ++j) {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench import machine_speed
-from bench.machine_speed import Prober, Speed, product_dtype, rates, summary
+from bench.machine_speed import Prober, Speed, product_dtype, rates, summary, typical
 
 
 def test_rates_are_the_work_over_the_time() -> None:
@@ -38,6 +38,8 @@ def test_summary_gives_least_median_and_most_of_each_rate() -> None:
         "memory_gb_s": [10.0, 20.0, 25.0],
         "read_gb_s": [11.0, 12.0, 13.0],
     }
+    assert typical(speeds) == Speed(1.0, 20.0, 12.0)  # each rate's median, unrounded
+    assert typical(speeds[1:]) == Speed((1.0 + 0.012345) / 2, 17.5, 12.0)
 
 
 def test_the_product_is_bf16_only_where_the_cpu_computes_bf16_natively() -> None:

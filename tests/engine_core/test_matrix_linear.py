@@ -105,6 +105,12 @@ def test_the_decoders_direct_call_computes_what_the_module_does() -> None:
     head = MatrixLinear(bf16_linear(96, 200, bias=False), fp32_out=True)
     logits = project(head, rows.contiguous())
     assert logits.dtype == torch.float32 and torch.equal(logits, head(rows))
+    # Not rows ([2, 7, 96]): the module's path, each row the same bits as alone.
+    batched = torch.stack([rows.contiguous(), rows.flip(0).contiguous()])
+    output = project(linear, batched)
+    assert output.shape == (2, 7, 200)
+    for index in range(7):
+        assert torch.equal(output[1, index], linear(batched[1, index : index + 1])[0])
 
 
 @pytest.mark.parametrize("bias", [False, True])

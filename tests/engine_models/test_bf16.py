@@ -178,3 +178,31 @@ def test_auto_dtype_follows_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_dtype("float32") == torch.float32
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("fp8")
+
+
+X86_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+model name\t: AMD EPYC
+flags\t\t: fpu avx2 avx512f avx512_bf16
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+cpu family\t: 25
+flags\t\t: fpu
+"""
+
+
+def test_cpuinfo_gives_the_first_cpus_fields() -> None:
+    from engine.precision import parse_cpuinfo
+
+    info = parse_cpuinfo(X86_CPUINFO)
+    assert info["vendor_id"] == "AuthenticAMD" and info["cpu family"] == "25"
+    assert info["flags"] == "fpu avx2 avx512f avx512_bf16"  # the first CPU's, not the last's
+    assert parse_cpuinfo("\n\n" + X86_CPUINFO) == info  # blank lines before it: skipped
+    arm64 = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd bf16\n\nprocessor\t: 1\n"
+    assert parse_cpuinfo(arm64)["Features"] == "fp asimd bf16"
+    # 32-bit ARM kernels list Features once, after every CPU's block.
+    arm32 = "processor\t: 0\nBogoMIPS\t: 38.40\n\nprocessor\t: 1\n\nFeatures\t: half thumb neon\n"
+    assert parse_cpuinfo(arm32)["Features"] == "half thumb neon"
+    assert parse_cpuinfo("") == {}
