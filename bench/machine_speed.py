@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -100,24 +101,20 @@ class Prober:
             began = time.perf_counter()
             torch.mm(self.left, self.right)
             product.append(time.perf_counter() - began)
-        passes = []
-        for _ in range(PASSES):
-            began = time.perf_counter()
-            self.buffer.mul_(1.0)  # each element read and written back
-            passes.append(time.perf_counter() - began)
-        reads = []
-        for _ in range(PASSES):
-            began = time.perf_counter()
-            self.buffer.sum()  # each element read
-            reads.append(time.perf_counter() - began)
+        in_place = median_seconds(lambda: self.buffer.mul_(1.0))  # each element read, written
+        read = median_seconds(self.buffer.sum)  # each element read
         nbytes = self.buffer.numel() * self.buffer.element_size()
-        return rates(
-            self.shape,
-            statistics.median(product),
-            nbytes,
-            statistics.median(passes),
-            statistics.median(reads),
-        )
+        return rates(self.shape, statistics.median(product), nbytes, in_place, read)
+
+
+def median_seconds(operation: Callable[[], object]) -> float:
+    """The median time of PASSES calls of `operation`."""
+    times = []
+    for _ in range(PASSES):
+        began = time.perf_counter()
+        operation()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
 
 
 def summary(speeds: list[Speed]) -> dict[str, list[float]]:

@@ -32,9 +32,9 @@ loaded for the whole run: memory for each one's model and KV pool at once. The r
 written at the end; a run killed midway leaves nothing, as every metric needs every phase.
 
 Before each phase the bench times a fixed matrix product in the engines' dtype, a pass over
-512 MiB and a read of it (bench/machine_speed.py, about half a second, then it waits for idle CPUs
-again) and reports their range over the run (`machine_speed`, and the table's last line): a
-run whose matrix product swung from 2.6 to 1.3 TFLOP/s was taken on a machine that changed
+512 MiB and a read of it (bench/machine_speed.py, about half a second, then it waits for idle
+CPUs again) and reports their range over the run (`machine_speed`, and the table's last line):
+a run whose matrix product swung from 2.6 to 1.3 TFLOP/s was taken on a machine that changed
 speed under it, and its ratios are only as good as their paired ranges.
 
 Metrics per engine: cold and warm TTFT (medians), single-stream decode tok/s (tokens after the
