@@ -323,6 +323,22 @@ def test_a_decode_gets_the_same_bits_in_an_item_of_every_head(window: int, block
         torch.testing.assert_close(outputs[0].double(), expected, atol=1.6e-2, rtol=1.6e-2)
 
 
+def test_shared_prefix_states_past_the_kept_buffer(matrix_path: str) -> None:
+    # 40 decodes over 4,096 shared keys, 4 KV heads of 8 query heads each: their pieces'
+    # softmax states (1.35 M floats) are more than the calling thread keeps from call to call
+    # (1 M), so they get a buffer of their own; a smaller batch after it takes the kept one.
+    big = Case([(1, 4100)] * 40, heads=32, kv_heads=4, head_dim=64, num_blocks=1024,
+               shared_blocks=256)  # fmt: skip
+    small = Case([(1, 700)] * 6, heads=32, kv_heads=4, head_dim=64, num_blocks=1024,
+                 shared_blocks=40)  # fmt: skip
+    for case in (big, small, big):
+        inputs = make_inputs(case, torch.bfloat16)
+        rows = list(range(len(case.lengths)))
+        grouped = _attend(inputs, rows, [0] * len(rows)).double()
+        expected = reference(inputs, case.lengths, 0)
+        torch.testing.assert_close(grouped, expected, atol=1.6e-2, rtol=1.6e-2)
+
+
 def test_share_groups_must_be_one_int32_per_sequence() -> None:
     inputs = make_inputs(CASES["decode-pair-sharing-a-prefix"], torch.float32)
     with pytest.raises(RuntimeError, match="one contiguous int32 per sequence"):
