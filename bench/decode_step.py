@@ -43,10 +43,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
+import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from bench.common import emit, machine, plot_bars
 from bench.machine_speed import Prober, Speed, product_dtype, summary, typical
@@ -116,6 +118,21 @@ def step_work(
         flops=streams * (2 * weights + attention),
         nbytes=weights * element + kv_per_token * (prefix_tokens + streams * unique_tokens),
     )
+
+
+def model_shapes(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """The model in `model_dir` as `step_work` needs it: its parameters' shapes and dtype on
+    the meta device, with no weights read or held."""
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def floor_scaling(work: StepWork, one: StepWork, streams: int, speed: Speed) -> float:
+    """How much faster `streams` streams would decode than one (`one`'s work) if each step
+    took its floor at `speed`."""
+    return streams * one.floor_ms(speed)[0] / work.floor_ms(speed)[0]
 
 
 class Streams:
@@ -271,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ms": ms,
             "bound": bound,
         }
-    floor["scaling"] = args.streams * floor["1"]["ms"] / floor[str(args.streams)]["ms"]
+    floor["scaling"] = floor_scaling(work[args.streams], work[1], args.streams, speed)
     step_ms = {count: statistics.median(medians[count]) for count in counts}
     served = streams.engine.describe()
     result = {

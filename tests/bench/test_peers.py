@@ -20,6 +20,7 @@ from bench.peers import (
     decode_rate,
     main,
     ratios_to,
+    targets,
 )
 
 
@@ -70,6 +71,12 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
     assert engines["prefixgate_api"]["warm_cached_tokens"] == (32, 32)
     checks = result["targets"]["prefixgate_api"]
     assert set(checks) == {"decode_2_vs_1_stream"}  # no vLLM: only the scaling target
+    # Beside it, what steps at their floor would give at the probes' median rates.
+    scaling = checks["decode_2_vs_1_stream"]
+    assert 0 < scaling["floor"] <= 2
+    ratio = scaling["ratio"]  # None where the window held no step of every stream
+    expected = None if ratio is None else pytest.approx(ratio / scaling["floor"])
+    assert scaling["of_floor"] == expected
     # The machine was probed before every phase, in the engines' dtype.
     speed = result["machine_speed"]
     phases = ["warmup", "cold-0", "prime", "warm-0", "streams-2-0"]
@@ -193,6 +200,18 @@ def test_targets_judge_the_ratio_of_medians_and_report_the_paired_samples_range(
     assert checks["cold_ttft"]["paired_range"] == pytest.approx([0.8, 1.2])
     assert checks["cold_ttft"]["met"] is True
     assert ratios_to(vllm, mine)["cold_ttft"]["met"] is False
+
+
+def test_the_scaling_target_is_reported_beside_what_steps_at_their_floor_would_give() -> None:
+    # 80 tok/s alone, 480 at 16 streams: 6x, short of 8x, and 75% of a floor that allows 8x.
+    engine = EngineResult("bfloat16", 1.0, 0.5, 80.0, 1.0, {1: 80.0, 16: 480.0}, 1.0,
+                          (None, None), {}, {})  # fmt: skip
+    check = targets({"prefixgate_engine": engine}, 16, floor=8.0)["prefixgate_engine"]
+    scaling = check["decode_16_vs_1_stream"]
+    assert scaling["ratio"] == pytest.approx(6.0) and scaling["met"] is False
+    assert scaling["floor"] == 8.0 and scaling["of_floor"] == pytest.approx(0.75)
+    unknown = targets({"prefixgate_engine": engine}, 16)["prefixgate_engine"]
+    assert unknown["decode_16_vs_1_stream"]["of_floor"] is None
 
 
 # A stand-in for a vLLM interpreter (vLLM itself is not installed here): it speaks
