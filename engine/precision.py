@@ -54,7 +54,11 @@ def parse_cpuinfo(text: str) -> dict[str, str]:
 
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    info = cpu_info()
+    return flags_of(cpu_info())
+
+
+def flags_of(info: Mapping[str, str]) -> frozenset[str]:
+    """The feature flags of a CPU's /proc/cpuinfo fields: "flags" on x86, "Features" on ARM."""
     return frozenset(info.get("flags", info.get("Features", "")).split())
 
 

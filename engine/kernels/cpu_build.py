@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels import KernelUnavailable
-from engine.precision import cpu_flags, cpu_info
+from engine.precision import cpu_flags, cpu_info, flags_of
 
 SOURCES = (
     "paged_attention.cpp",
@@ -57,7 +57,7 @@ def prefetch_ahead(info: Mapping[str, str]) -> int:
     zen4 = (
         info.get("vendor_id") == "AuthenticAMD"
         and info.get("cpu family") == "25"
-        and "avx512f" in info.get("flags", "").split()
+        and "avx512f" in flags_of(info)
     )
     return 2 if zen4 else 4
 

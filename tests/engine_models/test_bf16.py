@@ -26,7 +26,7 @@ from engine.engine import Engine
 from engine.kv_spec import KVSpec
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import Chunk, ModelRunner
-from engine.precision import resolve_dtype
+from engine.precision import parse_cpuinfo, resolve_dtype
 from tests.support.models import make_request, run_one
 
 SYSTEM = "You are a helpful assistant for an online bookshop. Answer briefly and politely. " * 4
@@ -194,8 +194,6 @@ flags\t\t: fpu
 
 
 def test_cpuinfo_gives_the_first_cpus_fields() -> None:
-    from engine.precision import parse_cpuinfo
-
     info = parse_cpuinfo(X86_CPUINFO)
     assert info["vendor_id"] == "AuthenticAMD" and info["cpu family"] == "25"
     assert info["flags"] == "fpu avx2 avx512f avx512_bf16"  # the first CPU's, not the last's
