@@ -29,16 +29,49 @@ constexpr float kMasked = -1e30f;  // finite, so no infinity arithmetic is ever 
 // every prefetch loop of these kernels was missing from the binary until 2026-12-04. Into L2
 // (prefetcht1), not L1: on an AMD EPYC VM, decode attention over 30 layers' K/V from memory
 // took 0.56x the time (16 sequences) and 0.41x (one) with prefetcht1, and prefetcht0 measured
-// the same as no prefetch at all (L1's few miss buffers fill).
+// the same as no prefetch at all (L1's few miss buffers fill). The address goes in a register,
+// not as a memory operand: with one, GCC stored every accumulator of a product's loop to the
+// stack before each prefetch in it (bf16_product.h: 16 rows of SmolLM2's projections in cache
+// took 1.4x the time).
 inline void prefetch_l2(const void* address) {
 #if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(address)));
+  asm volatile("prefetcht1 (%0)" : : "r"(address));
 #elif defined(__aarch64__)
   asm volatile("prfm pldl2keep, [%0]" : : "r"(address));
 #else
   __builtin_prefetch(address, 0, 2);
 #endif
 }
+
+// Memory that products bring into L2 while they run (bf16_product.h), so that a core's reads
+// from memory overlap its arithmetic instead of following it: `count` regions of
+// `region_lines` cache lines each, from `starts`, fetched in order, a few lines at a time.
+struct FetchQueue {
+  const char* const* starts = nullptr;
+  int64_t count = 0, region_lines = 0;
+  int64_t region = 0, line = 0;  // the next line to fetch
+
+  int64_t left() const { return (count - region) * region_lines - line; }
+  void next() {
+    if (region == count) return;
+    prefetch_l2(starts[region] + line * 64);
+    if (++line == region_lines) {
+      line = 0;
+      ++region;
+    }
+  }
+};
+
+// How many of a queue's lines one product fetches, spread over its pairs of depth.
+struct Fetch {
+  FetchQueue* queue = nullptr;
+  int64_t lines = 0;
+
+  // Part `k` of `parts` (blocks of a product, in order): the lines shared out evenly.
+  Fetch share(int64_t k, int64_t parts) const {
+    return {queue, lines * (k + 1) / parts - lines * k / parts};
+  }
+};
 
 #if defined(__AVX512F__)
 #define PREFIXGATE_VECTOR_REGISTERS 1  // a vfloat is one register: __m512 casts work

@@ -312,17 +312,17 @@ void softmax_rows(Scratch& s, int64_t first, int64_t dim, int64_t first_key, int
 // The `rows` rows of `s` over the first `keys` keys of one packed key tile whose first key is
 // `first_key`: S = Q K^T, the online softmax, O += P V.
 void attend_tile(const Geometry& g, Scratch& s, int64_t rows, int64_t first_key, int64_t keys,
-                 const uint32_t* key_tile) {
+                 const uint32_t* key_tile, Fetch fetch = {}) {
   const int64_t dim = g.head_dim;
   const uint32_t* value_tile = key_tile + dim / 2 * kKeyTile;
   bf16_product(s.on_amx, rows, keys, dim, dim, kKeyTile, kKeyTile, false, s.q.data(), key_tile,
-               s.scores.data());
+               s.scores.data(), fetch);
   TORCH_CHECK(rows % 2 == 0, "rows are padded to a multiple of 16");
   for (int64_t r = 0; r < rows; r += 2) {
     softmax_rows<2>(s, r, dim, first_key, keys, g.scale, g.window);
   }
   bf16_product(s.on_amx, rows, dim, keys, kKeyTile, dim, dim, true, s.probabilities.data(),
-               value_tile, s.acc.data());
+               value_tile, s.acc.data(), fetch);
 }
 
 void attend_item(const Geometry& g, const WorkItem& item, const Packed& p, Scratch& s,
@@ -365,7 +365,7 @@ void attend_item(const Geometry& g, const WorkItem& item, const Packed& p, Scrat
 void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, int64_t end,
                         int64_t kv_head, const std::vector<const c10::BFloat16*>& queries,
                         const c10::BFloat16* key_cache, const c10::BFloat16* value_cache,
-                        float* state) {
+                        float* state, Fetch fetch) {
   TORCH_CHECK(first % kKeyTile == 0 && end > first && end - first <= kKeyTile,
               "a shared tile starts on a tile boundary and holds at most one tile of keys");
   const int64_t dim = g.head_dim, rows = static_cast<int64_t>(queries.size());
@@ -386,7 +386,7 @@ void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, 
     if (r < rows) std::memcpy(s.q.data() + r * dim, queries[r], dim * 2);
     s.position[r] = end - 1;  // ...and masked: every row sees the tile's keys up to `end`
   }
-  attend_tile(g, s, padded, first, visible_keys(first, end - 1), tile.data());
+  attend_tile(g, s, padded, first, visible_keys(first, end - 1), tile.data(), fetch);
   release_products(s.on_amx);
   std::copy(s.max.begin(), s.max.begin() + rows, state);
   std::copy(s.sum.begin(), s.sum.begin() + rows, state + rows);

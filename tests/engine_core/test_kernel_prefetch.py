@@ -1,4 +1,4 @@
-"""The attention kernels' software prefetches survive compilation.
+"""The kernels' software prefetches survive compilation.
 
 GCC deletes a loop whose body has no side effects, and it counts `__builtin_prefetch` as none:
 every prefetch loop of the kernels was once gone from the binary, and decode attention from
@@ -23,14 +23,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("source", ["paged_attention", "paged_attention_matrix"])
-def test_the_built_attention_kernels_keep_their_prefetches(source: str) -> None:
+@pytest.mark.parametrize("source", ["paged_attention", "paged_attention_matrix", "matrix_linear"])
+def test_the_built_kernels_keep_their_prefetches(source: str) -> None:
     try:
         cpu_build.load()
     except KernelUnavailable as error:
         pytest.skip(str(error))
     if source == "paged_attention_matrix" and "avx512bw" not in cpu_flags():
         pytest.skip("the matrix path's packing prefetches in its AVX-512 loop only")
+    if source == "matrix_linear" and "avx512_bf16" not in cpu_flags():
+        pytest.skip("the linear layers fetch their next tile in the vdpbf16ps loops only")
     listing = subprocess.run(
         ["objdump", "-d", str(cpu_build.build_directory() / f"{source}.o")],
         capture_output=True,
