@@ -324,6 +324,17 @@ inline bool bf16_products_available() {
 #endif
 }
 
+// Whether bf16_product, called with `on_amx`, fetches what a `Fetch` asks for (only the
+// vdpbf16ps loops do): callers build no queue for it otherwise.
+inline bool products_fetch(bool on_amx) {
+#if defined(__AVX512BF16__)
+  return !on_amx;
+#else
+  (void)on_amx;
+  return false;
+#endif
+}
+
 // The product at the top of this file, on AMX where `on_amx` (amx_products() of the caller's
 // kernel call), else on vdpbf16ps or FMA; cols a multiple of 16, depth and lda even.
 inline void bf16_product(bool on_amx, int64_t rows, int64_t cols, int64_t depth, int64_t lda,
@@ -341,6 +352,7 @@ inline void bf16_product(bool on_amx, int64_t rows, int64_t cols, int64_t depth,
   dot_product(rows, cols, depth, lda, ldb, ldc, accumulate, static_cast<const uint16_t*>(a),
               static_cast<const uint32_t*>(b), c, fetch);
 #else
+  (void)fetch;
   TORCH_CHECK(false, kNoBf16Products);
 #endif
 }

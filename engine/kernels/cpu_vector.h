@@ -62,7 +62,8 @@ struct FetchQueue {
   }
 };
 
-// How many of a queue's lines one product fetches, spread over its pairs of depth.
+// How many of a queue's lines one product fetches at most, spread over its pairs of depth
+// (bf16_product.h caps each block's share; only its vdpbf16ps loops fetch at all).
 struct Fetch {
   FetchQueue* queue = nullptr;
   int64_t lines = 0;

@@ -33,8 +33,8 @@
 // convert at 19-21 GFLOP/s: 1,536 rows 157-176 GFLOP/s (torch's fp32 ones 168-181), 16 rows
 // 118-169 (fp32 82-92), one row through 30 layers' weights from memory 11.0 ms (fp32 32).
 //
-// A call of kFetchMinRows or more rows brings the next tile its thread takes into L2 while it
-// multiplies the current one (bf16_product.h's `Fetch`; vdpbf16ps only). There a tile's
+// A row group of kFetchMinRows or more rows brings the next tile its thread takes into L2 while
+// it multiplies the current one (bf16_product.h's `Fetch`; vdpbf16ps only). There a tile's
 // products take longer than reading it, and without the fetch each tile's first row block
 // waited on memory while the others ran from L2: a layer took about the sum of its reads and
 // its arithmetic. SmolLM2's 30 layers of projections and its LM head, the weights in 2 MB pages
@@ -66,7 +66,7 @@ constexpr int64_t kRowBlock = 32;    // rows per micro-kernel call
 constexpr int64_t kGroupRows = 256;  // rows per work item
 constexpr int64_t kChunkTiles = 8;   // column tiles per work item (at most)
 constexpr int64_t kDepthBlock = 128;  // input features per pass of fp32 products
-constexpr int64_t kFetchMinRows = 12;  // calls of fewer rows fetch no tile ahead (see the top)
+constexpr int64_t kFetchMinRows = 12;  // smaller row groups fetch no tile ahead (see the top)
 
 // weight [out, in] bf16 -> [tiles][in / 2][kColumns] pairs, fp32 -> [tiles][4][in][16] (groups
 // of 16 columns, fp32_product.h). Outputs past `out` are zero.
@@ -235,6 +235,7 @@ at::Tensor matrix_linear(const at::Tensor& input, const at::Tensor& packed,
   while (chunks < tiles && (groups * chunks) % threads != 0) ++chunks;
   // Rows [row, row + count) times column tile `tile` (of the packed weight) into `sums`.
   const int64_t tile_lines = features * kColumns * 2 / 64;  // of a packed bf16 tile
+  const bool fetches = !fp32 && products_fetch(on_amx);
   // `fetch`: while at it, the next tile into L2 (see the top of this file).
   const auto product = [&](int64_t row, int64_t count, int64_t tile, float* sums, bool fetch) {
     if (fp32) {
@@ -242,8 +243,10 @@ at::Tensor matrix_linear(const at::Tensor& input, const at::Tensor& packed,
                    static_cast<const float*>(b) + tile * features * kColumns, sums);
     } else {
       const auto* tiles_at = static_cast<const c10::BFloat16*>(b);
-      const char* next = reinterpret_cast<const char*>(tiles_at + (tile + 1) * features * kColumns);
-      FetchQueue queue{&next, 1, tile_lines};
+      const char* next =
+          fetch ? reinterpret_cast<const char*>(tiles_at + (tile + 1) * features * kColumns)
+                : nullptr;
+      FetchQueue queue{&next, fetch ? 1 : 0, tile_lines};
       bf16_product(on_amx, count, kColumns, features, features, kColumns, kColumns, false,
                    static_cast<const c10::BFloat16*>(a) + row * features,
                    tiles_at + tile * features * kColumns, sums, {&queue, fetch ? tile_lines : 0});
@@ -262,7 +265,8 @@ at::Tensor matrix_linear(const at::Tensor& input, const at::Tensor& packed,
         for (int64_t row = first_row; row < last_row; row += kRowBlock) {
           const int64_t count = std::min(kRowBlock, last_row - row);
           // The next tile in memory, where this thread takes it next (in this item or the next).
-          const bool fetch = row == first_row && rows >= kFetchMinRows &&
+          const bool fetch = fetches && row == first_row &&
+                             last_row - first_row >= kFetchMinRows &&
                              (t + 1 < last_tile || (item + 1 < end && chunk + 1 < chunks));
           product(row, count, t, sums, fetch);
           if (gated) product(row, count, t + tiles, up_sums, fetch);  // the up tile paired with t

@@ -46,6 +46,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_product.h"
 #include "cpu_vector.h"
 #include "paged_attention_matrix.h"
 #include "work_items.h"
@@ -994,6 +995,7 @@ void run_items(const Geometry& g, SharedPrefixes& shared,
   const int64_t kv_heads = g.heads / g.group;
   if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {  // only bf16 pools share prefixes
     if (!shared.groups.empty()) {  // the shared prefixes' pieces first: members start from them
+      const bool fetches = products_fetch(amx_products());
       at::parallel_for(0, static_cast<int64_t>(shared_lanes.size()), 1,
                        [&](int64_t begin, int64_t end) {
         for (int64_t lane = begin; lane < end; ++lane) {
@@ -1005,9 +1007,13 @@ void run_items(const Geometry& g, SharedPrefixes& shared,
           // interleaved, same bits): fetching a quarter, half, three quarters or all of those
           // blocks took 0.96x, 0.93x, 0.92x and 0.98x the time; all of them (4 lines a pair of
           // depth) stalled the pieces on memory (their phase 4.8 -> 6.4 ms, the decodes'
-          // 7.0 -> 5.0). kFetchPerPair (bf16_product.h) caps it at 2 lines a pair: here half.
+          // 7.0 -> 5.0). kFetchPerPair (bf16_product.h) caps it at 2 lines a pair: in that
+          // shape (48 query rows a KV head, head_dim 64) about half of the blocks.
+          // The fetch helps only where lane i of both phases runs on one core: balance() deals
+          // each phase at most one lane a thread, and at::parallel_for (OpenMP's static split)
+          // gives thread i lane i of both wherever both have a lane for every thread.
           const std::vector<const char*> blocks =
-              lane < static_cast<int64_t>(lanes.size())
+              fetches && lane < static_cast<int64_t>(lanes.size())
                   ? own_blocks(g, shared, lanes[lane], k, v, tables, contexts)
                   : std::vector<const char*>();
           FetchQueue queue{blocks.data(), static_cast<int64_t>(blocks.size()),

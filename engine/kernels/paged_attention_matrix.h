@@ -55,7 +55,7 @@ void attend_matrix(const Geometry& g, const std::vector<SequenceSpan>& sequences
 // at most one tile of keys), for query rows that all see all of them (decode rows of sequences
 // that share those blocks): writes each row's softmax state over these keys to `state` as
 // max[rows] (base e), sum[rows], then the unnormalized output [rows][head_dim]. Its two products
-// fetch `fetch.lines` lines each.
+// fetch at most `fetch.lines` lines each.
 void attend_shared_tile(const Geometry& g, const int32_t* table, int64_t first, int64_t end,
                         int64_t kv_head, const std::vector<const c10::BFloat16*>& queries,
                         const c10::BFloat16* key_cache, const c10::BFloat16* value_cache,
