@@ -37,6 +37,7 @@ from typing import IO, Any
 
 import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
@@ -99,6 +100,15 @@ class Trace:
     cached_tokens: int | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class CpuThreads:
+    """What PrefixGate's ThreadGovernor (engine/openmp.py) reports: the OpenMP threads its
+    steps compute with now, and how often it has gone from all of them to fewer."""
+
+    threads: int
+    narrowings: int
+
+
 @dataclass(slots=True)
 class EngineRun:
     """What one engine did: the dtype it computed in, and its traces per phase."""
@@ -118,6 +128,11 @@ class Runner(ABC):
     def __init__(self, workload: Workload, dtype: str) -> None:
         self.workload, self.dtype = workload, dtype
         self.traces: dict[str, list[Trace]] = {}
+        # Phases during which PrefixGate's engine computed with fewer threads than it started
+        # with (its ThreadGovernor judged the CPUs busy): their numbers are not the engine's
+        # best. None for an engine that does not say.
+        self.narrowed_phases: list[str] | None = None
+        self._all_threads: int | None = None
 
     @abstractmethod
     def start(self) -> None: ...
@@ -131,8 +146,20 @@ class Runner(ABC):
     @abstractmethod
     def result(self) -> EngineRun: ...
 
+    def cpu_threads(self) -> CpuThreads | None:
+        """The threads PrefixGate's engine computes with now; None for the other engines."""
+        return None
+
     def run(self, phase: Phase) -> None:
+        before = self.cpu_threads()
         self.traces[phase.name] = self.run_phase(phase)
+        after = self.cpu_threads()
+        if before is None or after is None:
+            return
+        if self._all_threads is None:  # a fresh engine starts with all of them
+            self._all_threads, self.narrowed_phases = before.threads, []
+        if before.threads < self._all_threads or after.narrowings > before.narrowings:
+            self.narrowed_phases = [*(self.narrowed_phases or []), phase.name]
 
 
 class EngineRunner(Runner):
@@ -162,6 +189,10 @@ class EngineRunner(Runner):
         while self.engine.step():
             pass
         return traces
+
+    def cpu_threads(self) -> CpuThreads | None:
+        governor = self.engine.threads
+        return None if governor is None else CpuThreads(governor.threads, governor.narrowed)
 
     def result(self) -> EngineRun:
         dtype = dtype_name(self.loaded.model.dtype)
@@ -252,12 +283,14 @@ class ApiRunner(Runner):
         quota = pool // (16 * fp32_kv_bytes_per_token(workload.model_dir))  # the pool, in fp32
         seqs = max(64, workload.concurrency)
         server = served_gateway(workload.model_dir, pool, self.dtype, quota, seqs, TENANT)
-        url, key = server.__enter__()
+        self.url, key = server.__enter__()
         self.server = server  # entered: close() exits it
         self.loop = asyncio.Runner()
         headers = {"Authorization": f"Bearer {key}"}
         limits = httpx.Limits(max_connections=workload.concurrency + 4)
-        self.client = httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits)
+        self.client = httpx.AsyncClient(
+            base_url=self.url, headers=headers, timeout=600, limits=limits
+        )
         self.model = self.get("/v1/models")["data"][0]["id"]
         self.ready = self.get("/readyz")
 
@@ -268,6 +301,20 @@ class ApiRunner(Runner):
 
     def run_phase(self, phase: Phase) -> list[Trace]:
         return self.loop.run(self.stream_phase(phase))
+
+    def cpu_threads(self) -> CpuThreads | None:
+        # The global series, asked without the API key (a bearer there must be a metrics token).
+        response = httpx.get(f"{self.url}/metrics", timeout=60)
+        response.raise_for_status()
+        values = {}
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                values[sample.name] = int(sample.value)
+        threads = values.get("prefixgate_engine_cpu_threads")
+        narrowings = values.get("prefixgate_engine_cpu_narrowings_total")
+        if threads is None or narrowings is None:  # a server without a governor
+            return None
+        return CpuThreads(threads, narrowings)
 
     async def stream_phase(self, phase: Phase) -> list[Trace]:
         body = {

@@ -96,9 +96,12 @@ def interleave(
                 busy_after[runner.name] += waited - SETTLE_WINDOW_S
                 unsettled[runner.name] += not settled
         runs = [runner.result() for runner in running]
-        for run in runs:  # how long the machine stayed busy after the engine's phases ended
+        for runner, run in zip(running, runs, strict=True):
+            # How long the machine stayed busy after the engine's phases ended.
             run.notes["busy_after_phases_s"] = round(busy_after[run.name], 2)
             run.notes["phases_not_settled_after"] = unsettled[run.name]
+            if runner.narrowed_phases is not None:
+                run.notes["narrowed_phases"] = runner.narrowed_phases
         return runs, failed
     finally:
         for runner in running:

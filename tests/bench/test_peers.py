@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from bench import peer_turns
-from bench.peer_runners import EngineRun, Phase, Runner, Trace, Workload
+from bench.peer_runners import CpuThreads, EngineRun, Phase, Runner, Trace, Workload
 from bench.peer_turns import interleave
 from bench.peers import (
     EngineResult,
@@ -22,6 +23,7 @@ from bench.peers import (
     ratios_to,
     targets,
 )
+from engine.openmp import threads_spin, waited_for_cpu
 
 
 def test_aggregate_decode_counts_only_tokens_after_every_stream_has_its_first() -> None:
@@ -86,6 +88,18 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
         low, middle, high = speed[rate]
         assert 0 < low <= middle <= high, rate
     assert (tmp_path / "peers.json").exists()
+    # Where the engine governs its threads, both PrefixGate rows say in which phases it
+    # computed with fewer (the API's read from its /metrics).
+    governed = engine_governs_threads()
+    for name in ("prefixgate_engine", "prefixgate_api"):
+        narrowed = engines[name]["notes"].get("narrowed_phases")
+        assert (narrowed is not None) == governed, name
+        assert set(narrowed or []) <= set(phases), name
+
+
+def engine_governs_threads() -> bool:
+    """Whether an engine here would have a ThreadGovernor (engine/openmp.py's conditions)."""
+    return torch.get_num_threads() >= 2 and threads_spin() and waited_for_cpu() is not None
 
 
 def test_a_peer_that_fails_is_reported_and_the_others_are_kept(
@@ -185,6 +199,35 @@ def test_the_reference_failing_fails_the_bench_and_every_engine_is_closed() -> N
     assert log[-3:] == ["ref close", "x close", "y close"]
 
 
+class Governed(Logged):
+    """A runner whose engine reports its threads: all 2 of them until phase b narrows to 1,
+    and 2 again after phase c."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__("governed", log)
+        self.now = CpuThreads(2, 0)
+
+    def cpu_threads(self) -> CpuThreads | None:
+        return self.now
+
+    def run_phase(self, phase: Phase) -> list[Trace]:
+        if phase.name == "b":
+            self.now = CpuThreads(1, 1)
+        elif phase.name == "c":
+            self.now = CpuThreads(2, 1)
+        return super().run_phase(phase)
+
+
+@pytest.mark.usefixtures("no_settling")
+def test_the_phases_an_engine_ran_on_fewer_threads_are_in_its_notes() -> None:
+    log: list[str] = []
+    governed, peer = Governed(log), Logged("peer", log)
+    runs, _ = interleave(governed.workload, governed, [peer])
+    # b narrowed during its run; c started narrowed (and ended widened); a ran on all.
+    assert runs[0].notes["narrowed_phases"] == ["b", "c"]
+    assert "narrowed_phases" not in runs[1].notes  # an engine that does not say
+
+
 def sampled(cold: list[float]) -> EngineResult:
     median = statistics.median(cold)
     samples = {"cold_ttft_s": cold, "warm_ttft_s": [1.0], "decode_tok_s": [1.0],
@@ -212,6 +255,16 @@ def test_the_scaling_target_is_reported_beside_what_steps_at_their_floor_would_g
     assert scaling["floor"] == 8.0 and scaling["of_floor"] == pytest.approx(0.75)
     unknown = targets({"prefixgate_engine": engine}, 16)["prefixgate_engine"]
     assert unknown["decode_16_vs_1_stream"]["of_floor"] is None
+    assert scaling["narrowed_phases"] == []
+
+
+def test_the_scaling_target_names_its_phases_that_ran_on_fewer_threads() -> None:
+    narrowed = {"narrowed_phases": ["cold-0", "warm-1", "streams-4-0", "streams-16-2"]}
+    engine = EngineResult("bfloat16", 1.0, 0.5, 60.0, 1.0, {1: 60.0, 16: 500.0}, 1.0,
+                          (None, None), narrowed, {})  # fmt: skip
+    check = targets({"prefixgate_engine": engine}, 16)["prefixgate_engine"]
+    # Only the phases the ratio is taken from: the warm ones and those of 16 streams.
+    assert check["decode_16_vs_1_stream"]["narrowed_phases"] == ["warm-1", "streams-16-2"]
 
 
 # A stand-in for a vLLM interpreter (vLLM itself is not installed here): it speaks
