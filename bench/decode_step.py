@@ -129,10 +129,14 @@ def model_shapes(model_dir: Path, dtype: torch.dtype) -> PreTrainedModel:
     return model
 
 
-def floor_scaling(work: StepWork, one: StepWork, streams: int, speed: Speed) -> float:
+def floor_scaling(
+    work: StepWork, one: StepWork, streams: int, speed: Speed, one_speed: Speed | None = None
+) -> float:
     """How much faster `streams` streams would decode than one (`one`'s work) if each step
-    took its floor at `speed`."""
-    return streams * one.floor_ms(speed)[0] / work.floor_ms(speed)[0]
+    took its floor: the streams' at `speed`, the one's at `one_speed` (default `speed`), for
+    a ratio of two measurements taken while the machine ran at different rates."""
+    alone = one.floor_ms(one_speed or speed)[0]
+    return streams * alone / work.floor_ms(speed)[0]
 
 
 class Streams:

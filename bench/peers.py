@@ -48,10 +48,11 @@ rate while all streams decode; median of the samples), and agreement: the fracti
 whose greedy output equals PrefixGate's engine's. Targets, as PrefixGate / vLLM (prefix caching
 on) ratios: cold and warm TTFT <= 1.0, single-stream decode and 16-at-once throughput >= 1.0;
 and PrefixGate's decode at 16 streams >= 8x one stream. Beside that last one, the scaling that
-decode steps taking their floor would give at the probes' median rates (`floor`: the longer of
-a step's arithmetic and its reading of weights and K/V, bench/decode_step.py) and the engine's
-share of it (`of_floor`): where the machine reads fast against its arithmetic, one stream's
-step gets shorter and sixteen's does not, and no engine could reach 8x.
+decode steps taking their floor would give (`floor`: the longer of a step's arithmetic and its
+reading of weights and K/V, bench/decode_step.py; one stream's at the rates probed before the
+warm phases, sixteen's at those before the 16-stream phases) and the engine's share of it
+(`of_floor`): where the machine reads fast against its arithmetic, one stream's step gets
+shorter and sixteen's does not, and no engine could reach 8x.
 
 `--dtype auto` lets each engine choose (PrefixGate: its `dtype` setting's rule, bf16 where the
 CPU computes bf16 natively; transformers: the checkpoint's dtype; vLLM: its own rule, which
@@ -257,7 +258,7 @@ def targets(
 ) -> dict[str, Any]:
     """For each PrefixGate row: its ratios to vLLM and its decode scaling, each with `met`;
     the scaling also beside `floor`, the scaling that steps taking their floor would give
-    (bench.decode_step) at the run's median rates, where it is known."""
+    (bench.decode_step) at the rates probed before its phases, where it is known."""
     vllm = results.get("vllm_caching_on")
     report: dict[str, Any] = {}
     for name in ("prefixgate_api", "prefixgate_engine"):
@@ -371,6 +372,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def scaling_floor(work: dict[int, StepWork], speeds: dict[str, Speed], concurrency: int) -> float:
+    """The 16-vs-1 scaling that steps at their floor would give, each at the rates probed
+    before the phases its own measurement comes from: the warm phases' for one stream, those of
+    `concurrency` streams for the other (the run's median where a kind has no probe). The
+    machine's reads swing by up to 2x within minutes while its arithmetic does not (on
+    2026-12-05, 64-67 GB/s before the warm phases and 34-37 before most others): one stream's
+    floor moves with them, sixteen's does not."""
+
+    def probed(prefix: str) -> Speed:
+        chosen = [speed for name, speed in speeds.items() if name.startswith(prefix)]
+        return typical(chosen or list(speeds.values()))
+
+    alone, together = probed("warm-"), probed(f"streams-{concurrency}-")
+    return floor_scaling(work[concurrency], work[1], concurrency, together, alone)
+
+
 def report(
     args: argparse.Namespace,
     workload: Workload,
@@ -385,8 +402,7 @@ def report(
     settings = ("prefix_tokens", "unique_tokens", "output_tokens", "concurrency", "samples")
     floor = None
     if args.concurrency > 1 and speeds:
-        speed = typical(list(speeds.values()))
-        floor = floor_scaling(work[args.concurrency], work[1], args.concurrency, speed)
+        floor = scaling_floor(work, speeds, args.concurrency)
     return {
         "benchmark": "peers",
         "model": str(workload.model_dir),
@@ -441,7 +457,8 @@ def print_table(
             verdict = "met" if check["met"] else "NOT met"
             if check.get("of_floor") is not None:
                 verdict += (
-                    f" (steps at their floor, at this run's median rates: {check['floor']:.2f}; "
+                    f" (steps at their floor, at the rates probed before those phases: "
+                    f"{check['floor']:.2f}; "
                     f"this is {check['of_floor']:.0%} of it)"
                 )
             if narrowed := check.get("narrowed_phases"):

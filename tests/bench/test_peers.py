@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from bench import peer_turns
+from bench.decode_step import StepWork
+from bench.machine_speed import Speed
 from bench.peer_runners import CpuThreads, EngineRun, Phase, Runner, Trace, Workload
 from bench.peer_turns import interleave
 from bench.peers import (
@@ -21,6 +23,7 @@ from bench.peers import (
     decode_rate,
     main,
     ratios_to,
+    scaling_floor,
     targets,
 )
 from engine.openmp import threads_spin, waited_for_cpu
@@ -73,9 +76,10 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
     assert engines["prefixgate_api"]["warm_cached_tokens"] == (32, 32)
     checks = result["targets"]["prefixgate_api"]
     assert set(checks) == {"decode_2_vs_1_stream"}  # no vLLM: only the scaling target
-    # Beside it, what steps at their floor would give at the probes' median rates.
+    # Beside it, what steps at their floor would give at the rates probed before its phases.
     scaling = checks["decode_2_vs_1_stream"]
-    assert 0 < scaling["floor"] <= 2
+    # (Above 2 where the warm phases' probes read slower than the 2-stream phases'.)
+    assert scaling["floor"] > 0
     ratio = scaling["ratio"]  # None where the window held no step of every stream
     expected = None if ratio is None else pytest.approx(ratio / scaling["floor"])
     assert scaling["of_floor"] == expected
@@ -256,6 +260,21 @@ def test_the_scaling_target_is_reported_beside_what_steps_at_their_floor_would_g
     unknown = targets({"prefixgate_engine": engine}, 16)["prefixgate_engine"]
     assert unknown["decode_16_vs_1_stream"]["of_floor"] is None
     assert scaling["narrowed_phases"] == []
+
+
+def test_the_scaling_floor_takes_each_side_at_the_rates_probed_before_its_phases() -> None:
+    # One stream: 300 MB read, little arithmetic (memory-bound); 16: 6 GFLOP (compute-bound).
+    work = {1: StepWork(flops=0.4e9, nbytes=300e6), 16: StepWork(flops=6e9, nbytes=400e6)}
+    slow_reads, fast_reads = Speed(0.4, 55.0, 30.0), Speed(0.4, 110.0, 60.0)
+    speeds = {"cold-0": slow_reads, "warm-0": fast_reads, "warm-1": fast_reads,
+              "streams-4-0": fast_reads, "streams-16-0": slow_reads}  # fmt: skip
+    # One stream's step 300e6 / 60e9 = 5 ms, sixteen's 6e9 / 0.4e12 = 15 ms: 16 x 5 / 15.
+    assert scaling_floor(work, speeds, 16) == pytest.approx(16 * 5 / 15)
+    # At slow reads throughout, one stream's step would be 10 ms: the floor twice as high.
+    slow = {name: slow_reads for name in speeds}
+    assert scaling_floor(work, slow, 16) == pytest.approx(16 * 10 / 15)
+    # Without a probe of a kind, the run's median rates stand in.
+    assert scaling_floor(work, {"cold-0": slow_reads}, 16) == pytest.approx(16 * 10 / 15)
 
 
 def test_the_scaling_target_names_its_phases_that_ran_on_fewer_threads() -> None:
