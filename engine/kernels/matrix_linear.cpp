@@ -243,10 +243,8 @@ at::Tensor matrix_linear(const at::Tensor& input, const at::Tensor& packed,
                    static_cast<const float*>(b) + tile * features * kColumns, sums);
     } else {
       const auto* tiles_at = static_cast<const c10::BFloat16*>(b);
-      const char* next =
-          fetch ? reinterpret_cast<const char*>(tiles_at + (tile + 1) * features * kColumns)
-                : nullptr;
-      FetchQueue queue{&next, fetch ? 1 : 0, tile_lines};
+      const char* next = reinterpret_cast<const char*>(tiles_at + (tile + 1) * features * kColumns);
+      FetchQueue queue{&next, 1, tile_lines};
       bf16_product(on_amx, count, kColumns, features, features, kColumns, kColumns, false,
                    static_cast<const c10::BFloat16*>(a) + row * features,
                    tiles_at + tile * features * kColumns, sums, {&queue, fetch ? tile_lines : 0});
