@@ -271,7 +271,7 @@ def targets(
         met = ratio is not None and ratio >= SCALING_TARGET
         # The phases it is taken from that ran on fewer threads: a single stream measured so
         # is slower, and the ratio larger, than the engine's own.
-        measured = ("warm-", f"streams-{concurrency}-")
+        measured = scaling_phases(concurrency)
         narrowed = mine.notes.get("narrowed_phases", [])
         checks[f"decode_{concurrency}_vs_1_stream"] = {
             "ratio": ratio,
@@ -372,6 +372,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def scaling_phases(concurrency: int) -> tuple[str, str]:
+    """How the names of the phases the 16-vs-1 ratio is taken from begin (build_workload names
+    them): one stream's (the warm phases), then `concurrency` streams'."""
+    return "warm-", f"streams-{concurrency}-"
+
+
 def scaling_floor(work: dict[int, StepWork], speeds: dict[str, Speed], concurrency: int) -> float:
     """The 16-vs-1 scaling that steps at their floor would give, each at the rates probed
     before the phases its own measurement comes from: the warm phases' for one stream, those of
@@ -384,7 +390,7 @@ def scaling_floor(work: dict[int, StepWork], speeds: dict[str, Speed], concurren
         chosen = [speed for name, speed in speeds.items() if name.startswith(prefix)]
         return typical(chosen or list(speeds.values()))
 
-    alone, together = probed("warm-"), probed(f"streams-{concurrency}-")
+    alone, together = map(probed, scaling_phases(concurrency))
     return floor_scaling(work[concurrency], work[1], concurrency, together, alone)
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import peer_turns
-from bench.decode_step import StepWork
+from bench.decode_step import StepWork, model_shapes, step_work
 from bench.machine_speed import Speed
 from bench.peer_runners import CpuThreads, EngineRun, Phase, Runner, Trace, Workload
 from bench.peer_turns import interleave
@@ -26,7 +26,7 @@ from bench.peers import (
     scaling_floor,
     targets,
 )
-from engine.openmp import threads_spin, waited_for_cpu
+from engine.openmp import ThreadGovernor
 
 
 def test_aggregate_decode_counts_only_tokens_after_every_stream_has_its_first() -> None:
@@ -79,7 +79,12 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
     # Beside it, what steps at their floor would give at the rates probed before its phases.
     scaling = checks["decode_2_vs_1_stream"]
     # (Above 2 where the warm phases' probes read slower than the 2-stream phases'.)
-    assert scaling["floor"] > 0
+    model = model_shapes(tiny_chat_dir, torch.float32)
+    work = {n: step_work(model, 32, 16, n) for n in (1, 2)}
+    probes = {
+        name: Speed(**rates) for name, rates in result["machine_speed"]["before_phase"].items()
+    }
+    assert scaling["floor"] == pytest.approx(scaling_floor(work, probes, 2))
     ratio = scaling["ratio"]  # None where the window held no step of every stream
     expected = None if ratio is None else pytest.approx(ratio / scaling["floor"])
     assert scaling["of_floor"] == expected
@@ -102,8 +107,8 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
 
 
 def engine_governs_threads() -> bool:
-    """Whether an engine here would have a ThreadGovernor (engine/openmp.py's conditions)."""
-    return torch.get_num_threads() >= 2 and threads_spin() and waited_for_cpu() is not None
+    """Whether an engine here has a ThreadGovernor."""
+    return ThreadGovernor.for_device(torch.device("cpu")) is not None
 
 
 def test_a_peer_that_fails_is_reported_and_the_others_are_kept(
