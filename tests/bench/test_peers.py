@@ -78,7 +78,8 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
     assert set(checks) == {"decode_2_vs_1_stream"}  # no vLLM: only the scaling target
     # Beside it, what steps at their floor would give at the rates probed before its phases.
     scaling = checks["decode_2_vs_1_stream"]
-    # (Above 2 where the warm phases' probes read slower than the 2-stream phases'.)
+    # Recomputed from the run's own probes (it can exceed 2: where the warm phases' probes read
+    # slower than the 2-stream phases', one stream's floor is the longer).
     model = model_shapes(tiny_chat_dir, torch.float32)
     work = {n: step_work(model, 32, 16, n) for n in (1, 2)}
     probes = {
