@@ -55,8 +55,7 @@ def slots_in_use(state: GatewayState, tenant_ids: dict[str, str]) -> dict[str, i
     """Each tenant's concurrency slots taken now (the limiter keeps no public count)."""
     counts = {}
     for slug, tenant_id in tenant_ids.items():
-        tenant_state = state.limiter._tenants.get(tenant_id)
-        counts[slug] = tenant_state.active if tenant_state is not None else 0
+        counts[slug] = state.limiter.local.slots_held(tenant_id)
     return counts
 
 

@@ -28,9 +28,12 @@ from gateway.audit_queue import AuditQueue
 from gateway.auth import KeyAuthenticator
 from gateway.console import install_console
 from gateway.errors import install_error_handlers
-from gateway.limits import RateLimiter
+from gateway.limits.limiter import Limiter
+from gateway.limits.redis_store import RedisLimits
+from gateway.limits.store import LimitStoreDown
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import BodySizeLimit, RequestGate
+from gateway.peers import REPORT_S, Peers
 from gateway.settings import Settings
 from gateway.sharing import SharingPolicyHolder
 from gateway.state import GatewayState
@@ -41,6 +44,7 @@ from gateway.workers.membership import WorkerSet
 from gateway.workers.remote_engine import RemoteEngine, RoutingConfig, ServingEngine
 from policies.config import load_policy
 from tenancy import deployment
+from tenancy.changes import ChangeListener
 from tenancy.db import make_engine
 from tenancy.migrate import current_revision, ensure_current, upgrade
 
@@ -63,6 +67,7 @@ def create_app(
         app.state.gateway = state
         if on_ready is not None:
             on_ready(state)
+        state.tenancy_listener.start()
         refresh_registry = functools.partial(state.sharing.refresh, state.store)
         background = [
             asyncio.create_task(
@@ -74,7 +79,10 @@ def create_app(
             asyncio.create_task(
                 _every(settings.usage_sample_s, functools.partial(_sample_usage, state), "usage")
             ),
+            asyncio.create_task(state.limiter.keep_leases()),
+            asyncio.create_task(_every(REPORT_S, state.peers.report, "the gateways list")),
         ]
+        await _check_shared_limits(state.limiter, announce)
         try:
             yield
         finally:
@@ -82,8 +90,10 @@ def create_app(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await run_in_threadpool(state.tenancy_listener.stop)
             state.draining = True
             await run_in_threadpool(shutdown_state, state)
+            await state.limiter.close()
             if isinstance(state.engine, RemoteEngine):
                 await state.engine.close_connections()
 
@@ -200,6 +210,12 @@ def build_state(
     tenancy_sync = TenancySync(store, engine, auth, usage)
     tenancy_sync.poll()
     tenant_names: dict[str, str] = {}
+    limiter = make_limiter(settings)
+    peers = Peers(store, shared_limits=limiter.shared is not None)
+    try:
+        peers.report()
+    except Exception:  # the list is advice: a gateway starts without it
+        logger.warning("could not report this gateway to the database", exc_info=True)
     state = GatewayState(
         settings=settings,
         loaded=loaded,
@@ -209,9 +225,14 @@ def build_state(
         sharing=sharing,
         auth=auth,
         tenancy_sync=tenancy_sync,
-        limiter=RateLimiter(),
+        tenancy_listener=ChangeListener(store.engine, tenancy_sync.poll),
+        limiter=limiter,
+        peers=peers,
         metrics=GatewayMetrics(
-            engine, store.audit, lambda tenant_id: tenant_names.get(tenant_id, tenant_id)
+            engine,
+            store.audit,
+            lambda tenant_id: tenant_names.get(tenant_id, tenant_id),
+            limiter,
         ),
         tracer_provider=make_tracer_provider(settings.otlp_endpoint),
         audit=AuditQueue(store.audit, settings.audit_checkpoint_interval_s),
@@ -231,10 +252,43 @@ def build_state(
     return state
 
 
+def make_limiter(settings: Settings) -> Limiter:
+    """The tenants' limits: in Redis when a URL is set (shared by every gateway), else here."""
+    if settings.redis_url is None:
+        return Limiter()
+    shared = RedisLimits(
+        settings.redis_url, settings.redis_key_prefix, settings.redis_timeout_s,
+        settings.limit_lease_s,
+    )  # fmt: skip
+    return Limiter(shared, settings.redis_url, settings.limit_lease_s)
+
+
+async def _check_shared_limits(limiter: Limiter, announce: Callable[[str], None]) -> None:
+    """Say at start where tenants' limits are kept, after one try of the shared store."""
+    if limiter.shared is None:
+        announce(
+            "limits: per process (PREFIXGATE_REDIS_URL is unset): with several gateways, "
+            "each tenant gets its limits once per gateway"
+        )
+        return
+    try:
+        await limiter.shared.ping()
+    except LimitStoreDown as error:
+        limiter.shared_up = False
+        announce(
+            f"limits: Redis at {limiter.shared_where} does not answer ({error}); limiting "
+            "in this process until it does (fail-open)"
+        )
+        return
+    announce(f"limits: shared by every gateway in Redis at {limiter.shared_where}")
+
+
 def shutdown_state(state: GatewayState) -> None:
     """Finish in-flight engine work, write queued audit events, close everything."""
     state.engine.stop(timeout=state.settings.shutdown_grace_s)
     state.audit.drain()
+    with contextlib.suppress(Exception):
+        state.peers.leave()
     with contextlib.suppress(Exception):
         state.store.audit.flush()
         state.store.audit.checkpoint_now()

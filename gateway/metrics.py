@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from engine.budget import PUBLIC_OWNER, Owner
 from engine.openmp import ThreadGovernor
+from gateway.limits.limiter import Limiter
 from gateway.workers.remote_engine import RemoteEngine, ServingEngine
 from tenancy.audit_log import AuditLog
 
@@ -26,7 +27,11 @@ class GatewayMetrics:
     """The app's own registry: request counters and histograms, plus gauges read on scrape."""
 
     def __init__(
-        self, engine: ServingEngine, audit: AuditLog, tenant_name: Callable[[str], str]
+        self,
+        engine: ServingEngine,
+        audit: AuditLog,
+        tenant_name: Callable[[str], str],
+        limiter: Limiter | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -67,6 +72,9 @@ class GatewayMetrics:
             registry=self.registry,
         )
         self.registry.register(EngineCollector(engine, tenant_name))
+        if limiter is not None:
+            self.registry.register(LimiterCollector(limiter))
+            self.registry.register(limiter.round_trips)
         Gauge(
             "prefixgate_audit_dead_letters",
             "Audit events the database refused (in the file).",
@@ -168,6 +176,27 @@ class EngineCollector(Collector):
             yield from _worker_metrics(self._engine)
         elif self._engine.threads is not None:
             yield from _thread_metrics(self._engine.threads)
+
+
+class LimiterCollector(Collector):
+    """Where tenants' limits are kept now, and the steps counted here while Redis was away."""
+
+    def __init__(self, limiter: Limiter) -> None:
+        self._limiter = limiter
+
+    def collect(self) -> Iterator[Metric]:
+        limiter = self._limiter
+        yield GaugeMetricFamily(
+            "prefixgate_limits_shared",
+            "1 while tenants' limits are kept in the shared store (Redis), 0 while this "
+            "gateway limits alone (no Redis configured, or Redis away: fail-open).",
+            value=1 if limiter.shared is not None and limiter.shared_up else 0,
+        )
+        yield CounterMetricFamily(
+            "prefixgate_limits_fallback_steps",
+            "Admission steps counted in this process because the shared store did not answer.",
+            value=limiter.fallbacks,
+        )
 
 
 def _thread_metrics(threads: ThreadGovernor) -> Iterator[Metric]:

@@ -69,7 +69,8 @@ class RequestGate:
                 _note_client_request_id(settlement, headers)
                 # The tenant's concurrency slot is taken before the body is read: one key's
                 # slow uploads hold at most its own share of the server.
-                settlement.admission = state.limiter.enter(settlement.caller)
+                settlement.admission = state.limiter.admission(settlement.caller)
+                await settlement.admission.enter()
             await self.app(scope, receive, tracking_send)
         except APIError as error:  # refused at the gate (bad key, draining)
             if settlement is not None:
@@ -100,7 +101,7 @@ def _response_headers(
     state: GatewayState, scope: Scope, settlement: Settlement | None, request_id: str
 ) -> list[tuple[bytes, bytes]]:
     """`x-request-id` on every response; under /v1 also `openai-processing-ms` and, for
-    inference, OpenAI's rate-limit headers from the tenant's own buckets."""
+    inference, OpenAI's rate-limit headers from the tenant's own windows."""
     if settlement is None:
         return [(b"x-request-id", request_id.encode())]
     # The id the client sees is the one its audit event records: the completion's own id
@@ -111,8 +112,8 @@ def _response_headers(
         (b"x-request-id", settlement.request_id.encode()),
         (b"openai-processing-ms", str(elapsed_ms).encode()),
     ]
-    if settlement.caller is not None and settlement.endpoint in INFERENCE_ENDPOINTS:
-        headers += state.limiter.headers(settlement.caller)
+    if settlement.admission is not None and settlement.endpoint in INFERENCE_ENDPOINTS:
+        headers += settlement.admission.headers()
     return headers
 
 

@@ -52,7 +52,7 @@ async def respond(state: GatewayState, prepared: Prepared, http_request: Request
     admission = prepared.context.settlement.admission
     assert admission is not None  # the gate entered the limiter before the body was read
     try:
-        admission.charge(cost, request.n)
+        await admission.charge(cost, request.n)
     except APIError as error:
         _conclude(state, prepared, "rejected", error=error)
         raise

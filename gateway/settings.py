@@ -20,6 +20,7 @@ from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -162,6 +163,21 @@ class Settings(BaseSettings):
     trusted_proxies: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Proxies (IPs or CIDRs, comma-separated) whose X-Forwarded-For is believed."""
 
+    # Limits shared by every gateway
+    redis_url: str | None = None
+    """Redis (redis://[:password@]host:port/db, rediss:// for TLS) where every gateway keeps
+    each tenant's requests, tokens and concurrency slots, so a tenant's limits hold once
+    however many gateways serve it; unset: each gateway limits in its own memory."""
+    redis_key_prefix: str = Field(default="prefixgate", min_length=1, max_length=64)
+    """Prefix of every Redis key this deployment writes (two deployments on one Redis need
+    different ones)."""
+    redis_timeout_s: float = Field(default=0.25, gt=0, le=5)
+    """A Redis call that takes longer has failed: limits fall back to this process until Redis
+    answers again (fail-open)."""
+    limit_lease_s: float = Field(default=15.0, ge=1, le=30)
+    """How long a concurrency slot in Redis outlives the gateway that took it: running requests
+    renew theirs every third of this, so a gateway that dies gives its slots back within it."""
+
     metrics_token: SecretStr | None = None
     """Per-tenant series on /metrics need `Authorization: Bearer <metrics_token>`."""
 
@@ -243,6 +259,13 @@ class Settings(BaseSettings):
         """`PREFIXGATE_TRUSTED_PROXIES=10.0.0.1,10.1.0.0/16` as well as a list."""
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str | None) -> str | None:
+        if value is not None and urlsplit(value).scheme not in ("redis", "rediss", "unix"):
+            raise ValueError("expected redis://host:port/db, rediss://... or unix:///path")
         return value
 
     @field_validator("worker_secret")

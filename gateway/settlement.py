@@ -16,7 +16,7 @@ from typing import Any
 from engine.request import Timings, Usage
 from gateway.auth import Caller
 from gateway.errors import APIError
-from gateway.limits import Admission
+from gateway.limits.limiter import Admission
 from gateway.state import GatewayState
 from tenancy.audit_chain import AuditRecord
 

@@ -14,13 +14,15 @@ from gateway.admin.throttle import LoginThrottle, SlidingWindow
 from gateway.admin.tokens import AdminTokens
 from gateway.audit_queue import AuditQueue
 from gateway.auth import KeyAuthenticator
-from gateway.limits import RateLimiter
+from gateway.limits.limiter import Limiter
 from gateway.metrics import GatewayMetrics
+from gateway.peers import Peers
 from gateway.settings import Settings
 from gateway.sharing import SharingPolicyHolder
 from gateway.tenancy_sync import TenancySync
 from gateway.usage_history import UsageHistory
 from gateway.workers.remote_engine import ServingEngine
+from tenancy.changes import ChangeListener
 from tenancy.store import Store
 
 
@@ -36,7 +38,9 @@ class GatewayState:
     sharing: SharingPolicyHolder
     auth: KeyAuthenticator
     tenancy_sync: TenancySync
-    limiter: RateLimiter
+    tenancy_listener: ChangeListener  # tenancy changes notified at once (PostgreSQL)
+    limiter: Limiter  # each tenant's limits: in Redis for every gateway, or this process's
+    peers: Peers  # the gateways serving this deployment
     metrics: GatewayMetrics
     tracer_provider: TracerProvider
     audit: AuditQueue

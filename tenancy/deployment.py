@@ -1,11 +1,14 @@
-"""What the database knows about the deployment it serves: its secrets' fingerprints, its pool.
+"""What the database knows about the deployment it serves: its secrets' fingerprints, its pool,
+the gateways serving it.
 
 Secrets (the key-hashing secret, the audit signing key) belong to the deployment. A process
 started with other secrets would mint keys the servers reject and sign checkpoints that
 verify as forged, so the first process to use a database records a fingerprint of each secret
 (`HMAC-SHA256(secret, "prefixgate fingerprint")`, truncated: it identifies the secret without
 revealing it) and every later one must match. Servers also record their KV pool size, so quota
-and reservation changes can be checked against the memory that will hold them.
+and reservation changes can be checked against the memory that will hold them, and every
+gateway reports itself every few seconds, so each can tell how many serve the deployment (and
+whether they share their limits).
 """
 
 from __future__ import annotations
@@ -14,17 +17,19 @@ import hashlib
 import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from tenancy.errors import InvalidInput, TenancyError
-from tenancy.models import Deployment, SecretFingerprint, utcnow
+from tenancy.models import Deployment, GatewayInstance, SecretFingerprint, utcnow
 
 FINGERPRINT_MESSAGE = b"prefixgate fingerprint"
 FINGERPRINT_LENGTH = 16  # hex characters: 64 bits, plenty to tell two random secrets apart
+# A gateway not heard of for this long is gone; its row is deleted.
+FORGET_GATEWAY_AFTER = timedelta(days=1)
 
 
 class SecretMismatch(TenancyError):
@@ -100,3 +105,49 @@ def recorded_pool(session: Session, for_update: bool = False) -> Pool | None:
     if row is None or row.pool_blocks is None or row.pool_recorded_at is None:
         return None
     return Pool(row.pool_blocks, row.pool_recorded_at)
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySeen:
+    """A gateway as it last reported itself."""
+
+    id: str
+    hostname: str
+    pid: int
+    shared_limits: bool
+    seen_at: datetime
+
+
+def report_gateway(
+    session: Session, instance_id: str, hostname: str, pid: int, shared_limits: bool
+) -> None:
+    """Record that this gateway runs now (and forget gateways gone for a day)."""
+    now = utcnow()
+    row = session.get(GatewayInstance, instance_id)
+    if row is None:
+        session.add(
+            GatewayInstance(
+                id=instance_id, hostname=hostname[:255], pid=pid, shared_limits=shared_limits,
+                started_at=now, seen_at=now,
+            )
+        )  # fmt: skip
+    else:
+        row.seen_at, row.shared_limits = now, shared_limits
+    session.execute(
+        delete(GatewayInstance).where(GatewayInstance.seen_at < now - FORGET_GATEWAY_AFTER)
+    )
+
+
+def gateways_seen(session: Session, within: timedelta) -> list[GatewaySeen]:
+    """The gateways that reported themselves within `within`, most recent first."""
+    rows = session.scalars(
+        select(GatewayInstance)
+        .where(GatewayInstance.seen_at >= utcnow() - within)
+        .order_by(GatewayInstance.seen_at.desc())
+    )
+    return [GatewaySeen(r.id, r.hostname, r.pid, r.shared_limits, r.seen_at) for r in rows]
+
+
+def forget_gateway(session: Session, instance_id: str) -> None:
+    """A gateway that stops says so (one killed is forgotten once it is not seen)."""
+    session.execute(delete(GatewayInstance).where(GatewayInstance.id == instance_id))

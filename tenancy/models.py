@@ -1,6 +1,6 @@
 """SQLAlchemy models: tenants, API keys, operators and their sessions, public prefixes, the
 audit log, and what the database knows about its deployment (secret fingerprints, the KV pool,
-a change counter).
+the gateways serving it, a change counter).
 
 Constraint names follow one convention (`NAMING_CONVENTION`) so migrations are static and
 reversible on every database. Times are timezone-aware UTC. Every value written through the
@@ -260,6 +260,19 @@ class Deployment(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     pool_blocks: Mapped[int | None] = mapped_column(Integer)
     pool_recorded_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class GatewayInstance(Base):
+    """A running gateway process, as it last reported itself (every few seconds)."""
+
+    __tablename__ = "gateway_instances"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    hostname: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    shared_limits: Mapped[bool] = mapped_column(Boolean)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    seen_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
 
 
 class TenancyChanges(Base):

@@ -86,6 +86,31 @@ def empty_postgres_url() -> Iterator[str]:
     drop_database(name)
 
 
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    """Async tests (marked `anyio`) run on asyncio, as the server does."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> str:
+    """The real Redis server's URL (PREFIXGATE_TEST_REDIS), once it answers."""
+    from tests.support.redis import SERVER_URL, check_server
+
+    check_server()
+    return SERVER_URL
+
+
+@pytest.fixture
+def redis_prefix(redis_server: str) -> Iterator[str]:
+    """A key prefix of this test's own on the Redis server, emptied after it."""
+    from tests.support.redis import drop_prefix, new_prefix
+
+    prefix = new_prefix()
+    yield prefix
+    drop_prefix(prefix)
+
+
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:
     from tenancy.migrate import upgrade
@@ -123,12 +148,24 @@ def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -
 
 @pytest.fixture(scope="session")
 def gateway(
-    migrated_template: str, tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    migrated_template: str,
+    tiny_chat_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    redis_server: str,
 ) -> Iterator[Gateway]:
     """One real gateway for the whole run, shared by tests/api and tests/e2e (each start costs
-    seconds), with the tenants of `SESSION_TENANTS`."""
+    seconds), with the tenants of `SESSION_TENANTS`, keeping their limits in Redis as a
+    deployment of several gateways does."""
     from tests.support.gateway import SESSION_TENANTS, start_gateway
+    from tests.support.redis import drop_prefix, new_prefix
 
     state_dir = tmp_path_factory.mktemp("gateway-state")
-    with start_gateway(migrated_template, tiny_chat_dir, state_dir, SESSION_TENANTS) as started:
-        yield started
+    prefix = new_prefix()
+    shared = {"redis_url": redis_server, "redis_key_prefix": prefix}
+    try:
+        with start_gateway(
+            migrated_template, tiny_chat_dir, state_dir, SESSION_TENANTS, **shared
+        ) as started:
+            yield started
+    finally:
+        drop_prefix(prefix)

@@ -15,7 +15,7 @@ from tenancy.models import Base
 
 TABLES = {"tenants", "api_keys", "admins", "public_prefixes", "audit_events", "audit_head",
           "audit_checkpoints", "secret_fingerprints", "deployment", "tenancy_changes",
-          "admin_sessions"}  # fmt: skip
+          "admin_sessions", "gateway_instances"}  # fmt: skip
 
 
 def tables(url: str) -> set[str]:
@@ -87,7 +87,8 @@ def test_0002_adds_deployment_state_to_a_0001_database_and_removes_only_it(
             assert pool == [(1, None)]
         downgrade(empty_postgres_url, "0001")
         assert tables(empty_postgres_url) == TABLES - {
-            "secret_fingerprints", "deployment", "tenancy_changes", "admin_sessions"
+            "secret_fingerprints", "deployment", "tenancy_changes", "admin_sessions",
+            "gateway_instances",
         }  # fmt: skip
         with engine.connect() as connection:
             assert connection.execute(text("SELECT slug FROM tenants")).all() == [("old",)]
@@ -128,3 +129,15 @@ def test_0003_keeps_existing_admins_and_its_downgrade_removes_only_what_it_added
             assert connection.execute(text("SELECT username FROM admins")).all() == [("old",)]
     finally:
         engine.dispose()
+
+
+def test_0004_adds_the_gateway_list_and_its_downgrade_removes_only_it(
+    empty_postgres_url: str,
+) -> None:
+    upgrade(empty_postgres_url, "0003")
+    assert "gateway_instances" not in tables(empty_postgres_url)
+    upgrade(empty_postgres_url)
+    assert tables(empty_postgres_url) == TABLES
+    assert schema_drift(empty_postgres_url) == []
+    downgrade(empty_postgres_url, "0003")
+    assert tables(empty_postgres_url) == TABLES - {"gateway_instances"}

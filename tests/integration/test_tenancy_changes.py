@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,3 +138,53 @@ def test_a_value_too_large_for_its_column_is_invalid_input_naming_the_field(
     assert raised.value.field == field and field in str(raised.value)
     with store.transaction() as session:  # and nothing was written
         assert session.scalars(select(Tenant)).all() == []
+
+
+def test_a_listener_hears_every_committed_change_at_once_and_nothing_else(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """PostgreSQL's NOTIFY, sent by the counter's bump: delivered when the change commits (in
+    milliseconds), never for a rollback or for writes that are not changes."""
+    store = Store.open(postgres_url, tmp_path / "audit.spool", SECRET, "signing-key", 5)
+    heard = threading.Event()
+    calls: list[float] = []
+
+    def on_change() -> None:
+        calls.append(time.monotonic())
+        heard.set()
+
+    listener = changes.ChangeListener(store.engine, on_change).start()
+    try:
+        deadline = time.monotonic() + 10
+        while not listener.listening:
+            assert time.monotonic() < deadline, "the listener never listened"
+            time.sleep(0.02)
+        assert heard.wait(5)  # once on connecting, for what it may have missed
+        time.sleep(0.2)
+        heard.clear()
+        with pytest.raises(RuntimeError), store.transaction() as session:
+            tenants.create_tenant(session, "rolled-back")
+            raise RuntimeError("the caller failed")
+        with store.transaction() as session:
+            add_prefix(session, "m", "default", "p", "You are helpful.", "test")
+        assert not heard.wait(0.5)  # neither a rollback nor a write that is no change
+        latencies = []
+        for slug in ("acme", "globex", "initech"):
+            heard.clear()
+            with store.transaction() as session:
+                tenants.create_tenant(session, slug)
+                committing = time.monotonic()
+            assert heard.wait(5), f"creating {slug} was not heard"
+            latencies.append(calls[-1] - committing)
+        assert max(latencies) < 0.5, latencies
+    finally:
+        listener.stop()
+        store.close()
+
+
+def test_a_listener_on_sqlite_leaves_it_to_polling(sqlite_url: str, tmp_path: Path) -> None:
+    store = Store.open(sqlite_url, tmp_path / "audit.spool", SECRET, "signing-key", 5)
+    listener = changes.ChangeListener(store.engine, lambda: None).start()
+    assert not listener.listening
+    listener.stop()
+    store.close()

@@ -67,9 +67,33 @@ async def readyz(state: StateDep) -> Response:
         "status": "ready" if ready else "not_ready",
         "checks": checks,
         "engine": state.engine.describe(),
+        "limits": _limits(state),
+        "gateways": state.peers.count,
+        # How tenancy changes made elsewhere arrive: notified at once, or by polling alone.
+        "tenancy_changes": "notified" if state.tenancy_listener.listening else "polled",
         "audit": audit,
     }
     return JSONResponse(body, status_code=200 if ready else 503)
+
+
+def _limits(state: GatewayState) -> dict[str, object]:
+    """Where tenants' limits are kept: shared by every gateway (Redis), or in this process
+    alone (no Redis configured, or Redis away: fail-open). A gateway stays ready either way."""
+    limiter = state.limiter
+    if limiter.shared is None:
+        return {
+            "store": "process",
+            "shared": False,
+            "note": "PREFIXGATE_REDIS_URL is unset: with several gateways, each tenant gets "
+            "its limits once per gateway",
+        }
+    if not limiter.shared_up:
+        return {
+            "store": "process",
+            "shared": False,
+            "note": "Redis does not answer: limiting in this process until it does (fail-open)",
+        }
+    return {"store": "redis", "shared": True}
 
 
 def _audit_backlog(state: GatewayState) -> dict[str, object]:

@@ -23,6 +23,9 @@ def test_healthz_is_ok_and_readyz_reports_every_check_passing(gateway: Gateway) 
         "status": "ready",
         "checks": {"engine": True, "database": True},
         "engine": engine.describe(),
+        "limits": {"store": "redis", "shared": True},  # the session gateway shares its limits
+        "gateways": 1,
+        "tenancy_changes": "notified",  # PostgreSQL tells it of every change as it commits
         "audit": {"spooled": 0, "dead_letters": 0, "dead_letter_path": None},
     }
     # What serves is reported as it is: the dtype the CPU computes natively, the C++ kernel.
@@ -50,8 +53,13 @@ def test_metrics_for_the_scraper_count_requests_tokens_and_cache_per_tenant(
         "prefixgate_kv_cache_evictions_total",
         "prefixgate_kv_cache_zeroed_blocks_total",
         'prefixgate_queue_depth{state="waiting"}',
+        "prefixgate_limits_shared 1.0",  # the session gateway keeps its limits in Redis
+        "prefixgate_limits_fallback_steps_total 0.0",
     ):
         assert name in text, name
+    # Every admission step went to Redis: two per completion (enter, charge) at least.
+    steps = re.search(r"^prefixgate_limits_round_trip_seconds_count (\S+)$", text, re.MULTILINE)
+    assert steps and float(steps.group(1)) >= 2
     engine = gateway.server.gateway.engine
     assert isinstance(engine, Engine)
     if engine.threads is None:  # one CPU thread: nothing governed, nothing shown
