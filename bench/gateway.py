@@ -32,7 +32,8 @@ MESSAGES = [{"role": "user", "content": "Tell me about the weather in Lisbon in 
 
 async def overhead(server: Any, key: str, requests: int, max_tokens: int) -> dict[str, float]:
     state = server.gateway
-    token_ids, _ = render_with_spans(state.loaded.tokenizer, MESSAGES)  # as the gateway does
+    tokenizer = state.models.get(MODEL).loaded.tokenizer
+    token_ids, _ = render_with_spans(tokenizer, MESSAGES)  # as the gateway does
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0}
     http, direct, server_side = [], [], []
     async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.local_server import free_port, wait_until_ready
+from gateway.workers.local import ServerProcess, stop
 
 PUBLIC_NAMESPACE = "default"  # in the packaged policy's namespaces
 
@@ -126,9 +127,30 @@ def served_tenants(
             wait_until_ready(url, server, log)
             yield ServedGateway(url, keys)
         finally:
-            server.terminate()
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            stop(server)
+
+
+GatewayProcess = ServerProcess  # a `prefixgate serve`
+
+
+@contextmanager
+def gateway_process(
+    settings: Mapping[str, str], log_dir: Path, start_timeout_s: float = 300.0
+) -> Iterator[GatewayProcess]:
+    """`prefixgate serve` on a free localhost port with `settings` as `PREFIXGATE_*` variables
+    (`{"DATABASE_URL": ...}`), ready when yielded (its /readyz answers 200); stopped after."""
+    cli = str(Path(sys.executable).with_name("prefixgate"))
+    port = free_port()
+    env = {**os.environ, **{f"PREFIXGATE_{name}": value for name, value in settings.items()}}
+    log = log_dir / f"gateway-{port}.log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen(
+            [cli, "serve", "--host", "127.0.0.1", "--port", str(port)],
+            env=env, cwd=log_dir, stdout=output, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    gateway = GatewayProcess(process, f"http://127.0.0.1:{port}", log)
+    try:
+        wait_until_ready(gateway.url, process, log, start_timeout_s)
+        yield gateway
+    finally:
+        stop(process)

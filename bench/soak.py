@@ -23,7 +23,9 @@ engine. Clients are `httpx` over HTTP with real API keys, one tenant per key.
 
 After each, once the engine is idle (`idle_report`): the pool's invariants hold, no block is
 active, no request or sequence is left in the engine, every free block is all zeros, every
-tenant's concurrency slots are back and a fresh request of each tenant succeeds. For the
+tenant's concurrency slots are back and a fresh request of each tenant succeeds (or, for a
+tenant whose flood used its whole request window, is refused saying so until that minute has
+passed). For the
 storm, every client has exactly one audit event, `cancelled` (or `success` if it finished
 before it left). `problems` lists whatever broke; the soak holds when every list is empty.
 """

@@ -130,6 +130,8 @@ class Outcome:
     left: bool = False  # the client went away before the end, as planned
     error: str | None = None  # an error code, an error event in a stream, a transport error
     retry_after_s: float = 0.0
+    # A 429 whose tenant has no request left in its window (not a concurrency or token refusal).
+    window_full: bool = False
 
 
 async def send(
@@ -168,6 +170,8 @@ def _read_whole(response: httpx.Response, outcome: Outcome) -> None:
     if response.status_code != 200:
         outcome.error = payload.get("error", {}).get("code") or payload.get("error", {}).get("type")
         outcome.retry_after_s = float(response.headers.get("retry-after", 0))
+        remaining = response.headers.get("x-ratelimit-remaining-requests")
+        outcome.window_full = response.status_code == 429 and remaining == "0"
         return
     outcome.text = payload["choices"][0]["message"]["content"] or ""
     outcome.cached_tokens = payload["usage"]["prompt_tokens_details"]["cached_tokens"]

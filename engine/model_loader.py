@@ -55,6 +55,21 @@ _FINGERPRINT_PATTERNS = (
 )
 
 
+# What a gateway needs of a model it does not compute: its shape and how text becomes tokens.
+_SHAPE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer*",
+    "special_tokens_map.json",
+    "chat_template*",
+    "vocab*",
+    "merges.txt",
+    "added_tokens.json",
+)
+# The most a model's shape files may weigh (a large tokenizer.json is tens of megabytes).
+MAX_SHAPE_BYTES = 64 << 20
+
+
 class ModelLoadError(Exception):
     """The model directory is missing, incomplete or not a causal LM."""
 
@@ -69,6 +84,7 @@ class LoadedModel:
     fingerprint: str
     eos_token_ids: tuple[int, ...]
     max_model_len: int
+    directory: Path | None = None  # where it was loaded from (a worker shares its tokenizer)
 
     @property
     def num_layers(self) -> int:
@@ -250,6 +266,53 @@ def load_model(
         fingerprint=fingerprint(directory, adapter_id),
         eos_token_ids=eos_token_ids(model, tokenizer),
         max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
+        directory=directory,
+    )
+
+
+def shape_files(directory: Path) -> dict[str, bytes]:
+    """The files of a model directory that give its shape and tokenizer (no weights): what a
+    gateway needs to serve the model from engine workers. ModelLoadError past
+    `MAX_SHAPE_BYTES`."""
+    paths = sorted({path for pattern in _SHAPE_PATTERNS for path in directory.glob(pattern)})
+    files = [path for path in paths if path.is_file()]
+    if sum(path.stat().st_size for path in files) > MAX_SHAPE_BYTES:
+        raise ModelLoadError(f"{directory}'s tokenizer and config files exceed {MAX_SHAPE_BYTES}")
+    return {path.name: path.read_bytes() for path in files}
+
+
+def is_shape_file(name: str) -> bool:
+    """Whether `name` is a plain file name that `shape_files` could have given."""
+    plain = name not in ("", ".", "..") and "/" not in name and "\\" not in name
+    return plain and any(Path(name).match(pattern) for pattern in _SHAPE_PATTERNS)
+
+
+def load_shape(
+    directory: Path, name: str, fingerprint: str, chat_template: str | None
+) -> LoadedModel:
+    """A model known by its shape and tokenizer alone (files from `shape_files`), under the
+    name and fingerprint its engine announced: what a gateway routing to workers serves."""
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        with contextlib.suppress(OSError):
+            model.generation_config = GenerationConfig.from_pretrained(
+                directory, local_files_only=True
+            )
+        tokenizer = _load_tokenizer(directory)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(f"cannot load the shape of {name}: {error}") from error
+    if tokenizer is not None and chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        fingerprint=fingerprint,
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
+        directory=directory,
     )
 
 

@@ -34,8 +34,8 @@ from gateway.limits.store import LimitStoreDown
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import BodySizeLimit, RequestGate
 from gateway.peers import REPORT_S, Peers
+from gateway.served_models import ServedModels
 from gateway.settings import Settings
-from gateway.sharing import SharingPolicyHolder
 from gateway.state import GatewayState
 from gateway.tenancy_sync import TenancySync
 from gateway.tracing import make_tracer_provider
@@ -68,7 +68,7 @@ def create_app(
         if on_ready is not None:
             on_ready(state)
         state.tenancy_listener.start()
-        refresh_registry = functools.partial(state.sharing.refresh, state.store)
+        refresh_registry = state.models.refresh_registries
         background = [
             asyncio.create_task(
                 _every(settings.registry_refresh_s, refresh_registry, "the prefix registry")
@@ -161,27 +161,28 @@ def start_engine(settings: Settings, loaded: LoadedModel | None) -> tuple[Loaded
     return loaded, engine.start()
 
 
-def start_routing(
-    settings: Settings, loaded: LoadedModel | None
-) -> tuple[LoadedModel, RemoteEngine]:
-    """The model's tokenizer and shape (no weights), and the workers it is served by, once
-    one of them answers."""
+def start_routing(settings: Settings) -> RemoteEngine:
+    """The workers, once one of them answers: a routing gateway serves whatever models they
+    announce (it loads each one's tokenizer and shape from a worker, never weights)."""
     if settings.worker_secret is None:
         raise ValueError("routing to workers needs PREFIXGATE_WORKER_SECRET")
-    if loaded is None:
-        loaded = settings.load_model(weights=False)
     workers = WorkerSet(
         settings.workers,
         settings.worker_secret.get_secret_value(),
         settings.worker_poll_s,
         settings.worker_timeout_s,
-        loaded.fingerprint,
     )
     config = RoutingConfig(
         settings.routing, settings.routing_load_tokens, settings.routing_max_imbalance
     )
-    engine = RemoteEngine(loaded, workers, config)
-    return loaded, engine.start(settings.worker_start_timeout_s)
+    return RemoteEngine(workers, config).start(settings.worker_start_timeout_s)
+
+
+def served_name(settings: Settings) -> str:
+    """The id clients name the model of this process's engine by."""
+    if settings.served_model_name:
+        return settings.served_model_name
+    return EMBEDDED_MODEL_NAME if settings.model_dir is None else Path(settings.model_dir).name
 
 
 def build_state(
@@ -190,24 +191,29 @@ def build_state(
     prepare_database(settings, announce)
     policy_config = load_policy(settings.policy_file)
     store = settings.open_store()
-    model_name = settings.served_model_name or (
-        EMBEDDED_MODEL_NAME if settings.model_dir is None else Path(settings.model_dir).name
-    )
     engine: ServingEngine
     if settings.workers:
-        loaded, engine = start_routing(settings, loaded)
+        if settings.model_dir is not None or settings.served_model_name is not None:
+            announce(
+                "note: a gateway with workers serves the models its workers announce; "
+                "PREFIXGATE_MODEL_DIR and PREFIXGATE_SERVED_MODEL_NAME are the workers' settings"
+            )
+        engine = start_routing(settings)
+        models = ServedModels(settings, policy_config, store, remote=engine)
     else:
         # Loaded and built on a thread that then ends: the engine thread's OpenMP pool stays
         # the only one (engine/openmp.py).
         loaded, engine = on_passing_thread(lambda: start_engine(settings, loaded))
+        models = ServedModels.one(
+            settings, policy_config, store, served_name(settings), loaded, engine
+        )
     announce("engine: " + ", ".join(f"{key} {value}" for key, value in engine.describe().items()))
     with store.transaction() as session:  # so the CLI can check quotas against the pool
         deployment.record_pool_blocks(session, engine.pool.num_blocks)
-    sharing = SharingPolicyHolder(policy_config, loaded, model_name, settings.block_size)
-    sharing.refresh(store)
     auth = KeyAuthenticator(store, settings.auth_cache_ttl_s, settings.auth_stale_ttl_s)
     usage = UsageHistory(settings.usage_sample_s, settings.usage_window_s)
-    tenancy_sync = TenancySync(store, engine, auth, usage)
+    fleet = engine.workers if isinstance(engine, RemoteEngine) else None
+    tenancy_sync = TenancySync(store, engine, auth, usage, fleet=fleet)
     tenancy_sync.poll()
     tenant_names: dict[str, str] = {}
     limiter = make_limiter(settings)
@@ -218,11 +224,9 @@ def build_state(
         logger.warning("could not report this gateway to the database", exc_info=True)
     state = GatewayState(
         settings=settings,
-        loaded=loaded,
         engine=engine,
+        models=models,
         store=store,
-        model_name=model_name,
-        sharing=sharing,
         auth=auth,
         tenancy_sync=tenancy_sync,
         tenancy_listener=ChangeListener(store.engine, tenancy_sync.poll),
@@ -236,7 +240,6 @@ def build_state(
         ),
         tracer_provider=make_tracer_provider(settings.otlp_endpoint),
         audit=AuditQueue(store.audit, settings.audit_checkpoint_interval_s),
-        max_prompt_tokens=settings.max_prompt_tokens or engine.max_model_len - 1,
         prepare_slots=asyncio.Semaphore(settings.prepare_concurrency),
         admin_tokens=AdminTokens(
             secret=settings.secret("jwt_secret"),

@@ -15,12 +15,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import torch
 import uvicorn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from gateway.app import create_app
 from gateway.connections import uvicorn_config
@@ -58,9 +58,20 @@ def tiny_chat_model(
     intermediate_size: int = 128,
     num_hidden_layers: int = 2,
     max_position_embeddings: int = 2048,
+    architecture: Literal["llama", "qwen2"] = "llama",
 ) -> Path:
-    """A small seeded random Llama with SmolLM2's real tokenizer and chat template."""
+    """A small seeded random Llama (or Qwen2) with SmolLM2's real tokenizer and chat template."""
     torch.manual_seed(0)
+    if architecture == "qwen2":  # another architecture: biased Q/K/V projections
+        Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=49152, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+            )
+        ).save_pretrained(directory)  # fmt: skip
+        return _with_tokenizer(directory, tokenizer_dir)
     config = LlamaConfig(
         vocab_size=49152,
         hidden_size=hidden_size,
@@ -74,6 +85,10 @@ def tiny_chat_model(
         tie_word_embeddings=True,
     )
     LlamaForCausalLM(config).save_pretrained(directory)
+    return _with_tokenizer(directory, tokenizer_dir)
+
+
+def _with_tokenizer(directory: Path, tokenizer_dir: Path) -> Path:
     for path in tokenizer_dir.iterdir():
         if path.name.startswith(("tokenizer", "chat_template", "special_tokens")):
             shutil.copy(path, directory / path.name)

@@ -35,6 +35,7 @@ from gateway.schemas import (
     JsonSchemaFormat,
     SamplingFields,
 )
+from gateway.served_models import ServedModel
 from gateway.settlement import Settlement
 from gateway.state import GatewayState
 from gateway.tool_calls import template_supports_tools, to_template_messages, tool_choice_grammar
@@ -73,6 +74,7 @@ class Prepared:
     """A validated, planned request, ready for the engine."""
 
     context: RequestContext
+    model: ServedModel  # the model it asked for: its tokenizer, its engine
     request: GenerationRequest
     plan: Plan
     stream: bool
@@ -92,12 +94,12 @@ def prepare_chat(
     state: GatewayState, body: ChatCompletionRequest, context: RequestContext
 ) -> Prepared:
     """A chat request rendered by the model's own template, with its messages' spans."""
-    _check_request(state, body, body.text_chars(), context.prompt_param)
-    tokenizer = state.loaded.tokenizer
+    model = _check_request(state, body, body.text_chars(), context.prompt_param)
+    tokenizer = model.loaded.tokenizer
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        message = f"model {state.model_name} has no chat template; use /v1/completions"
+        message = f"model {model.name} has no chat template; use /v1/completions"
         raise APIError.invalid(message)
-    tools = _tools_shown(state, body)
+    tools = _tools_shown(model, body)
     messages = [m.template_entry(_template_role(m.role)) for m in body.messages]
     try:
         messages = to_template_messages(messages)
@@ -106,11 +108,11 @@ def prepare_chat(
         message = f"the chat template rejected these messages: {error}"
         raise APIError.invalid(message, "messages") from error
     max_tokens = body.max_completion_tokens or body.max_tokens
-    prepared = _prepare(state, context, body, token_ids, spans, max_tokens)
+    prepared = _prepare(state, model, context, body, token_ids, spans, max_tokens)
     return replace(prepared, tool_calls=tools is not None)
 
 
-def _tools_shown(state: GatewayState, body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+def _tools_shown(model: ServedModel, body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tools the template shows the model: none without `tools` or with tool_choice
     "none" (the answer may not call one). A template that cannot show tools is a 400, as are
     tool turns it could not render."""
@@ -118,8 +120,8 @@ def _tools_shown(state: GatewayState, body: ChatCompletionRequest) -> list[dict[
         raise APIError.invalid("tool_choice needs tools", "tool_choice")
     tool_turns = any(m.tool_calls or m.role == "tool" for m in body.messages)
     shown = bool(body.tools) and body.tool_choice != "none"
-    if (shown or tool_turns) and not template_supports_tools(state.loaded.tokenizer):
-        message = f"model {state.model_name}'s chat template does not support tools"
+    if (shown or tool_turns) and not template_supports_tools(model.loaded.tokenizer):
+        message = f"model {model.name}'s chat template does not support tools"
         raise APIError.invalid(message, "tools" if shown else "messages")
     return body.tool_dicts() if shown else None
 
@@ -128,13 +130,13 @@ def prepare_completion(
     state: GatewayState, body: CompletionRequest, context: RequestContext
 ) -> Prepared:
     """A text completion request: one prompt, as text or as token ids."""
-    _check_request(state, body, body.text_chars(), context.prompt_param)
+    model = _check_request(state, body, body.text_chars(), context.prompt_param)
     prompt: Any = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             raise APIError.invalid("only one prompt per request is supported", "prompt")
         prompt = prompt[0]
-    tokenizer = state.loaded.tokenizer
+    tokenizer = model.loaded.tokenizer
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError.invalid("this model takes token ids only", "prompt")
@@ -144,7 +146,7 @@ def prepare_completion(
     if not token_ids:  # the planner cannot plan an empty prompt
         raise APIError.invalid("the prompt is empty", "prompt")
     max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-    prepared = _prepare(state, context, body, token_ids, [], max_tokens)
+    prepared = _prepare(state, model, context, body, token_ids, [], max_tokens)
     if not body.echo:
         return prepared
     if not isinstance(prompt, str):
@@ -154,23 +156,27 @@ def prepare_completion(
 
 def _check_request(
     state: GatewayState, body: SamplingFields, text_chars: int, prompt_param: str
-) -> None:
-    """Refuse what cannot be served before any template or tokenizer runs over its text."""
-    if body.model != state.model_name:
+) -> ServedModel:
+    """The model the request names; refuse what cannot be served before any template or
+    tokenizer runs over its text."""
+    model = state.models.get(body.model)
+    if model is None:
         raise APIError.model_not_found(body.model)
     if body.n > state.settings.max_choices:
         raise APIError.invalid(f"n may be at most {state.settings.max_choices}", "n")
     if body.stream_options is not None and not body.stream:
         message = "stream_options is only allowed with stream=true"
         raise APIError.invalid(message, "stream_options")
-    limit = state.settings.max_prompt_chars or 16 * state.max_prompt_tokens
+    limit = state.settings.max_prompt_chars or 16 * model.max_prompt_tokens
     if text_chars > limit:
         message = f"the prompt has {text_chars} characters; the limit is {limit}"
         raise APIError.invalid(message, prompt_param, "context_length_exceeded")
+    return model
 
 
 def _prepare(
     state: GatewayState,
+    model: ServedModel,
     context: RequestContext,
     body: SamplingFields,
     token_ids: list[int],
@@ -179,9 +185,9 @@ def _prepare(
 ) -> Prepared:
     """Check the prompt's length, plan its scopes and build the engine request."""
     prompt_tokens = len(token_ids)
-    context_length = state.engine.max_model_len
-    if prompt_tokens > state.max_prompt_tokens or prompt_tokens >= context_length:
-        limit = min(state.max_prompt_tokens, context_length - 1)
+    context_length = model.engine.max_model_len
+    if prompt_tokens > model.max_prompt_tokens or prompt_tokens >= context_length:
+        limit = min(model.max_prompt_tokens, context_length - 1)
         message = f"the prompt has {prompt_tokens} tokens; the limit is {limit}"
         raise APIError.invalid(message, context.prompt_param, "context_length_exceeded")
     caller, tenant = context.caller, context.caller.tenant
@@ -198,10 +204,10 @@ def _prepare(
     sampling = _sampling(state, body, max_tokens, room)
     user = user_scope_id(body.user, context.header_user, caller)
     with state.tracer.start_as_current_span("policy"):
-        plan = state.sharing.current.plan(
+        plan = model.sharing.current.plan(
             PlanSubject(caller.tenant_id, user),
             TenantPolicy(tenant.sharing_mode, tenant.may_use_public_prefixes),
-            state.model_name,
+            model.name,
             token_ids,
             spans,
         )
@@ -212,7 +218,7 @@ def _prepare(
             message = "stop cannot be combined with a response_format or a forced tool_choice"
             raise APIError.invalid(message, "stop")
         with state.tracer.start_as_current_span("grammar"):
-            grammar = _compile_grammar(state, forced)
+            grammar = _compile_grammar(model, forced)
     request = GenerationRequest(
         request_id=request_id,
         tenant_id=caller.tenant_id,
@@ -230,7 +236,7 @@ def _prepare(
     settlement.details.update(
         user_hash=user_hash(state, caller.tenant_id, user), **scope_summary(plan)
     )
-    return Prepared(context, request, plan, body.stream, body.include_usage)
+    return Prepared(context, model, request, plan, body.stream, body.include_usage)
 
 
 def _sampling(
@@ -286,13 +292,13 @@ def _forced_format(body: SamplingFields) -> ResponseFormat | str | None:
         raise from_engine_error(error) from None
 
 
-def _compile_grammar(state: GatewayState, wanted: ResponseFormat | str) -> Any:
+def _compile_grammar(model: ServedModel, wanted: ResponseFormat | str) -> Any:
     """A response format or a tool call grammar compiled for the model (on this preparation
     thread, never the engine's); what it cannot enforce is a 400 naming what."""
     try:
         if isinstance(wanted, str):
-            return state.engine.grammars.compile_ebnf(wanted)
-        return state.engine.grammars.compile(wanted)
+            return model.engine.grammars.compile_ebnf(wanted)
+        return model.engine.grammars.compile(wanted)
     except (InvalidRequest, EngineOverloaded) as error:
         raise from_engine_error(error) from None
 

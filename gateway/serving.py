@@ -56,7 +56,7 @@ async def respond(state: GatewayState, prepared: Prepared, http_request: Request
     except APIError as error:
         _conclude(state, prepared, "rejected", error=error)
         raise
-    stream = state.engine.generate(prepared.request)
+    stream = prepared.model.engine.generate(prepared.request)
     try:
         first = await _first_delta(state, prepared, stream, http_request)
     except APIError as error:
@@ -186,7 +186,8 @@ async def _complete(
     usage = choices.usage(len(prepared.request.prompt_token_ids))
     _conclude(state, prepared, "success", usage, last=choices.last)
     headers = _server_timing(http_request, choices.last)
-    build = partial(completion_body, state.loaded.tokenizer, state.model_name, prepared, choices)
+    model = prepared.model
+    build = partial(completion_body, model.loaded.tokenizer, model.name, prepared, choices)
 
     def render() -> JSONResponse:
         return JSONResponse(build(usage), headers=headers)
@@ -213,9 +214,9 @@ async def _events(
     first: GenerationDelta,
     stream: AsyncIterator[GenerationDelta],
 ) -> AsyncIterator[dict[str, Any]]:
-    model, response_id, created = state.model_name, prepared.response_id, prepared.created
+    model, response_id, created = prepared.model.name, prepared.response_id, prepared.created
     chat = prepared.context.endpoint == "chat"
-    tokenizer = state.loaded.tokenizer
+    tokenizer = prepared.model.loaded.tokenizer
     wants_logprobs = prepared.request.sampling.logprobs is not None
     n = prepared.request.n
     # Per choice: where its next token's text starts, for completions' text_offset.

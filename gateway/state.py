@@ -9,7 +9,6 @@ from functools import cached_property
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 
-from engine.model_loader import LoadedModel
 from gateway.admin.throttle import LoginThrottle, SlidingWindow
 from gateway.admin.tokens import AdminTokens
 from gateway.audit_queue import AuditQueue
@@ -17,8 +16,8 @@ from gateway.auth import KeyAuthenticator
 from gateway.limits.limiter import Limiter
 from gateway.metrics import GatewayMetrics
 from gateway.peers import Peers
+from gateway.served_models import ServedModels
 from gateway.settings import Settings
-from gateway.sharing import SharingPolicyHolder
 from gateway.tenancy_sync import TenancySync
 from gateway.usage_history import UsageHistory
 from gateway.workers.remote_engine import ServingEngine
@@ -31,11 +30,9 @@ class GatewayState:
     """What the app's lifespan builds once and every request reads."""
 
     settings: Settings
-    loaded: LoadedModel
     engine: ServingEngine  # in this process, or engine workers behind a router
+    models: ServedModels  # what clients may name in `model`, each with its tokenizer and policy
     store: Store
-    model_name: str
-    sharing: SharingPolicyHolder
     auth: KeyAuthenticator
     tenancy_sync: TenancySync
     tenancy_listener: ChangeListener  # tenancy changes notified at once (PostgreSQL)
@@ -44,7 +41,6 @@ class GatewayState:
     metrics: GatewayMetrics
     tracer_provider: TracerProvider
     audit: AuditQueue
-    max_prompt_tokens: int
     prepare_slots: asyncio.Semaphore  # requests being templated and tokenized at once
     admin_tokens: AdminTokens
     login_throttle: LoginThrottle

@@ -1,9 +1,12 @@
 """Keeps a running gateway in step with tenancy changes made anywhere (CLI, other replicas).
 
-Every second (`tenancy_poll_s`) the gateway reads the database's change counter, one
-single-row read. When it moved, cached key checks are dropped (so a revoked key, a suspended
-tenant or changed limits apply to the next request), changed cache quotas go to the engine at
-once, and a deleted tenant's cached KV blocks are purged (dropped and zeroed).
+The gateway reads the database's change counter, one single-row read, whenever PostgreSQL
+notifies it of a committed change (tenancy/changes.py) and every `tenancy_poll_s` (1 s) in any
+case. When it moved, cached key checks are dropped (so a revoked key, a suspended tenant or
+changed limits apply to the next request), changed cache quotas go to the engine at once, and
+a deleted tenant's cached KV blocks are purged (dropped and zeroed). A routing gateway also
+hands its workers' keeper (`fleet`) the database's whole view, every budget and every deleted
+tenant, which is what a worker that missed a change is given when it comes back.
 """
 
 from __future__ import annotations
@@ -12,9 +15,10 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from engine.budget import TenantBudget
+from engine.budget import Owner, TenantBudget
 from gateway.auth import KeyAuthenticator
 from gateway.usage_history import UsageHistory
+from gateway.workers.membership import WorkerSet
 from gateway.workers.remote_engine import ServingEngine
 from tenancy import changes
 from tenancy.changes import TenantRow
@@ -29,6 +33,7 @@ class TenancySync:
     engine: ServingEngine
     auth: KeyAuthenticator
     usage: UsageHistory | None = None  # a deleted tenant's live usage is forgotten too
+    fleet: WorkerSet | None = None  # a routing gateway's workers
     seq: int | None = None
     tenants: dict[str, TenantRow] = field(default_factory=dict)
     # The background poll and an admin call's own poll (after its change) may overlap.
@@ -51,6 +56,12 @@ class TenancySync:
         first, self.seq = self.seq is None, seq
         previous, self.tenants = self.tenants, tenants
         self.auth.forget_all()
+        if self.fleet is not None:
+            budgets: dict[Owner, TenantBudget] = {
+                row.tenant_id: _budget(row) for row in tenants.values() if row.status != "deleted"
+            }
+            deleted = frozenset(t for t, row in tenants.items() if row.status == "deleted")
+            self.fleet.know_tenants(budgets, deleted)
         if first:  # the engine learns budgets from requests until something changes
             return True
         for tenant_id, row in tenants.items():

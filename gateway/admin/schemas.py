@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import uuid
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 from pydantic import (
     AfterValidator,
@@ -149,16 +149,22 @@ class WorkerCache(BaseModel):
     """One tenant's blocks on one engine worker (the quota holds on each worker)."""
 
     worker: str
+    model: str | None = Field(description="The model it serves (null: not known yet)")
     active_blocks: int
     cached_blocks: int
     quota_blocks: int
 
 
-class CacheUsage(BaseModel):
-    """One tenant's blocks in the engine now, and its running totals since the server started.
+def unseen_owner(quota_blocks: int, reserved_blocks: int) -> OwnerStats:
+    """The stats of a tenant the engine has not seen yet: nothing held, its own budget."""
+    return OwnerStats(0, 0, reserved_blocks=reserved_blocks, quota_blocks=quota_blocks)
 
-    Behind a routing gateway these are summed over the engine workers (so is the quota, which
-    holds on each), and `workers` lists each worker's share.
+
+class PoolBlocks(BaseModel):
+    """One owner's blocks in one model's KV pool now, and its running totals there.
+
+    Behind a routing gateway these are summed over the pool's workers (so is the quota, which
+    holds on each).
     """
 
     active_blocks: int
@@ -167,26 +173,56 @@ class CacheUsage(BaseModel):
     quota_blocks: int
     prompt_tokens: int
     cached_tokens: int
-    hit_ratio: float
+    hit_ratio: float = Field(description="Cached tokens over prompt tokens (0 without prompts)")
+
+    @classmethod
+    def of(cls, stats: OwnerStats, **identity: object) -> Self:
+        """From the engine's stats of the owner, with the fields that say whose they are."""
+        counters = stats.counters
+        return cls.model_validate(
+            {
+                "active_blocks": stats.active_blocks,
+                "cached_blocks": stats.cached_blocks,
+                "reserved_blocks": stats.reserved_blocks,
+                "quota_blocks": stats.quota_blocks,
+                "prompt_tokens": counters.prompt_tokens,
+                "cached_tokens": counters.cached_tokens,
+                "hit_ratio": counters.reuse,
+                **identity,
+            }
+        )
+
+
+class PoolUsage(PoolBlocks):
+    """One tenant's blocks in the pool of one model (its quota holds in each pool)."""
+
+    model: str
+
+
+class CacheUsage(PoolBlocks):
+    """One tenant's blocks in the engine now, and its running totals since the server started.
+
+    Behind a routing gateway these are summed over the engine workers (so is the quota, which
+    holds on each), and `workers` lists each worker's share. `pools` splits the same figures by
+    model: a tenant's quota and reservation hold separately in each model's pool.
+    """
+
     evicted_own_blocks: int
     evicted_pressure_blocks: int
     purged_blocks: int
     workers: list[WorkerCache] = []
+    pools: list[PoolUsage] = []
 
     @classmethod
-    def of(cls, stats: OwnerStats | None, quota_blocks: int, reserved_blocks: int) -> CacheUsage:
+    def of_tenant(
+        cls, stats: OwnerStats | None, quota_blocks: int, reserved_blocks: int
+    ) -> CacheUsage:
         """From the engine's stats (None: the engine has not seen the tenant yet)."""
         if stats is None:
-            stats = OwnerStats(0, 0, reserved_blocks=reserved_blocks, quota_blocks=quota_blocks)
+            stats = unseen_owner(quota_blocks, reserved_blocks)
         counters = stats.counters
-        return cls(
-            active_blocks=stats.active_blocks,
-            cached_blocks=stats.cached_blocks,
-            reserved_blocks=stats.reserved_blocks,
-            quota_blocks=stats.quota_blocks,
-            prompt_tokens=counters.prompt_tokens,
-            cached_tokens=counters.cached_tokens,
-            hit_ratio=counters.reuse,
+        return cls.of(
+            stats,
             evicted_own_blocks=counters.evicted_own_blocks,
             evicted_pressure_blocks=counters.evicted_pressure_blocks,
             purged_blocks=counters.purged_blocks,
@@ -268,3 +304,58 @@ class CallerOut(BaseModel):
     tenant_id: uuid.UUID | None
     actor_type: str
     actor_id: str
+
+
+class PoolOwner(PoolBlocks):
+    """An owner of blocks in one pool: a tenant, or the public budget (shared prefixes)."""
+
+    owner: str = Field(description='The tenant\'s id, or "public" for the public budget')
+    tenant_id: uuid.UUID | None = Field(description="Null for the public budget")
+    slug: str | None = Field(
+        description="The tenant's slug; null for the public budget and for an owner that is "
+        "no live tenant (deleted since)"
+    )
+
+
+class PoolWorker(BaseModel):
+    """One engine worker as the gateway sees it (admins only: addresses are infrastructure)."""
+
+    url: str
+    up: bool = Field(description="In routing now")
+    in_flight: int = Field(description="This gateway's requests on it now")
+    load: int = Field(description="Sequences in flight there at its last poll (every gateway's)")
+    cached_keys: int = Field(description="Block keys it has published to this gateway")
+    last_error: str | None = Field(
+        description="Why it was last taken out of routing, even if it is back (null: never)"
+    )
+
+
+class PoolOut(BaseModel):
+    """One model's KV pool: its workers, its size and each owner's blocks in it."""
+
+    model: str
+    served: bool = Field(description="Whether requests for this model are served now")
+    total_blocks: int | None = Field(
+        description="Blocks of the pool, summed over its workers (null: none answers)"
+    )
+    free_blocks: int | None = Field(
+        description="Blocks free now (null: no worker answers, or the caller is a tenant-admin)"
+    )
+    workers: list[PoolWorker] | None = Field(
+        description="Its engine workers (empty: the engine is in the gateway's process); null "
+        "for a tenant-admin"
+    )
+    owners: list[PoolOwner] = Field(
+        description="The public budget first, then the tenants that hold or reserve blocks here "
+        "or have sent prompts, by slug; a tenant-admin gets its own tenant's row only"
+    )
+
+
+class PoolsOut(BaseModel):
+    """Every model's KV pool this gateway serves from, as the caller may see it."""
+
+    pools: list[PoolOut] = Field(description="By model name")
+    workers_without_model: list[PoolWorker] | None = Field(
+        description="Workers that have not said which model they serve (none has answered "
+        "yet); null for a tenant-admin"
+    )

@@ -93,16 +93,14 @@ def serve(
 
 def _wait_for_a_worker(settings: Any) -> None:
     """Before anything starts: a worker answers (with the secret), or one line says why not."""
-    from engine.model_loader import embedded_model_dir, fingerprint
     from gateway.workers.membership import WorkerSet
 
-    model_dir = settings.model_dir or embedded_model_dir()
     probe = WorkerSet(
         settings.workers,
         settings.worker_secret.get_secret_value(),
         settings.worker_poll_s,
         settings.worker_timeout_s,
-        fingerprint(model_dir),
+        load_models=False,
     )
     probe.start()
     try:
@@ -169,4 +167,5 @@ def _create_demo_tenant(state: Any) -> None:
     )  # fmt: skip
     url = f"http://{state.settings.host}:{state.settings.port}/v1"
     typer.echo(f"demo tenant created; its API key (shown only now):\n  {created.secret}")
-    typer.echo(f"try: OPENAI_BASE_URL={url} OPENAI_API_KEY=<key> with model {state.model_name}")
+    models = " or ".join(state.models.names())
+    typer.echo(f"try: OPENAI_BASE_URL={url} OPENAI_API_KEY=<key> with model {models}")

@@ -21,17 +21,24 @@ def worker(
     model: Annotated[
         Path | None, typer.Option(help="A local model directory (default: embedded SmolLM2).")
     ] = None,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option(help="The model id clients send for it (default: the directory's name)."),
+    ] = None,
 ) -> None:
     """Serve one engine to gateways (needs PREFIXGATE_WORKER_SECRET; no database).
 
-    Gateways started with `--workers` (or PREFIXGATE_WORKERS) route requests here. The
-    worker API is internal: never expose it to clients.
+    Gateways started with `--workers` (or PREFIXGATE_WORKERS) route requests here, for the
+    model it announces; workers of several models may serve one gateway. The worker API is
+    internal: never expose it to clients.
     """
     import uvicorn
 
     from gateway.workers.worker_app import create_worker_app
 
-    overrides: dict[str, Any] = {"host": host, "port": port, "model_dir": model}
+    overrides: dict[str, Any] = {
+        "host": host, "port": port, "model_dir": model, "served_model_name": served_model_name,
+    }  # fmt: skip
     settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
     if settings.worker_secret is None:
         fail("a worker needs PREFIXGATE_WORKER_SECRET, the secret its gateways share")

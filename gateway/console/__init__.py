@@ -2,10 +2,11 @@
 
 Operators log in with their username and password and work through plain HTML forms: tenants
 (quota bars, hit ratios, a live usage chart), their keys, limits and cache quotas, public
-prefixes, operator accounts and the audit log. The console owns no rules of its own: every
-read and every change is a call to the admin API's route functions
-(`gateway/api/routes/admin/`), so validation, audit events and effects on the engine have one
-home, and the console shows their answers and their errors as pages.
+prefixes, each model's KV pool (its workers, and who holds its blocks), operator accounts and
+the audit log. The console owns no rules of its own: every read and every change is a call to
+the admin API's route functions (`gateway/api/routes/admin/`), so validation, audit events and
+effects on the engine have one home, and the console shows their answers and their errors as
+pages.
 
 No front-end build and nothing from a CDN: templates and the few static files (a stylesheet,
 the chart's script, the new key's Copy button) ship in this package. `install_console` adds the
@@ -24,6 +25,7 @@ from gateway.console import (
     key_pages,
     login_pages,
     operator_pages,
+    pool_pages,
     prefix_pages,
     tenant_pages,
     usage_feed,
@@ -38,6 +40,7 @@ ROUTERS = [
     key_pages.router,
     usage_feed.router,
     prefix_pages.router,
+    pool_pages.router,
     operator_pages.router,
     audit_pages.router,
     form_urls.router,

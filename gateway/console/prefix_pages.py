@@ -94,10 +94,10 @@ def delete_prefix(
 
 
 def not_shared_because(prefix: PrefixOut, state: GatewayState) -> str | None:
-    """Why the prefix would share nothing here (another model, too short), or None."""
-    if prefix.model != state.model_name:
-        return "another model"
-    if prefix.blocks is not None and prefix.blocks < state.sharing.min_public_blocks:
+    """Why the prefix would share nothing here (a model not served, too short), or None."""
+    if prefix.tokens is None:
+        return "model not served"
+    if prefix.blocks is not None and prefix.blocks < state.models.min_public_blocks:
         return "too short"
     return None
 
@@ -121,10 +121,11 @@ def _unshared_notice(
     prefix = next((p for p in listed if str(p.id) == asked), None)
     if prefix is None:
         return Notice(f"Public prefix {verb}, but it will not be shared.", "warning")
-    minimum = state.sharing.min_public_blocks
+    minimum = state.models.min_public_blocks
     name = f"{prefix.namespace} / {prefix.name}"
-    if prefix.model != state.model_name or prefix.tokens is None or prefix.blocks is None:
-        why = f"it is for {prefix.model}, and this gateway serves {state.model_name}"
+    if prefix.tokens is None or prefix.blocks is None:
+        served = ", ".join(state.models.names()) or "no model right now"
+        why = f"it is for {prefix.model}, and this gateway serves {served}"
     else:
         block_size = state.settings.block_size
         why = (
@@ -156,8 +157,8 @@ def _prefixes_page(
         prefixes=[(prefix, not_shared_because(prefix, state)) for prefix in listed],
         values=values,
         errors=errors or FormErrors(),
-        model_name=state.model_name,
-        min_public_blocks=state.sharing.min_public_blocks,
+        model_names=state.models.names(),
+        min_public_blocks=state.models.min_public_blocks,
         block_size=state.settings.block_size,
         notice=_unshared_notice(request, listed, state),
     )

@@ -16,15 +16,21 @@ from gateway.local_server import free_port, wait_until_ready
 
 
 @dataclass
-class LocalWorker:
+class ServerProcess:
+    """A `prefixgate` server (a worker, a gateway) in a process of its own: its URL and log."""
+
     process: subprocess.Popen[bytes]
     url: str
     log: Path
 
     def kill(self) -> None:
         """Die at once, as a crashed machine would (no drain, no goodbye)."""
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+
+LocalWorker = ServerProcess  # an engine worker
 
 
 @contextmanager
@@ -49,13 +55,18 @@ def worker_process(
         wait_until_ready(worker.url, process, log, start_timeout_s)
         yield worker
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(10)
+        stop(process)
+
+
+def stop(process: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
+    """Ask a server process to stop (SIGTERM: it finishes what it serves), then make it."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
 
 
 @contextmanager

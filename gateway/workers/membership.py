@@ -1,12 +1,20 @@
-"""The workers a gateway routes to: who they are, whether they answer, what they hold.
+"""The workers a gateway routes to: who they are, what they serve, whether they answer, what
+they hold.
 
 A thread polls every worker each `worker_poll_s`: it re-resolves `dns://` names (a headless
-Service lists one address per ready pod), reads each worker's load, cache statistics and the
-changes to its cached keys. A worker that fails a poll or a connection is out of routing at
-once, and back after its next good poll, which first gives it what it missed: every budget,
-and the purges and dropped public prefixes it could not be told about.
+Service lists one address per ready pod), reads each worker's model, load, cache statistics
+and the changes to its cached keys. A worker of a model this gateway has not met yet is first
+introduced to it (models.py). A worker that fails a poll or a connection is out of routing at
+once, and back after its next good poll, which first gives it what it missed.
 
-Workers hold no tenant state of their own, so every admin action goes to every worker.
+Workers hold no tenant state of their own, so every admin action goes to every worker. What a
+worker must hold is never remembered by one gateway alone: it is the database's (`know_tenants`,
+from the gateway's tenancy sync): every tenant's budget, and the tenants that were deleted. A
+worker that comes back (to this gateway, or to a gateway that restarted meanwhile) gets every
+budget, and a purge of every deleted tenant it still holds blocks of, before it is routed to;
+and every poll purges a deleted tenant whose blocks a worker reports, however they got there.
+Only a withdrawn public prefix a worker missed is remembered here, in memory: its blocks can no
+longer be matched by anyone (no plan marks that text public any more) and age out of the cache.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import httpx
 from engine.budget import Owner, TenantBudget
 from engine.cache_stats import CacheStats
 from gateway.workers import wire
+from gateway.workers.models import ModelCatalog
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +101,8 @@ class Worker:
     lost: bool = True  # its last poll or admin call failed (or none has succeeded yet)
     silent: bool = False  # ... because it answered nothing in time: a hung machine
     epoch: str | None = None
+    model: str = ""  # the name clients ask for, as the worker announces it
+    fingerprint: str = ""  # its weights, tokenizer and config (engine/model_loader.py)
     seq: int = 0
     keys: set[str] = field(default_factory=set)
     pending: dict[str, float] = field(default_factory=dict)  # key -> when it stops counting
@@ -101,7 +112,7 @@ class Worker:
     free_blocks: int = 0
     stats: CacheStats | None = None
     state: dict[str, Any] = field(default_factory=dict)
-    missed: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # admin actions
+    missed: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # withdrawn prefixes
     resync: bool = True  # budgets must be pushed before it is routable
     last_error: str = ""  # why it was last taken out of routing
     unlisted_since: float | None = None  # when discovery stopped naming it
@@ -141,20 +152,24 @@ class WorkerSet:
         secret: str,
         poll_s: float,
         timeout_s: float,
-        model_fingerprint: str | None = None,
+        load_models: bool = True,
     ) -> None:
+        """`load_models=False` only checks that workers answer (a probe before start-up)."""
         for spec in specs:
             parse_worker_spec(spec)
         self._specs = specs
-        # The gateway tokenizes for this model: a worker serving another one is never routed to.
-        self._model = model_fingerprint
         self._poll_s = poll_s
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
         self.workers: dict[str, Worker] = {}
+        # What every worker must hold, as the database said last (`know_tenants`).
         self._budgets: dict[Owner, TenantBudget] = {}
+        self._deleted: frozenset[str] = frozenset()
+        self._tenants_known = False
+        self.version = 0  # moves whenever what a poll or a failure told of a worker changes
         self.headers = {"Authorization": f"Bearer {secret}"}
         self._client = httpx.Client(headers=self.headers, timeout=timeout_s)
+        self.models = ModelCatalog(self._client) if load_models else None
         self._pollers = ThreadPoolExecutor(_POLLERS, thread_name_prefix="prefixgate-poll")
         self._resolved: dict[str, list[str]] = {}  # the last good answer for each spec
         self._changes = 0  # admin changes so far, so a catch-up can tell it missed none
@@ -176,6 +191,8 @@ class WorkerSet:
             self._thread.join(self.timeout_s + self._poll_s)
         self._pollers.shutdown(wait=True)
         self._client.close()
+        if self.models is not None:
+            self.models.close()
 
     def wait_for_any(self, timeout_s: float) -> bool:
         """Whether a worker answered within `timeout_s`."""
@@ -230,6 +247,10 @@ class WorkerSet:
             todo = [w for w in self.workers.values() if w.unlisted_since is None or w.in_flight]
         # Side by side: a worker that hangs until the timeout delays no other's poll.
         list(self._pollers.map(self._poll, todo))
+        if self.models is not None:
+            with self.lock:
+                served = {worker.fingerprint for worker in self.workers.values()}
+            self.models.forget_except(served)
         with self.changed:
             self.changed.notify_all()
 
@@ -246,18 +267,22 @@ class WorkerSet:
             keys = state["keys"]
             epoch, seq, full = str(keys["epoch"]), int(keys["seq"]), bool(keys["full"])
             added, removed = list(keys["added"]), list(keys["removed"])
-            model = str(state["fingerprint"])
+            name, fingerprint = str(state["model"]), str(state["fingerprint"])
         except httpx.TimeoutException as error:
             self.mark_down(worker, f"poll got no answer: {error!r}", silent=True)
             return
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
             self.mark_down(worker, f"poll failed: {error!r}")
             return
-        if self._model is not None and model != self._model:
-            name = state.get("describe", {}).get("model")
-            self.mark_down(worker, f"it serves another model ({name}) than this gateway")
-            return
+        if self.models is not None:
+            refused = self.models.adopt(worker.url, name, fingerprint)
+            if refused is not None:
+                self.mark_down(worker, refused)
+                return
         with self.lock:
+            if worker.fingerprint and fingerprint != worker.fingerprint:
+                self._take_out(worker, "it serves another model now")  # restarted as another
+            worker.model, worker.fingerprint = name, fingerprint
             if full or epoch != worker.epoch:
                 worker.keys = set(added)
             else:
@@ -275,21 +300,49 @@ class WorkerSet:
             worker.free_blocks = stats.free_blocks
             worker.stats = stats
             worker.state = state
-            if not worker.resync:
+            self.version += 1
+            held_deleted = self._deleted_held(worker)
+            resync = worker.resync
+            if not resync:
                 self._set_up(worker, ready)
-                return
-        self._catch_up(worker, ready)
+        if resync:
+            self._catch_up(worker, ready)
+        elif held_deleted:  # however they got there: a deleted tenant's blocks go at once
+            self._purge_deleted(worker, held_deleted)
+
+    def _deleted_held(self, worker: Worker) -> list[str]:
+        """Deleted tenants the worker reports blocks of (locked)."""
+        if worker.stats is None or not self._deleted:
+            return []
+        return [
+            owner
+            for owner, held in worker.stats.owners.items()
+            if isinstance(owner, str)
+            and owner in self._deleted
+            and held.active_blocks + held.cached_blocks
+        ]
+
+    def _purge_deleted(self, worker: Worker, tenant_ids: list[str]) -> None:
+        try:
+            for tenant_id in tenant_ids:
+                purged = self._post(worker, "purge", {"tenant_id": tenant_id}).get("blocks", 0)
+                logger.info("purged %s blocks of deleted tenant %s on %s", purged, tenant_id,
+                            worker.url)  # fmt: skip
+        except (httpx.HTTPError, ValueError) as error:
+            self.mark_down(worker, f"could not purge a deleted tenant: {error!r}")
 
     def _catch_up(self, worker: Worker, ready: bool) -> None:
-        """Give a worker that was away every budget and each action it missed, then let it
-        into routing; again if an admin change arrived meanwhile (none is ever lost)."""
+        """Give a worker that was away every budget, a purge of each deleted tenant it holds
+        blocks of and the withdrawn prefixes it missed, then let it into routing; again if an
+        admin change arrived meanwhile (none is ever lost)."""
         while True:
             with self.lock:
                 seen = self._changes
                 budgets = dict(self._budgets)
+                purges = [("purge", {"tenant_id": t}) for t in self._deleted_held(worker)]
                 missed = list(worker.missed)
             try:
-                for path, body in [("budgets", _budgets_body(budgets)), *missed]:
+                for path, body in [("budgets", _budgets_body(budgets)), *purges, *missed]:
                     try:
                         self._post(worker, path, body)
                     except WorkerRefused as error:  # the worker is fine; the change is not
@@ -309,6 +362,7 @@ class WorkerSet:
         up = ready and worker.unlisted_since is None
         if up and not worker.up:
             logger.info("worker %s is up", worker.url)
+            worker.last_error = ""  # it answers again: the reason it was out is past
         worker.up = up
 
     def mark_down(self, worker: Worker, why: str, silent: bool = False) -> None:
@@ -321,6 +375,7 @@ class WorkerSet:
         """`mark_down` under the lock already held."""
         self._take_out(worker, why)
         worker.lost = True
+        self.version += 1
         worker.silent = worker.silent or silent  # a successful poll clears it
 
     def _take_out(self, worker: Worker, why: str) -> None:
@@ -333,6 +388,19 @@ class WorkerSet:
 
     # -- admin actions, on every worker -------------------------------------------------------
 
+    def know_tenants(self, budgets: dict[Owner, TenantBudget], deleted: frozenset[str]) -> None:
+        """What every worker must hold, as the database says now (called by the gateway's
+        tenancy sync whenever tenancy changed, and once at start). The first time, every
+        worker is given it at its next poll (it stays in routing meanwhile: each request
+        carries its own tenant's budget)."""
+        with self.lock:
+            self._budgets, self._deleted = dict(budgets), deleted
+            if not self._tenants_known:
+                self._tenants_known = True
+                self._changes += 1
+                for worker in self.workers.values():
+                    worker.resync = True
+
     def set_budget(self, owner: Owner, budget: TenantBudget) -> int:
         with self.lock:
             self._budgets[owner] = budget
@@ -340,20 +408,30 @@ class WorkerSet:
         return self._everywhere("budgets", _budgets_body({owner: budget}), remember=False)
 
     def purge(self, tenant_id: str) -> int:
-        return self._everywhere("purge", {"tenant_id": tenant_id}, remember=True)
+        """Purge a tenant everywhere (a worker away now is purged when it catches up, as long as
+        the database says the tenant is deleted)."""
+        return self._everywhere("purge", {"tenant_id": tenant_id}, remember=False)
 
-    def drop_public_prefix(self, namespace: str, token_ids: list[int]) -> int:
+    def drop_public_prefix(
+        self, namespace: str, token_ids: list[int], fingerprint: str | None = None
+    ) -> int:
+        """Drop a withdrawn prefix's public blocks on the workers of one model (all: None)."""
         body = {"namespace": namespace, "token_ids": token_ids}
-        return self._everywhere("drop-public-prefix", body, remember=True)
+        return self._everywhere("drop-public-prefix", body, remember=True, fingerprint=fingerprint)
 
-    def _everywhere(self, path: str, body: dict[str, Any], remember: bool) -> int:
-        """Send an action to every worker that answers and has caught up (draining ones too);
-        the blocks it freed, summed. Any other worker gets it when it catches up (a budget is
-        always resent then), and is out of routing until it has."""
+    def _everywhere(
+        self, path: str, body: dict[str, Any], remember: bool, fingerprint: str | None = None
+    ) -> int:
+        """Send an action to every worker (of `fingerprint`'s model, if given) that answers and
+        has caught up (draining ones too); the blocks it freed, summed. Any other worker gets
+        it when it catches up (a budget and a deleted tenant's purge come from the database's
+        view then; `remember` keeps other actions for it), and is out of routing until then."""
         with self.lock:
             self._changes += 1
             workers = []
             for worker in self.workers.values():
+                if fingerprint is not None and worker.fingerprint not in ("", fingerprint):
+                    continue
                 if not worker.lost and not worker.resync and worker.unlisted_since is None:
                     workers.append(worker)
                 else:

@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import json
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
@@ -38,6 +39,7 @@ from engine.model_loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest
 from gateway.workers import routing, wire
 from gateway.workers.membership import PENDING_KEYS_S, Worker, WorkerSet
+from gateway.workers.models import ModelCatalog
 
 # How often a stream waiting on a worker checks that the worker still answers its polls.
 _LIVENESS_CHECK_S = 1.0
@@ -57,17 +59,19 @@ class NoWorker(Exception):
 
 
 class RemotePool:
-    """What the gateway reads of "the pool": the KV layout, and the blocks a quota may use.
+    """What the gateway reads of "the pool" of some workers (one model's, or all): the KV
+    layout, and the blocks a quota may use.
 
-    A quota holds on every worker, so the blocks it can use are the smallest worker's pool.
+    A quota holds in each worker's pool, so the blocks it can use are the smallest worker's.
+    Across models the layout is the one with the largest blocks (the most a block can weigh).
     """
 
-    def __init__(self, loaded: LoadedModel, workers: WorkerSet) -> None:
-        self._loaded = loaded
-        self._workers = workers
+    def __init__(self, engine: RemoteEngine, fingerprint: str | None = None) -> None:
+        self._engine = engine
+        self._fingerprint = fingerprint
 
     def _states(self) -> list[dict[str, Any]]:
-        return [s for s in self._workers.snapshot(lambda w: w.state if w.up else None) if s]
+        return [state for _, state in self._engine.routable_states(self._fingerprint)]
 
     @property
     def num_blocks(self) -> int:
@@ -76,14 +80,30 @@ class RemotePool:
 
     @property
     def spec(self) -> KVSpec:
-        import torch
+        specs = [
+            _spec(loaded, state)
+            for loaded, state in self._engine.routable_states(self._fingerprint)
+            if loaded is not None
+        ]
+        if not specs:  # nothing in routing: the layout of a model it knows, else a nominal one
+            known = self._engine.known_models(self._fingerprint)
+            return _spec(known[0], {}) if known else KVSpec(1, 1, 1, _dtype("float32"), 16)
+        return max(specs, key=lambda spec: spec.bytes_per_block)
 
-        states = self._states()
-        kv_dtype = states[0]["describe"]["kv_dtype"] if states else "float32"
-        block_size = int(states[0]["block_size"]) if states else 16
-        dtype = getattr(torch, kv_dtype if kv_dtype in _KV_DTYPES else "float32")
-        loaded = self._loaded
-        return KVSpec(loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, dtype, block_size)
+
+def _spec(loaded: LoadedModel, state: dict[str, Any]) -> KVSpec:
+    describe = state.get("describe", {})
+    block_size = int(state.get("block_size", 16))
+    return KVSpec(
+        loaded.num_layers, loaded.num_kv_heads, loaded.head_dim,
+        _dtype(str(describe.get("kv_dtype", "float32"))), block_size,
+    )  # fmt: skip
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return getattr(torch, name if name in _KV_DTYPES else "float32")
 
 
 class _Counters:
@@ -97,19 +117,56 @@ class _Counters:
         return sum(self._workers.snapshot(lambda w: int(w.state.get("preemptions", 0))))
 
 
-class RemoteEngine:
-    """Generation and administration over a set of engine workers."""
+class RemoteModel:
+    """One model as a routing gateway serves it: its shape and tokenizer, and its workers.
 
-    def __init__(self, loaded: LoadedModel, workers: WorkerSet, config: RoutingConfig) -> None:
+    It has the face the gateway's request path uses of an in-process engine (`generate`,
+    `max_model_len`, `grammars`, `pool`), so a request is prepared the same way whichever
+    serves it.
+    """
+
+    def __init__(self, engine: RemoteEngine, loaded: LoadedModel) -> None:
+        self._engine = engine
         self.loaded = loaded
-        self.workers = workers
-        self.config = config
-        self.pool = RemotePool(loaded, workers)
-        self.metrics = _Counters(workers)
+        self.name = loaded.name
+        self.fingerprint = loaded.fingerprint
         self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        self.pool = RemotePool(engine, loaded.fingerprint)
+
+    @property
+    def max_model_len(self) -> int:
+        """The shortest context among its workers in routing (its config's, with none)."""
+        lengths = [
+            int(state["max_model_len"])
+            for _, state in self._engine.routable_states(self.fingerprint)
+            if state.get("max_model_len")
+        ]
+        return min(lengths or [self.loaded.max_model_len])
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
+        return self._engine.generate(request, self.fingerprint)
+
+    def drop_public_prefix(self, namespace: str, token_ids: Any) -> int:
+        """Drop a withdrawn prefix's public blocks on this model's workers."""
+        return self._engine.drop_public_prefix(namespace, token_ids, self.fingerprint)
+
+
+class RemoteEngine:
+    """Generation and administration over a set of engine workers, of one model or several."""
+
+    def __init__(self, workers: WorkerSet, config: RoutingConfig) -> None:
+        assert workers.models is not None  # a routing gateway learns its models from workers
+        self.workers = workers
+        self.catalog: ModelCatalog = workers.models
+        self.config = config
+        self.pool = RemotePool(self)
+        self.metrics = _Counters(workers)
+        self._models: dict[tuple[str, str], RemoteModel] = {}  # by name and fingerprint
+        self._models_lock = threading.Lock()  # read by requests and admin calls, on threads
+        self._summed_at: tuple[int, tuple[CacheStats, dict[str, CacheStats]]] | None = None
+        self._summed_lock = threading.Lock()
         self._turns = itertools.count()
         self._client: httpx.AsyncClient | None = None
-        self.max_model_len = loaded.max_model_len
 
     def start(self, wait_s: float) -> RemoteEngine:
         """Start polling, and wait up to `wait_s` for a worker (`NoWorker` if none answers)."""
@@ -118,8 +175,6 @@ class RemoteEngine:
             why = self.workers.why_none()
             self.workers.stop()
             raise NoWorker(f"no engine worker answered within {wait_s:g} s ({why})")
-        lengths = self.workers.snapshot(lambda w: w.state.get("max_model_len") if w.up else None)
-        self.max_model_len = min([int(n) for n in lengths if n] or [self.max_model_len])
         return self
 
     @property
@@ -136,14 +191,69 @@ class RemoteEngine:
             await self._client.aclose()
             self._client = None
 
+    # -- models -------------------------------------------------------------------------------
+
+    def models(self) -> dict[str, RemoteModel]:
+        """Every model with a worker in routing, by name. A name served under two
+        fingerprints (a rolling update) is the one with more workers in routing (the one met
+        first when they are as many)."""
+        counts: dict[tuple[str, str], int] = {}
+        for row in self.workers.snapshot(lambda w: (w.model, w.fingerprint) if w.up else None):
+            if row is not None:
+                counts[row] = counts.get(row, 0) + 1
+        best: dict[str, tuple[int, int, str]] = {}
+        for (name, fingerprint), count in counts.items():
+            rank = (count, -self.catalog.met(fingerprint), fingerprint)
+            best[name] = max(best.get(name, (0, -(1 << 63), "")), rank)
+        with self._models_lock:
+            for key in [key for key in self._models if self.catalog.get(key[1]) is None]:
+                del self._models[key]  # no worker serves it any more
+        served: dict[str, RemoteModel] = {}
+        for name, (_, _, fingerprint) in sorted(best.items()):
+            model = self._model(name, fingerprint)
+            if model is not None:
+                served[name] = model
+        return served
+
+    def _model(self, name: str, fingerprint: str) -> RemoteModel | None:
+        with self._models_lock:
+            model = self._models.get((name, fingerprint))
+            if model is None:
+                loaded = self.catalog.get(fingerprint, name)
+                if loaded is None:
+                    return None
+                model = self._models[(name, fingerprint)] = RemoteModel(self, loaded)
+            return model
+
+    def routable_states(
+        self, fingerprint: str | None = None
+    ) -> list[tuple[LoadedModel | None, dict[str, Any]]]:
+        """The last state of each worker in routing (of one model, if given), with its model."""
+        rows = self.workers.snapshot(
+            lambda w: (
+                (w.fingerprint, w.state)
+                if w.up and w.state and fingerprint in (None, w.fingerprint)
+                else None
+            )
+        )
+        return [(self.catalog.get(fp), state) for fp, state in (row for row in rows if row)]
+
+    def known_models(self, fingerprint: str | None = None) -> list[LoadedModel]:
+        """Models this gateway has loaded (of one fingerprint, if given)."""
+        fingerprints = {fp for fp in self.workers.snapshot(lambda w: w.fingerprint) if fp}
+        found = [self.catalog.get(fp) for fp in sorted(fingerprints)]
+        return [m for m in found if m and fingerprint in (None, m.fingerprint)]
+
     # -- generation ---------------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]:
-        """Stream the request's deltas from the best worker that takes it."""
+    async def generate(
+        self, request: GenerationRequest, fingerprint: str
+    ) -> AsyncIterator[GenerationDelta]:
+        """Stream the request's deltas from the best worker of its model that takes it."""
         body = await asyncio.to_thread(wire.request_json, request)
         tried: set[str] = set()
         while True:
-            worker = self._pick(request, tried)
+            worker = self._pick(request, tried, fingerprint)
             tried.add(worker.url)
             stream = self._attempt(worker, body, request.n)
             try:
@@ -161,20 +271,28 @@ class RemoteEngine:
                     await stream.aclose()  # type: ignore[attr-defined]
             return
 
-    def _pick(self, request: GenerationRequest, tried: set[str]) -> Worker:
-        """The best worker not yet tried; the request's choices count as in flight there from
-        now, and its keys as held there (until the worker publishes them or `PENDING_KEYS_S`)."""
+    def _pick(self, request: GenerationRequest, tried: set[str], fingerprint: str) -> Worker:
+        """The best worker of the model not yet tried; the request's choices count as in
+        flight there from now, and its keys as held there (until the worker publishes them or
+        `PENDING_KEYS_S`). Workers of other models are never considered."""
         cache_aware = self.config.mode == "cache_aware"
         chains: dict[tuple[str, int], list[str]] = {}
         if cache_aware:  # hashed outside the lock: workers of one model share one chain
-            for chain in set(self.workers.snapshot(_chain_of)):
+            ours = self.workers.snapshot(
+                lambda w: _chain_of(w) if w.fingerprint == fingerprint else None
+            )
+            for chain in set(ours):
                 if chain is not None:
                     root, block_size = chain
                     keys = routing.request_keys(request, bytes.fromhex(root), block_size)
                     chains[chain] = keys
         now = time.monotonic()
         with self.workers.lock:
-            up = [w for w in self.workers.workers.values() if w.up and w.url not in tried]
+            up = [
+                w
+                for w in self.workers.workers.values()
+                if w.up and w.url not in tried and w.fingerprint == fingerprint
+            ]
             if not up:
                 raise errors.EngineOverloaded("no engine worker can take the request now")
             if not cache_aware:
@@ -289,20 +407,46 @@ class RemoteEngine:
     def purge_tenant(self, tenant_id: str) -> int:
         return self.workers.purge(tenant_id)
 
-    def drop_public_prefix(self, namespace: str, token_ids: Any) -> int:
-        return self.workers.drop_public_prefix(namespace, list(token_ids))
+    def drop_public_prefix(
+        self, namespace: str, token_ids: Any, fingerprint: str | None = None
+    ) -> int:
+        return self.workers.drop_public_prefix(namespace, list(token_ids), fingerprint)
 
     # -- what the gateway reads ---------------------------------------------------------------
 
     def worker_stats(self) -> dict[str, CacheStats]:
         """Each worker's cache statistics as of its last poll (those that answer, draining
         ones too: they still hold blocks)."""
-        rows = self.workers.snapshot(lambda w: None if w.lost else (w.url, w.stats))
-        return {url: stats for url, stats in (row for row in rows if row) if stats is not None}
+        return {url: stats for url, _, stats in self._answering()}
 
     def cache_stats(self) -> CacheStats:
         """The workers' caches summed: each tenant's blocks and quota over every worker."""
-        return total_stats(list(self.worker_stats().values()))
+        return self._summed()[0]
+
+    def _answering(self) -> list[tuple[str, str, CacheStats]]:
+        """(url, model, stats) of each worker that answers, as of the last poll."""
+        rows = self.workers.snapshot(
+            lambda w: None if w.lost or w.stats is None else (w.url, w.model, w.stats)
+        )
+        return [row for row in rows if row is not None]
+
+    def _summed(self) -> tuple[CacheStats, dict[str, CacheStats]]:
+        """Every worker's cache summed, and each model's: worked out once per change of what
+        the workers reported (an admin page asks for them once per tenant it shows)."""
+        with self._summed_lock:
+            version = self.workers.version
+            if self._summed_at is None or self._summed_at[0] != version:
+                answering = self._answering()
+                parts: dict[str, list[CacheStats]] = {}
+                for _, model, stats in answering:
+                    if model:
+                        parts.setdefault(model, []).append(stats)
+                summed = (
+                    total_stats([stats for _, _, stats in answering]),
+                    {model: total_stats(stats) for model, stats in sorted(parts.items())},
+                )
+                self._summed_at = (version, summed)
+            return self._summed_at[1]
 
     def queue_depth(self) -> tuple[int, int]:
         rows = self.workers.snapshot(
@@ -320,13 +464,14 @@ class RemoteEngine:
         return sum(rows)
 
     def worker_rows(self) -> list[dict[str, Any]]:
-        """Each worker that discovery names: address, whether it is in routing, its load."""
+        """Each worker that discovery names: address, model, whether it is in routing, load."""
         rows = self.workers.snapshot(
             lambda w: (
                 None
                 if w.unlisted_since is not None
                 else {
                     "url": w.url,
+                    "model": w.model or None,
                     "up": w.up,
                     "in_flight": w.in_flight,
                     "load": w.reported_load,
@@ -337,11 +482,15 @@ class RemoteEngine:
         )
         return [row for row in rows if row is not None]
 
+    def pool_stats(self) -> dict[str, CacheStats]:
+        """Each model's pool: its workers' caches summed (those that answer, draining too)."""
+        return self._summed()[1]
+
     def describe(self) -> dict[str, Any]:
         """What serves, for /readyz and the start-up log: counts, not the workers' addresses
         (/metrics names them; /readyz is public). The engine's choices (device, dtypes,
         kernels) are the value every worker in routing reports, or "mixed"; `kv_blocks` is
-        the first one's."""
+        the smallest pool's."""
         rows = self.worker_rows()
         described: list[dict[str, Any]] = [
             w.state.get("describe", {}) for w in self.workers.routable()
@@ -349,12 +498,12 @@ class RemoteEngine:
         choices = ("device", "dtype", "kv_dtype", "logits_dtype", "attention_backend",
                    "linear_kernel")  # fmt: skip
         return {
-            "model": self.loaded.name,
+            "models": sorted(self.models()),
             "routing": self.config.mode,
             "workers": len(rows),
             "workers_up": sum(1 for row in rows if row["up"]),
             **{key: _agreed(d.get(key) for d in described) for key in choices},
-            "kv_blocks": described[0].get("kv_blocks") if described else None,
+            "kv_blocks": self.pool.num_blocks or None,
         }
 
 

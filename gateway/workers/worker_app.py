@@ -8,8 +8,11 @@ prefixes to every worker.
 - `POST /internal/v1/generate`: a request (gateway/workers/wire.py) in, newline-delimited JSON
   out, one `{"delta": ...}` per delta and at most one `{"error": ...}`. A request the engine
   refuses at once gets a non-200 status with `{"error": ...}`, before anything streams.
-- `GET /internal/v1/state?epoch=E&since=S`: load, cache statistics and the cached keys that
-  changed since S (gateway/workers/key_log.py).
+- `GET /internal/v1/state?epoch=E&since=S`: the model it serves (name and fingerprint), load,
+  cache statistics and the cached keys that changed since S (gateway/workers/key_log.py).
+- `GET /internal/v1/model`: the served model's tokenizer and config files (no weights) and its
+  chat template, so that a gateway can serve a model it has no files of
+  (gateway/workers/models.py).
 - `POST /internal/v1/budgets`, `/purge`, `/drop-public-prefix`: the engine's admin actions.
 - `POST /internal/v1/drain`: take no new requests (503, so gateways route elsewhere); those
   in flight finish.
@@ -18,6 +21,7 @@ prefixes to every worker.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hmac
 import json
@@ -25,6 +29,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any
 
 import anyio
@@ -34,7 +39,7 @@ from starlette.concurrency import run_in_threadpool
 
 from engine import errors
 from engine.engine import Engine
-from engine.model_loader import LoadedModel
+from engine.model_loader import LoadedModel, shape_files
 from engine.openmp import on_passing_thread
 from engine.sampler import InvalidSampling
 from gateway.settings import Settings
@@ -65,10 +70,12 @@ def status_of(error: errors.EngineError) -> int:
 
 
 class WorkerState:
-    """The engine, its key log, and whether the worker still takes requests."""
+    """The engine, the name it is served under, its key log, and whether the worker still
+    takes requests."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine = engine
+        self.model_name = model_name
         self.keys = KeyLog(engine.cached_keys)
         self.draining = False
 
@@ -87,7 +94,7 @@ def create_worker_app(settings: Settings, loaded: LoadedModel | None = None) -> 
             on_passing_thread, lambda: start_engine(settings, loaded)
         )
         logger.info("worker engine: %s", engine.describe())
-        app.state.worker = WorkerState(engine)
+        app.state.worker = WorkerState(engine, settings.served_model_name or engine.loaded.name)
         try:
             yield
         finally:
@@ -160,6 +167,7 @@ def create_worker_app(settings: Settings, loaded: LoadedModel | None = None) -> 
         engine = state.engine
         return {
             "ready": engine.running and not state.draining,
+            "model": state.model_name,
             "root": engine.root_key.hex(),
             "fingerprint": engine.loaded.fingerprint,
             "block_size": engine.pool.spec.block_size,
@@ -177,6 +185,19 @@ def create_worker_app(settings: Settings, loaded: LoadedModel | None = None) -> 
                 "added": keys.added,
                 "removed": keys.removed,
             },
+        }
+
+    @app.get("/internal/v1/model", dependencies=guarded)
+    async def model(request: Request) -> dict[str, Any]:
+        state = worker(request)
+        loaded = state.engine.loaded
+        files = await run_in_threadpool(_shape_files, loaded.directory)
+        tokenizer = loaded.tokenizer
+        return {
+            "name": state.model_name,
+            "fingerprint": loaded.fingerprint,
+            "chat_template": getattr(tokenizer, "chat_template", None),
+            "files": files,
         }
 
     @app.post("/internal/v1/budgets", dependencies=guarded)
@@ -288,6 +309,14 @@ async def _lines(first: Any, stream: AsyncIterator[Any]) -> AsyncIterator[bytes]
     finally:  # shielded: the response's task group cancels every await once the gateway left
         with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
             await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _shape_files(directory: Path | None) -> dict[str, str]:
+    """The served model's tokenizer and config files, base64-encoded (none for a model built in
+    memory, which a gateway cannot serve from workers)."""
+    if directory is None:
+        return {}
+    return {name: base64.b64encode(data).decode() for name, data in shape_files(directory).items()}
 
 
 def _line(payload: dict[str, Any]) -> bytes:

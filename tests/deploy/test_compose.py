@@ -1,8 +1,9 @@
 """deploy/compose.yaml (and its GPU override): valid Compose files by the Compose
 Specification's own JSON schema (the copy check-jsonschema bundles; `docker compose config`
 needs the compose plugin, which this machine lacks), before and after interpolation, wired as
-the README says: migration first, workers only on an internal network, secrets from the env
-file and never written into the compose file."""
+the README says: migration first, workers and Redis only on internal networks that the
+gateways share, both gateways keeping their limits in that Redis, secrets from the env file and
+never written into the compose file."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.tools import DEPLOY, REPO, run
+from tests.deploy.tools import DEPLOY, REPO, redis_check_passes, run
 
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yaml"
 ENV_EXAMPLE = DEPLOY / "compose.env.example"
-PREFIXGATE_SERVICES = ("migrate", "gateway", "worker-1", "worker-2")
+GATEWAYS = ("gateway", "gateway-2")
 WORKERS = ("worker-1", "worker-2")
-SECRETISH = re.compile(r"SECRET|KEY|TOKEN|PASSWORD|DATABASE_URL")
+PREFIXGATE_SERVICES = ("migrate", *GATEWAYS, *WORKERS)
+SECRETISH = re.compile(r"SECRET|KEY|TOKEN|PASSWORD|DATABASE_URL|REDIS_URL|_AUTH$")
 # Compose's ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?error}, ${NAME?error}
 VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 
@@ -115,6 +117,8 @@ def test_secrets_come_from_the_env_file(env: dict[str, str]) -> None:
         for variable, value in service.get("environment", {}).items():
             if SECRETISH.search(variable):
                 assert "${" in str(value), f"{name}: {variable} is written into compose.yaml"
+    command = raw["services"]["redis"]["command"]
+    assert command[command.index("--requirepass") + 1].startswith("${REDIS_PASSWORD")
 
 
 def test_migration_runs_before_the_gateway(compose: dict[str, Any]) -> None:
@@ -122,16 +126,18 @@ def test_migration_runs_before_the_gateway(compose: dict[str, Any]) -> None:
     assert services["migrate"]["command"] == ["db", "upgrade"]
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert services["migrate"]["restart"] == "no"
-    needs = services["gateway"]["depends_on"]
-    assert needs["migrate"]["condition"] == "service_completed_successfully"
-    for worker in WORKERS:
-        assert needs[worker]["condition"] == "service_healthy"
+    for gateway in GATEWAYS:
+        needs = services[gateway]["depends_on"]
+        assert needs["migrate"]["condition"] == "service_completed_successfully"
+        for dependency in (*WORKERS, "redis"):
+            assert needs[dependency]["condition"] == "service_healthy", (gateway, dependency)
 
 
 def test_gateway_routes_to_both_workers_on_their_port(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    workers = services["gateway"]["environment"]["PREFIXGATE_WORKERS"].split(",")
-    assert workers == [f"http://{worker}:8001" for worker in WORKERS]
+    for gateway in GATEWAYS:
+        workers = services[gateway]["environment"]["PREFIXGATE_WORKERS"].split(",")
+        assert workers == [f"http://{worker}:8001" for worker in WORKERS], gateway
     for worker in WORKERS:
         command = services[worker]["command"]
         assert command[0] == "worker" and command[command.index("--port") + 1] == "8001"
@@ -153,11 +159,67 @@ def test_workers_are_isolated_from_the_database_and_the_outside(compose: dict[st
         assert "ports" not in services[worker]
         secret_names = {name for name in services[worker]["environment"] if SECRETISH.search(name)}
         assert secret_names == {"PREFIXGATE_WORKER_SECRET"}
-    assert set(services["gateway"]["networks"]) >= database_networks | set(
-        services["worker-1"]["networks"]
-    )
-    for published in services["gateway"]["ports"]:
-        assert published.startswith("127.0.0.1:"), "a laptop's gateway listens on loopback only"
+    for gateway in GATEWAYS:
+        assert set(services[gateway]["networks"]) >= database_networks | set(
+            services["worker-1"]["networks"]
+        )
+        for published in services[gateway]["ports"]:
+            assert published.startswith("127.0.0.1:"), "a laptop's gateway listens on loopback"
+
+
+def test_the_gateways_share_one_redis_that_only_they_reach(
+    compose: dict[str, Any], env: dict[str, str]
+) -> None:
+    services, networks = compose["services"], compose["networks"]
+    redis = services["redis"]
+    assert redis["networks"], "redis joins no network"
+    for network in redis["networks"]:
+        assert networks[network].get("internal") is True, network
+        on_it = {name for name, service in services.items() if network in service["networks"]}
+        assert on_it == {"redis", *GATEWAYS}, f"{network} is shared with {on_it - set(GATEWAYS)}"
+    assert "ports" not in redis
+    url = f"redis://:{env['REDIS_PASSWORD']}@redis:6379/0"
+    for gateway in GATEWAYS:
+        assert services[gateway]["environment"]["PREFIXGATE_REDIS_URL"] == url, gateway
+    for name in ("migrate", *WORKERS):
+        assert "PREFIXGATE_REDIS_URL" not in services[name]["environment"], name
+    command = redis["command"]
+    assert command[command.index("--requirepass") + 1] == env["REDIS_PASSWORD"]
+    assert redis["environment"]["REDISCLI_AUTH"] == env["REDIS_PASSWORD"]  # the health check's
+
+
+def test_redis_keeps_nothing_and_runs_hardened(compose: dict[str, Any], tmp_path: Path) -> None:
+    redis = compose["services"]["redis"]
+    assert re.fullmatch(r"redis:\d+(\.\d+)*-bookworm", redis["image"]), redis["image"]
+    command = redis["command"]
+    assert command[0] == "redis-server"
+    assert command[command.index("--save") + 1] == ""
+    assert command[command.index("--appendonly") + 1] == "no"
+    assert "volumes" not in redis, "Redis holds counters and leases only: nothing to keep"
+    assert redis["user"] not in ("root", "0") and redis["read_only"] is True
+    assert redis["cap_drop"] == ["ALL"] and "no-new-privileges:true" in redis["security_opt"]
+    test = redis["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL" and "redis-cli ping" in test[1]
+    # Docker runs CMD-SHELL with /bin/sh -c. redis-cli exits 0 on an error reply (NOAUTH): the
+    # check must look for the PONG.
+    shell = ["/bin/sh", "-c", test[1]]
+    assert redis_check_passes(shell, "PONG", tmp_path)
+    assert not redis_check_passes(shell, "NOAUTH Authentication required.", tmp_path)
+
+
+def test_each_gateway_has_its_own_state_and_port(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    gateways = [services[gateway] for gateway in GATEWAYS]
+    assert gateways[0]["environment"] == gateways[1]["environment"]
+    assert gateways[0]["command"] == gateways[1]["command"] == ["serve"]
+    # Two gateways appending to one audit spool and checkpoint file would corrupt both.
+    states = [
+        next(volume for volume in gateway["volumes"] if volume.endswith(":/var/lib/prefixgate"))
+        for gateway in gateways
+    ]
+    assert states[0] != states[1]
+    host_ports = [gateway["ports"][0].rsplit(":", 2)[1] for gateway in gateways]
+    assert host_ports[0] != host_ports[1], host_ports
 
 
 def test_services_are_hardened_and_checked(compose: dict[str, Any]) -> None:
@@ -169,9 +231,9 @@ def test_services_are_hardened_and_checked(compose: dict[str, Any]) -> None:
         build = service["build"]
         assert (COMPOSE.parent / build["context"]).resolve() == REPO
         assert (REPO / build["dockerfile"]).is_file()
-    for name in ("postgres", "gateway", *WORKERS):
+    for name in ("postgres", "redis", *GATEWAYS, *WORKERS):
         assert services[name]["healthcheck"]["test"], name
-    for name in ("gateway", *WORKERS):
+    for name in (*GATEWAYS, *WORKERS):
         test = services[name]["healthcheck"]["test"]
         assert test[:3] == ["CMD", "python", "/opt/prefixgate/healthcheck.py"], name
 

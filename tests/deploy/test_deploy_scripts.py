@@ -84,6 +84,22 @@ def test_generator_fills_placeholders_with_distinct_private_values(tmp_path: Pat
     assert stat.S_IMODE(output.stat().st_mode) == 0o600
 
 
+def test_generator_fills_references_to_names_set_above(tmp_path: Path) -> None:
+    example = tmp_path / "x.env.example"
+    example.write_text(
+        "PASSWORD=CHANGE_ME\nURL=redis://:${PASSWORD}@redis:6379/0\n"
+        "LATER=${NOT_YET}\nNOT_YET=CHANGE_ME\nEDIT=${EXTERNAL}:CHANGE_ME\n"
+    )
+    output = tmp_path / "x.env"
+    result = generate(example, output)
+    assert result.returncode == 0, result.stderr
+    values = dict(line.split("=", 1) for line in output.read_text().splitlines())
+    assert values["URL"] == f"redis://:{values['PASSWORD']}@redis:6379/0"
+    assert values["LATER"] == "${NOT_YET}", "only names set above are filled in"
+    assert values["EDIT"] == "${EXTERNAL}:CHANGE_ME" and "edit EDIT" in result.stderr
+    assert "edit URL" not in result.stderr
+
+
 def test_generator_never_overwrites_secrets(tmp_path: Path) -> None:
     example = tmp_path / "x.env.example"
     example.write_text("A=CHANGE_ME\n")

@@ -1,8 +1,10 @@
-"""The Kubernetes manifests (deploy/k8s): every overlay renders with kustomize, every object
-passes the Kubernetes API's own schema (kubernetes-validate's bundled OpenAPI-derived schemas,
-strict: an unknown field fails), and the rendered objects keep the promises an operator relies
-on: non-root and read-only pods with probes, workers reachable only from gateways, secrets
-referenced and never inlined, and the images each overlay names.
+"""The Kubernetes manifests (deploy/k8s): every overlay renders with kustomize, as shipped and
+with the second model's workers enabled (k8s/models/), every object passes the Kubernetes API's
+own schema (kubernetes-validate's bundled OpenAPI-derived schemas, strict: an unknown field
+fails), and the rendered objects keep the promises an operator relies on: non-root and
+read-only pods with probes, workers and Redis reachable only from gateways, one Deployment per
+model whose pods the headless Service and the NetworkPolicy find, secrets referenced and never
+inlined, and the images each overlay names.
 
 The ServiceMonitor is a CRD the Kubernetes schemas do not hold: it is checked against a schema
 of the fields we use, written here from prometheus-operator's monitoring.coreos.com/v1 API.
@@ -10,25 +12,43 @@ of the fields we use, written here from prometheus-operator's monitoring.coreos.
 
 from __future__ import annotations
 
+import base64
 import copy
+import itertools
 import re
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import jsonschema
 import pytest
 import yaml
 
-from tests.deploy.tools import DEPLOY, python_module, run
+from tests.deploy.tools import DEPLOY, python_module, redis_check_passes, run
 
-OVERLAYS = ("cpu", "gpu")
+# The second model's directory, and the line each overlay carries, commented out, to enable it.
+SECOND_MODEL = "smollm2-360m-instruct"
+SECOND_MODEL_LINE = f"  - ../../models/{SECOND_MODEL}"
+# What is rendered: each overlay as shipped, and with the second model's line enabled.
+RENDERS = {
+    "cpu": ("cpu", False),
+    "gpu": ("gpu", False),
+    "cpu-two-models": ("cpu", True),
+    "gpu-two-models": ("gpu", True),
+}
+GPU_RENDERS = tuple(name for name, (overlay, _) in RENDERS.items() if overlay == "gpu")
+CPU_RENDERS = tuple(name for name, (overlay, _) in RENDERS.items() if overlay == "cpu")
 # The oldest Kubernetes the manifests promise to work on, and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.29", "latest")
 WORKER_PORT = 8001
-SECRETISH = re.compile(r"SECRET|KEY|TOKEN|PASSWORD|DATABASE_URL")
+REDIS_PORT = 6379
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+MODEL_LABEL = "prefixgate.io/model"
+SECRETISH = re.compile(r"SECRET|KEY|TOKEN|PASSWORD|DATABASE_URL|REDIS_URL|_AUTH$")
 POD_OWNERS = ("Deployment", "StatefulSet", "Job")
 
 Obj = dict[str, Any]
@@ -104,10 +124,9 @@ SERVICE_MONITOR_SCHEMA: Obj = {
 # ---- rendering --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Obj]]:
-    """Each overlay rendered as an operator would: from a copy of deploy/k8s whose secret env
-    files are made from the committed examples (never a developer's own)."""
+def operator_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of deploy/k8s whose secret env files are made from the committed examples
+    (never a developer's own), as an operator would make them."""
     root = tmp_path_factory.mktemp("deploy") / "k8s"
     shutil.copytree(DEPLOY / "k8s", root, ignore=shutil.ignore_patterns("*.env"))
     for example in sorted((root / "base" / "secrets").glob("*.env.example")):
@@ -121,11 +140,29 @@ def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Obj]]:
             check=True,
             capture_output=True,
         )
+    return root
+
+
+def render(overlay: Path) -> list[Obj]:
+    result = run("kubectl", "kustomize", str(overlay))
+    assert result.returncode == 0, f"kubectl kustomize {overlay}: {result.stderr}"
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Obj]]:
+    """Each overlay rendered as shipped, and with the second model enabled as deploy/README.md
+    says: by uncommenting its line in the overlay's resources."""
     rendered = {}
-    for overlay in OVERLAYS:
-        result = run("kubectl", "kustomize", str(root / "overlays" / overlay))
-        assert result.returncode == 0, f"kubectl kustomize overlays/{overlay}: {result.stderr}"
-        rendered[overlay] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    for name, (overlay, second_model) in RENDERS.items():
+        root = operator_copy(tmp_path_factory)
+        kustomization = root / "overlays" / overlay / "kustomization.yaml"
+        if second_model:
+            text = kustomization.read_text()
+            commented = SECOND_MODEL_LINE.replace("- ", "# - ", 1)
+            assert commented + "\n" in text, f"overlays/{overlay} lacks `{commented.strip()}`"
+            kustomization.write_text(text.replace(commented, SECOND_MODEL_LINE))
+        rendered[name] = render(kustomization.parent)
     return rendered
 
 
@@ -181,6 +218,36 @@ def template_labels(owner: Obj) -> dict[str, str]:
     return labels
 
 
+def component(obj: Obj) -> str | None:
+    return obj["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+
+
+def workers(objects: list[Obj]) -> list[Obj]:
+    """Every model's worker Deployment (at least one)."""
+    found = [obj for obj in objects if obj["kind"] == "Deployment" and component(obj) == "worker"]
+    assert found, "no worker Deployment"
+    return found
+
+
+def secret_data(objects: list[Obj], name: str) -> dict[str, str]:
+    """A rendered Secret's keys and decoded values."""
+    data = named(objects, "Secret", name)["data"]
+    return {key: base64.b64decode(value).decode() for key, value in data.items()}
+
+
+def env_sources(objects: list[Obj], container: Obj) -> dict[str, Obj]:
+    """Each variable a container gets (from `env`, or from the Secrets of its `envFrom`) and
+    where it comes from: its `env` entry, or {"secretRef": name} for an envFrom Secret."""
+    sources: dict[str, Obj] = {}
+    for source in container.get("envFrom", []):
+        name = source["secretRef"]["name"]
+        for key in named(objects, "Secret", name)["data"]:
+            sources[key] = {"secretRef": name}
+    for variable in container.get("env", []):
+        sources[variable["name"]] = variable
+    return sources
+
+
 # ---- schema validation ------------------------------------------------------------------------
 
 
@@ -201,7 +268,7 @@ def schema_errors(obj: Obj) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_every_object_passes_the_kubernetes_schema(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
@@ -219,7 +286,7 @@ def test_the_schema_check_rejects_a_misspelt_field(renders: dict[str, list[Obj]]
     assert schema_errors(broken), "a misspelt probe passed the schema check"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_service_monitor_matches_its_schema_and_the_gateway_service(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
@@ -247,7 +314,7 @@ def test_the_service_monitor_schema_rejects_a_misspelt_field(renders: dict[str, 
 # ---- what every pod promises ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_every_pod_runs_as_non_root_on_a_read_only_root(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
@@ -269,7 +336,7 @@ def test_every_pod_runs_as_non_root_on_a_read_only_root(
             assert context.get("runAsUser", 1) != 0, where
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_every_container_has_requests_and_limits(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
@@ -280,7 +347,7 @@ def test_every_container_has_requests_and_limits(
                 assert {"cpu", "memory"} <= set(resources[bound]), f"{container['name']} {bound}"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_writable_paths_are_volumes(renders: dict[str, list[Obj]], overlay: str) -> None:
     """The root filesystem is read-only: every directory a setting points the process at is a
     mounted volume (or below one)."""
@@ -298,15 +365,16 @@ def test_writable_paths_are_volumes(renders: dict[str, list[Obj]], overlay: str)
                 )
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_long_running_pods_have_probes_and_drain_in_their_grace_period(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
+    """PrefixGate's own (Redis has its probes checked below)."""
     deployments = [obj for obj in renders[overlay] if obj["kind"] in ("Deployment", "StatefulSet")]
-    assert {
-        one(renders[overlay], "Deployment", c)["metadata"]["name"] for c in ("gateway", "worker")
-    }
+    assert {component(owner) for owner in deployments} == {"gateway", "worker", "redis"}
     for owner in deployments:
+        if component(owner) == "redis":
+            continue
         spec = pod_spec(owner)
         for container in spec["containers"]:
             port_names = {port["name"] for port in container["ports"]}
@@ -334,73 +402,145 @@ def test_no_object_names_a_namespace(renders: dict[str, list[Obj]]) -> None:
 # ---- gateways and workers ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
-def test_gateway_finds_workers_through_the_headless_service(
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_gateway_finds_every_models_workers_through_the_headless_service(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
     objects = renders[overlay]
     gateway = pod_spec(one(objects, "Deployment", "gateway"))["containers"][0]
-    worker_owner = one(objects, "Deployment", "worker")
-    worker = pod_spec(worker_owner)["containers"][0]
     service = one(objects, "Service", "worker")
     assert service["spec"]["clusterIP"] == "None"
-    assert selects({"matchLabels": service["spec"]["selector"]}, template_labels(worker_owner))
     (port,) = service["spec"]["ports"]
     assert env_value(gateway, "PREFIXGATE_WORKERS") == (
         f"dns://{service['metadata']['name']}:{port['port']}"
     )
-    target = {item["name"]: item["containerPort"] for item in worker["ports"]}[port["targetPort"]]
-    assert target == port["port"] == WORKER_PORT
-    assert worker["args"][:1] == ["worker"]
-    assert worker["args"][worker["args"].index("--port") + 1] == str(WORKER_PORT)
     assert gateway["args"][:1] == ["serve"]
+    for worker_owner in workers(objects):
+        name = worker_owner["metadata"]["name"]
+        worker = pod_spec(worker_owner)["containers"][0]
+        assert selects({"matchLabels": service["spec"]["selector"]}, template_labels(worker_owner))
+        ports = {item["name"]: item["containerPort"] for item in worker["ports"]}
+        assert ports[port["targetPort"]] == port["port"] == WORKER_PORT, name
+        assert worker["args"][:1] == ["worker"], name
+        assert worker["args"][worker["args"].index("--port") + 1] == str(WORKER_PORT), name
+    # Nothing but workers behind it: gateways would poll a gateway or Redis as a worker.
+    for owner in pod_owners(objects):
+        if component(owner) != "worker":
+            assert not selects({"matchLabels": service["spec"]["selector"]}, template_labels(owner))
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_each_model_is_one_deployment_owning_only_its_own_pods(
+    renders: dict[str, list[Obj]], overlay: str
+) -> None:
+    """Per model: a Deployment whose selector holds the model label (Deployments whose
+    selectors overlap fight over each other's pods), labelled with the name it serves (as the
+    models shipped here are; a served name that is no label value would differ), its own
+    PodDisruptionBudget, and a topology spread over its own pods only."""
+    objects = renders[overlay]
+    deployments = [obj for obj in objects if obj["kind"] == "Deployment"]
+    for first, second in itertools.permutations(deployments, 2):
+        assert not selects(first["spec"]["selector"], template_labels(second)), (
+            f"{first['metadata']['name']} selects the pods of {second['metadata']['name']}"
+        )
+    models = []
+    budgets = [obj for obj in objects if obj["kind"] == "PodDisruptionBudget"]
+    for owner in workers(objects):
+        name = owner["metadata"]["name"]
+        labels = template_labels(owner)
+        model = labels.get(MODEL_LABEL)
+        assert model, f"{name}: no {MODEL_LABEL} label"
+        models.append(model)
+        assert owner["spec"]["selector"]["matchLabels"].get(MODEL_LABEL) == model, name
+        assert selects(owner["spec"]["selector"], labels), name
+        (container,) = pod_spec(owner)["containers"]
+        assert env_value(container, "PREFIXGATE_SERVED_MODEL_NAME") == model, name
+        (budget,) = [pdb for pdb in budgets if selects(pdb["spec"]["selector"], labels)]
+        assert budget["spec"]["maxUnavailable"] == 1, name
+        for spread in pod_spec(owner).get("topologySpreadConstraints", []):
+            assert spread["labelSelector"]["matchLabels"].get(MODEL_LABEL) == model, name
+    assert len(set(models)) == len(models), f"two Deployments serve one model: {models}"
+    _, second_model = RENDERS[overlay]
+    assert sorted(models) == sorted([EMBEDDED_MODEL] + ([SECOND_MODEL] if second_model else []))
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_a_models_workers_serve_its_directory_from_a_read_only_volume(
+    renders: dict[str, list[Obj]], overlay: str
+) -> None:
+    objects = renders[overlay]
+    claims = {obj["metadata"]["name"] for obj in objects if obj["kind"] == "PersistentVolumeClaim"}
+    for owner in workers(objects):
+        spec = pod_spec(owner)
+        (container,) = spec["containers"]
+        model_dir = env_value(container, "PREFIXGATE_MODEL_DIR")
+        if template_labels(owner)[MODEL_LABEL] == EMBEDDED_MODEL:
+            assert model_dir is None, "the embedded model is in the image"
+            continue
+        assert model_dir, f"{owner['metadata']['name']}: no PREFIXGATE_MODEL_DIR"
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == model_dir]
+        assert mount["readOnly"] is True
+        (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+        assert volume["persistentVolumeClaim"]["claimName"] in claims
+        assert volume["persistentVolumeClaim"]["readOnly"] is True
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_workers_start_with_the_kernel_the_image_built(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
     """The image builds the kernel into /opt/prefixgate/kernels (its PREFIXGATE_KERNEL_CACHE),
     which the read-only root cannot lock: an init container copies it, timestamps and all, into
     the writable cache the worker is pointed at."""
-    spec = pod_spec(one(renders[overlay], "Deployment", "worker"))
-    (worker,) = spec["containers"]
-    (init,) = spec["initContainers"]
-    cache = env_value(worker, "PREFIXGATE_KERNEL_CACHE")
-    assert cache is not None
-    assert f"cp -a /opt/prefixgate/kernels/. {cache}/" in " ".join(init["command"])
-    (shared,) = [
-        mount
-        for mount in init["volumeMounts"]
-        if cache.startswith(mount["mountPath"] + "/") and mount in worker["volumeMounts"]
-    ]
-    assert shared["name"] in {volume["name"] for volume in spec["volumes"] if "emptyDir" in volume}
+    for owner in workers(renders[overlay]):
+        spec = pod_spec(owner)
+        (worker,) = spec["containers"]
+        (init,) = spec["initContainers"]
+        cache = env_value(worker, "PREFIXGATE_KERNEL_CACHE")
+        assert cache is not None
+        assert f"cp -a /opt/prefixgate/kernels/. {cache}/" in " ".join(init["command"])
+        (shared,) = [
+            mount
+            for mount in init["volumeMounts"]
+            if cache.startswith(mount["mountPath"] + "/") and mount in worker["volumeMounts"]
+        ]
+        emptydirs = {volume["name"] for volume in spec["volumes"] if "emptyDir" in volume}
+        assert shared["name"] in emptydirs
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+def assert_only_gateways_reach(objects: list[Obj], policy: Obj, port: int) -> None:
+    """The policy admits gateway pods alone, and only on `port`."""
+    spec = policy["spec"]
+    gateway_labels = template_labels(one(objects, "Deployment", "gateway"))
+    others = [template_labels(owner) for owner in pod_owners(objects)]
+    assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
+    assert spec["ingress"], "no ingress rule: nothing could reach them"
+    for rule in spec["ingress"]:
+        assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"}, f"a peer beyond the namespace's pods: {peer}"
+            admitted = [labels for labels in others if selects(peer["podSelector"], labels)]
+            assert admitted == [gateway_labels], f"{peer} admits {admitted}"
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_only_gateways_reach_workers_and_workers_send_only_dns(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
     objects = renders[overlay]
-    (policy,) = [obj for obj in objects if obj["kind"] == "NetworkPolicy"]
+    policy = one(objects, "NetworkPolicy", "worker")
     spec = policy["spec"]
-    worker_labels = template_labels(one(objects, "Deployment", "worker"))
-    gateway_labels = template_labels(one(objects, "Deployment", "gateway"))
-    assert selects(spec["podSelector"], worker_labels)
-    assert not selects(spec["podSelector"], gateway_labels)
-    assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
-    assert spec["ingress"], "no ingress rule: nothing could reach the workers"
-    for rule in spec["ingress"]:
-        assert rule["ports"] == [{"protocol": "TCP", "port": WORKER_PORT}]
-        for peer in rule["from"]:
-            assert set(peer) == {"podSelector"}, f"a peer beyond the namespace's pods: {peer}"
-            assert selects(peer["podSelector"], gateway_labels)
-            assert not selects(peer["podSelector"], worker_labels)
+    for owner in pod_owners(objects):  # every model's workers, and nothing else
+        is_worker = component(owner) == "worker"
+        assert selects(spec["podSelector"], template_labels(owner)) == is_worker, owner["metadata"][
+            "name"
+        ]
+    assert_only_gateways_reach(objects, policy, WORKER_PORT)
     for rule in spec["egress"]:
         assert {port["port"] for port in rule["ports"]} == {53}
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_autoscaler_and_disruption_budgets_select_their_pods(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
@@ -412,14 +552,12 @@ def test_autoscaler_and_disruption_budgets_select_their_pods(
     assert (target["kind"], target["name"]) == ("Deployment", gateway["metadata"]["name"])
     assert "replicas" not in gateway["spec"], "a replica count fights the autoscaler on apply"
     assert autoscaler["spec"]["minReplicas"] >= 2
-    for component in ("gateway", "worker"):
-        budget = one(objects, "PodDisruptionBudget", component)
-        assert selects(
-            budget["spec"]["selector"], template_labels(one(objects, "Deployment", component))
-        )
+    budget = one(objects, "PodDisruptionBudget", "gateway")
+    assert selects(budget["spec"]["selector"], template_labels(gateway))
+    # (each model's budget: test_each_model_is_one_deployment_owning_only_its_own_pods)
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_migration_job_upgrades_the_schema(renders: dict[str, list[Obj]], overlay: str) -> None:
     job = one(renders[overlay], "Job", "migrate")
     (container,) = pod_spec(job)["containers"]
@@ -430,7 +568,7 @@ def test_migration_job_upgrades_the_schema(renders: dict[str, list[Obj]], overla
 # ---- secrets and images -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_secrets_are_referenced_never_inlined(renders: dict[str, list[Obj]], overlay: str) -> None:
     objects = renders[overlay]
     secrets = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Secret"}
@@ -448,7 +586,7 @@ def test_secrets_are_referenced_never_inlined(renders: dict[str, list[Obj]], ove
                 assert source["secretRef"]["name"] in secrets
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_workers_get_the_worker_secret_and_nothing_else(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
@@ -462,25 +600,34 @@ def test_workers_get_the_worker_secret_and_nothing_else(
             for key in secrets[source["secretRef"]["name"]]["data"]
         }
 
-    worker = pod_spec(one(objects, "Deployment", "worker"))["containers"][0]
+    for owner in workers(objects):
+        worker = pod_spec(owner)["containers"][0]
+        assert keys(worker) == {"PREFIXGATE_WORKER_SECRET"}, owner["metadata"]["name"]
     gateway = pod_spec(one(objects, "Deployment", "gateway"))["containers"][0]
-    assert keys(worker) == {"PREFIXGATE_WORKER_SECRET"}
     assert {
         "PREFIXGATE_DATABASE_URL",
         "PREFIXGATE_KEY_HASH_SECRET",
         "PREFIXGATE_AUDIT_SIGNING_KEY",
         "PREFIXGATE_JWT_SECRET",
         "PREFIXGATE_WORKER_SECRET",
+        "PREFIXGATE_REDIS_URL",
     } <= keys(gateway)
 
 
 def test_committed_secret_examples_hold_only_placeholders() -> None:
+    """Every value is a placeholder, or holds one, or a reference to a line that is one."""
     examples = sorted((DEPLOY / "k8s").rglob("*.env.example"))
     assert examples
     for example in examples:
+        placeholders = set()
         for line in example.read_text().splitlines():
             if line.strip() and not line.startswith("#"):
-                assert "CHANGE_ME" in line.partition("=")[2], f"{example.name}: {line}"
+                name, _, value = line.partition("=")
+                references = set(re.findall(r"\$\{([A-Za-z0-9_]+)\}", value))
+                assert "CHANGE_ME" in value or references, f"{example.name}: {line}"
+                assert references <= placeholders, f"{example.name}: {line}"
+                if value == "CHANGE_ME":
+                    placeholders.add(name)
 
 
 def overlay_images(overlay: str) -> dict[str, str]:
@@ -493,45 +640,172 @@ def overlay_images(overlay: str) -> dict[str, str]:
     }
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", RENDERS)
 def test_every_container_runs_an_image_the_overlay_names(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
-    images = overlay_images(overlay)
+    images = overlay_images(RENDERS[overlay][0])
     for owner in pod_owners(renders[overlay]):
         for container in containers(owner):
             assert container["image"] in images.values(), (
                 f"{container['name']}: {container['image']}"
             )
-    for component in ("gateway", "migrate"):
+    for role in ("gateway", "migrate"):
         owner = next(
             obj
             for obj in renders[overlay]
-            if obj["kind"] in POD_OWNERS and component in obj["metadata"]["name"]
+            if obj["kind"] in POD_OWNERS and role in obj["metadata"]["name"]
         )
-        assert {c["image"] for c in containers(owner)} == {images["prefixgate"]}, component
+        assert {c["image"] for c in containers(owner)} == {images["prefixgate"]}, role
+    redis = one(renders[overlay], "Deployment", "redis")
+    assert {c["image"] for c in containers(redis)} == {images["redis"]}
+    assert re.fullmatch(r"docker\.io/library/redis:\d+(\.\d+)*-bookworm", images["redis"])
 
 
-def test_gpu_workers_run_the_cuda_image_on_gpu_nodes(renders: dict[str, list[Obj]]) -> None:
-    objects = renders["gpu"]
+@pytest.mark.parametrize("overlay", GPU_RENDERS)
+def test_gpu_workers_run_the_cuda_image_on_gpu_nodes(
+    renders: dict[str, list[Obj]], overlay: str
+) -> None:
+    """Every model's workers: the overlay's patch targets them all."""
+    objects = renders[overlay]
     images = overlay_images("gpu")
-    worker_owner = one(objects, "Deployment", "worker")
-    spec = pod_spec(worker_owner)
-    worker = spec["containers"][0]
-    assert {c["image"] for c in containers(worker_owner)} == {images["prefixgate-cuda"]}
     assert images["prefixgate-cuda"] != images["prefixgate"]
-    for bound in ("requests", "limits"):
-        assert worker["resources"][bound]["nvidia.com/gpu"] == "1"
-    assert spec["nodeSelector"]
-    assert any(toleration["key"] == "nvidia.com/gpu" for toleration in spec["tolerations"])
-    assert env_value(worker, "PREFIXGATE_DEVICE") == "cuda"
-    gateway = pod_spec(one(objects, "Deployment", "gateway"))["containers"][0]
-    assert "nvidia.com/gpu" not in gateway["resources"]["limits"], "the gateway runs no engine"
+    for worker_owner in workers(objects):
+        spec = pod_spec(worker_owner)
+        worker = spec["containers"][0]
+        assert {c["image"] for c in containers(worker_owner)} == {images["prefixgate-cuda"]}
+        for bound in ("requests", "limits"):
+            assert worker["resources"][bound]["nvidia.com/gpu"] == "1"
+        assert spec["nodeSelector"]
+        assert any(toleration["key"] == "nvidia.com/gpu" for toleration in spec["tolerations"])
+        assert env_value(worker, "PREFIXGATE_DEVICE") == "cuda"
+    for owner in pod_owners(objects):
+        if component(owner) != "worker":
+            for container in containers(owner):
+                assert "nvidia.com/gpu" not in container["resources"]["limits"], "no engine"
+                assert container["image"] != images["prefixgate-cuda"], container["name"]
 
 
-def test_cpu_overlay_asks_for_no_gpu(renders: dict[str, list[Obj]]) -> None:
-    for owner in pod_owners(renders["cpu"]):
+@pytest.mark.parametrize("overlay", CPU_RENDERS)
+def test_cpu_overlay_asks_for_no_gpu(renders: dict[str, list[Obj]], overlay: str) -> None:
+    for owner in pod_owners(renders[overlay]):
         spec = pod_spec(owner)
         assert "nodeSelector" not in spec and "tolerations" not in spec
         for container in containers(owner):
             assert "nvidia.com/gpu" not in container["resources"]["limits"]
+
+
+# ---- Redis ------------------------------------------------------------------------------------
+
+
+def redis_url(objects: list[Obj]) -> str:
+    """The gateways' PREFIXGATE_REDIS_URL, from the Secret their envFrom names."""
+    gateway = pod_spec(one(objects, "Deployment", "gateway"))["containers"][0]
+    source = env_sources(objects, gateway)["PREFIXGATE_REDIS_URL"]
+    return secret_data(objects, source["secretRef"])["PREFIXGATE_REDIS_URL"]
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_gateways_get_the_redis_url_by_secret_reference_and_nobody_else_does(
+    renders: dict[str, list[Obj]], overlay: str
+) -> None:
+    """From a Secret (which an operator can point at their own Redis), never written into the
+    Deployment; workers and the migration never get it, nor Redis's password."""
+    objects = renders[overlay]
+    for owner in pod_owners(objects):
+        for container in containers(owner):
+            sources = env_sources(objects, container)
+            where = f"{owner['metadata']['name']}/{container['name']}"
+            if component(owner) == "gateway":
+                assert set(sources["PREFIXGATE_REDIS_URL"]) == {"secretRef"}, where
+            elif component(owner) == "redis":
+                assert "PREFIXGATE_REDIS_URL" not in sources, where
+            else:
+                assert not {"PREFIXGATE_REDIS_URL", "REDIS_PASSWORD"} & set(sources), where
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_the_gateways_url_names_the_bundled_redis_and_its_password(
+    renders: dict[str, list[Obj]], overlay: str
+) -> None:
+    """The generator fills the example's URL with the password it made for REDIS_PASSWORD,
+    which Redis requires; the URL's host and port are the Redis Service's."""
+    objects = renders[overlay]
+    url = urlsplit(redis_url(objects))
+    service = one(objects, "Service", "redis")
+    (port,) = service["spec"]["ports"]
+    assert url.scheme == "redis"
+    assert (url.hostname, url.port) == (service["metadata"]["name"], port["port"])
+    redis = one(objects, "Deployment", "redis")
+    (container,) = pod_spec(redis)["containers"]
+    reference = env_sources(objects, container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    password = secret_data(objects, reference["name"])[reference["key"]]
+    assert len(password) >= 32 and url.password == password
+    args = container["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert selects({"matchLabels": service["spec"]["selector"]}, template_labels(redis))
+    ports = {item["name"]: item["containerPort"] for item in container["ports"]}
+    assert ports[port["targetPort"]] == port["port"] == REDIS_PORT
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_only_gateways_reach_redis_and_redis_sends_nothing(
+    renders: dict[str, list[Obj]], overlay: str
+) -> None:
+    objects = renders[overlay]
+    policy = one(objects, "NetworkPolicy", "redis")
+    for owner in pod_owners(objects):
+        is_redis = component(owner) == "redis"
+        selected = selects(policy["spec"]["podSelector"], template_labels(owner))
+        assert selected == is_redis, owner["metadata"]["name"]
+    assert_only_gateways_reach(objects, policy, REDIS_PORT)
+    assert policy["spec"]["egress"] == []
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_redis_runs_as_non_root_with_authenticated_probes_and_keeps_nothing(
+    renders: dict[str, list[Obj]], overlay: str, tmp_path: Path
+) -> None:
+    objects = renders[overlay]
+    redis = one(objects, "Deployment", "redis")
+    spec = pod_spec(redis)
+    (container,) = spec["containers"]
+    # One at a time: gateways split between two would each count half of a tenant's use.
+    assert redis["spec"]["replicas"] == 1
+    assert redis["spec"]["strategy"]["type"] == "Recreate"
+    assert spec["securityContext"]["runAsUser"] not in (None, 0)
+    assert container["command"] == ["redis-server"], "the image's entrypoint wants root"
+    args = container["args"]
+    assert args[args.index("--save") + 1] == ""
+    assert args[args.index("--appendonly") + 1] == "no"
+    assert all("emptyDir" in volume for volume in spec.get("volumes", []))
+    # A full Redis must refuse writes before the kernel kills it.
+    maxmemory = args[args.index("--maxmemory") + 1]
+    assert maxmemory.endswith("mb") and int(maxmemory[:-2]) < 256
+    assert container["resources"]["limits"]["memory"] == "256Mi"
+    auth = env_sources(objects, container)["REDISCLI_AUTH"]["valueFrom"]["secretKeyRef"]
+    password = env_sources(objects, container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert auth == password, "the probes authenticate with the password Redis requires"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        command = container[probe]["exec"]["command"]
+        assert "redis-cli ping" in " ".join(command), probe
+        assert redis_check_passes(command, "PONG", tmp_path), probe
+        assert not redis_check_passes(command, "NOAUTH Authentication required.", tmp_path), probe
+        assert not redis_check_passes(command, "LOADING Redis is loading the dataset", tmp_path), (
+            probe
+        )
+
+
+def test_without_the_bundled_redis_the_gateways_keep_their_url(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """An operator's own Redis: the overlay without the component renders no Redis at all,
+    and the gateways still take PREFIXGATE_REDIS_URL from their Secret."""
+    root = operator_copy(tmp_path_factory)
+    kustomization = root / "overlays" / "cpu" / "kustomization.yaml"
+    text = kustomization.read_text()
+    line = next(line for line in text.splitlines() if "components/bundled-redis" in line)
+    kustomization.write_text(text.replace(line + "\n", ""))
+    objects = render(kustomization.parent)
+    assert not [obj for obj in objects if "redis" in obj["metadata"]["name"]]
+    assert urlsplit(redis_url(objects)).scheme == "redis"

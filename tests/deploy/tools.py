@@ -50,3 +50,17 @@ def python_module(name: str, package: str) -> ModuleType:
         return importlib.import_module(name)
     except ImportError:
         pytest.fail(f"{name} is not importable: pip install {package}", pytrace=False)
+
+
+def redis_check_passes(command: list[str], reply: str, tmp_path: Path) -> bool:
+    """Whether a Redis health check passes when redis-cli answers `reply`: the command runs
+    with a stand-in redis-cli that prints it and exits 0, as the real one does on an error
+    reply (NOAUTH, LOADING) too."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    cli = bin_dir / "redis-cli"
+    cli.write_text(f"#!/bin/sh\necho '{reply}'\n")
+    cli.chmod(0o755)
+    environ = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run(command, env=environ, capture_output=True, timeout=30, check=False)
+    return done.returncode == 0

@@ -24,7 +24,9 @@ def test_public_system_prompt_is_shared_across_tenants_and_nothing_else(gateway:
 
     cached(gateway, "acme", "alice", chat("What does a date change cost on flight EA 214?"))
     public = cached(gateway, "globex", "gina", chat("Can I bring a bicycle?"))
-    plan = gateway.server.gateway.sharing.current.registry
+    served = gateway.server.gateway.models.get(MODEL)
+    assert served is not None
+    plan = served.sharing.current.registry
     assert len(plan) == 1
     assert public > 0 and public % 16 == 0
     # Only the public blocks: globex's question shares nothing with acme's.

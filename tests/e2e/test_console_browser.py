@@ -396,6 +396,7 @@ def test_every_page_sends_the_csp_and_has_no_inline_script_or_style(
         f"/admin/tenants/{tenant_id}/confirm?action=delete",
         "/admin/prefixes",
         f"/admin/prefixes/{prefix_id}/delete",
+        "/admin/pools",
         "/admin/operators",
         "/admin/account",
         "/admin/audit",
@@ -453,6 +454,71 @@ def test_the_session_cookie_is_secure_when_the_console_is_reached_over_https() -
              "path": "/admin/login", "headers": []}  # fmt: skip
     set_session_cookie(Request(scope), response, "token", datetime.now(UTC) + timedelta(minutes=5))
     assert "secure" in response.headers["set-cookie"].lower()
+
+
+def test_the_pools_page_shows_the_pool_its_owners_and_a_tenants_hit_ratio(
+    console_gateway: Gateway, page: Page
+) -> None:
+    slug = f"p-{uuid.uuid4().hex[:8]}"
+    with admin_client(console_gateway) as api:
+        tenant_id = api.post("/tenants", json={"slug": slug}).json()["id"]
+        secret = api.post(f"/tenants/{tenant_id}/keys", json={"name": "pools"}).json()["key"]
+    # Each turn sends the conversation so far again: the later turns hit the cache.
+    chat(openai.OpenAI(base_url=console_gateway.base_url, api_key=secret, max_retries=0),
+         passenger_turns("Dora"))  # fmt: skip
+    stats = console_gateway.settled_stats(tenant_id)
+    assert stats.counters.reuse > 0 and stats.cached_blocks > 0
+    log_in(page)
+    nav = page.get_by_role("navigation", name="Main")
+    nav.get_by_role("link", name="Pools").click()
+    expect(page).to_have_url(re.compile(r"/admin/pools$"))
+    expect(page).to_have_title(re.compile("^Pools"))
+    expect(nav.get_by_role("link", name="Pools")).to_have_attribute("aria-current", "page")
+    pool = page.locator(f'section[data-model="{MODEL}"]')
+    expect(pool.get_by_role("heading", level=2)).to_have_text(f"{MODEL} served")
+    expect(pool.get_by_text("Served by this gateway's own engine (no workers).")).to_be_visible()
+    owners = pool.get_by_role("table", name=f"Who holds blocks of {MODEL}")
+    expect(owners.get_by_role("columnheader")).to_have_count(8)
+    expect(owners.locator("tbody tr").first).to_have_attribute("data-owner", "public")
+    row = owners.locator(f'tr[data-owner="{tenant_id}"]')
+    expect(row.get_by_role("rowheader")).to_have_text(slug)
+    expect(row.locator(".cached-blocks")).to_have_text(f"{stats.cached_blocks:,}")
+    expect(row.locator(".quota-blocks")).to_have_text(f"{stats.quota_blocks:,}")
+    expect(row.locator(".hit-ratio")).to_have_text(f"{100 * stats.counters.reuse:.1f}%")
+    shot(page, "09-pools")
+    # The tenant's own page splits its usage by pool the same way, and keeps it live.
+    row.get_by_role("link", name=slug).click()
+    expect(page).to_have_url(re.compile(rf"/admin/tenants/{tenant_id}$"))
+    mine = page.locator(f'#pool-cache tr[data-model="{MODEL}"]')
+    expect(mine.locator(".hit-ratio")).to_have_text(f"{100 * stats.counters.reuse:.1f}%")
+    prompts = mine.locator('[data-field="prompt_tokens"]')
+    expect(prompts).to_have_text(f"{stats.counters.prompt_tokens:,}")
+    chat(openai.OpenAI(base_url=console_gateway.base_url, api_key=secret, max_retries=0),
+         passenger_turns("Dora"))  # fmt: skip
+    later = console_gateway.settled_stats(tenant_id).counters
+    expect(prompts).to_have_text(f"{later.prompt_tokens:,}", timeout=LIVE_TIMEOUT_MS)
+    expect(mine.locator(".hit-ratio")).to_have_text(f"{100 * later.reuse:.1f}%")
+    expect(page.locator("#live-prompt-tokens")).to_have_text(f"{later.prompt_tokens:,}")
+
+
+def test_a_tenant_admin_operator_sees_its_own_row_in_each_pool(console_gateway: Gateway) -> None:
+    username = f"acme-pools-{uuid.uuid4().hex[:6]}"
+    with ConsoleSession(console_gateway) as admin:
+        created = admin.post("/admin/operators", {"username": username, "role": "tenant-admin",
+                                                  "password": OPERATOR_PASSWORD,
+                                                  "tenant": "acme"})  # fmt: skip
+        assert created.status_code == 303, created.text
+        assert 'href="/admin/pools"' in admin.get("/admin/tenants").text  # in an admin's nav
+    with ConsoleSession(console_gateway, username, OPERATOR_PASSWORD) as console:
+        answer = console.get("/admin/pools")
+        assert answer.status_code == 200
+        owners = re.findall(r'<tr data-owner="([^"]+)">', answer.text)
+        with admin_client(console_gateway) as api:
+            acme_id = api.get("/tenants", params={"q": "acme"}).json()["data"][0]["id"]
+        assert owners == [acme_id]
+        assert "globex" not in answer.text and "Public budget" not in answer.text
+        assert '<table class="workers"' not in answer.text
+        assert 'href="/admin/pools"' not in answer.text  # not in a tenant-admin's nav
 
 
 def test_a_tenant_admin_operator_sees_only_its_own_tenant(console_gateway: Gateway) -> None:

@@ -128,7 +128,9 @@ def test_forwarded_for_is_ignored_without_trusted_proxies(gateway: Gateway) -> N
 
 
 def test_the_connection_stays_usable_after_a_500(gateway: Gateway) -> None:
-    policy = gateway.server.gateway.sharing.current
+    served = gateway.server.gateway.models.get(MODEL)
+    assert served is not None
+    policy = served.sharing.current
 
     def broken_plan(*_: Any, **__: Any) -> Any:
         raise RuntimeError("an injected fault in the policy")

@@ -185,6 +185,19 @@ def test_quotas_hold_on_every_worker_and_the_admin_api_shows_both(
     table = table[: table.index("</table>")]
     assert all(worker.url in table for worker in workers)
     assert table.count("<td>24</td>") == 2  # the quota, on each worker
+    # Both workers serve one model: one pool, and the quota holds in it on each worker.
+    assert [(pool["model"], pool["quota_blocks"]) for pool in cache["pools"]] == [(MODEL, 48)]
+    assert {row["model"] for row in cache["workers"]} == {MODEL}
+    with admin_client(gateway) as admin:
+        (pool,) = admin.get("/pools").json()["pools"]
+    assert pool["model"] == MODEL and pool["served"]
+    assert {w["url"] for w in pool["workers"]} == {w.url for w in workers}
+    assert all(w["up"] for w in pool["workers"])
+    assert pool["total_blocks"] == sum(worker_state(w)["stats"]["num_blocks"] for w in workers)
+    with admin_client(gateway, gateway.tenant_admin_keys["globex"]) as own:
+        (mine,) = own.get("/pools").json()["pools"]
+    assert mine["workers"] is None and [row["slug"] for row in mine["owners"]] == ["globex"]
+    assert mine["owners"][0]["quota_blocks"] == 48
 
 
 def test_metrics_list_each_worker(cluster: tuple[Gateway, list[LocalWorker]]) -> None:
@@ -231,7 +244,14 @@ def test_the_worker_api_needs_the_secret_and_refuses_garbage(
         answer = httpx.post(f"{url}/internal/v1/generate", json={}, headers=headers)
         assert answer.status_code == 401, answer.text
         assert httpx.get(f"{url}/internal/v1/state", headers=headers).status_code == 401
+        assert httpx.get(f"{url}/internal/v1/model", headers=headers).status_code == 401
     good = {"Authorization": f"Bearer {SECRET}"}
+    # What a gateway fetches to serve the worker's model: its tokenizer and config, no weights.
+    model = httpx.get(f"{url}/internal/v1/model", headers=good).json()
+    assert model["name"] == MODEL and len(model["fingerprint"]) == 64
+    assert {"config.json", "tokenizer.json"} <= set(model["files"])
+    assert not [name for name in model["files"] if name.endswith((".safetensors", ".bin"))]
+    assert "im_start" in model["chat_template"]
     for body in (b"not json", b"[1, 2]", b'{"prompt_token_ids": "x"}'):
         answer = httpx.post(f"{url}/internal/v1/generate", content=body, headers=good)
         assert answer.status_code == 400, answer.text

@@ -26,7 +26,8 @@ def test_the_idle_check_sees_a_held_block_and_a_dirty_free_block(tiny_chat_dir: 
     report = soak_checks.engine_report(engine)
     assert report["active_blocks"] == 1
     assert report["nonzero_free_blocks"] == 1
-    report.update(slots_in_use={"t": 1}, fresh_request_status={"t": 429})
+    report.update(slots_in_use={"t": 1}, fresh_request_status={"t": 429, "u": 429})
+    report.update(window_full=["u"])  # u used its request window: served once it has passed
     assert soak_checks.idle_problems(report) == [
         "active_blocks: 1",
         "nonzero_free_blocks: 1",

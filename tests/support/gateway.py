@@ -16,6 +16,7 @@ from typing import Any
 import openai
 from sqlalchemy import func, select
 
+from engine.cache_stats import OwnerStats
 from gateway.local_server import RunningServer, serve
 from tenancy import admins, api_keys, prefixes, tenants
 from tenancy.migrate import upgrade
@@ -76,6 +77,16 @@ class Gateway:
             time.sleep(0.05)
             events = self.audit_events(after_seq)
         return events
+
+    def settled_stats(self, tenant_id: str) -> OwnerStats:
+        """The tenant's engine stats once its finished requests hold no block: the engine
+        records them at the end of a step, which may come just after the answer's last byte."""
+        deadline = time.monotonic() + 10
+        while True:
+            stats = self.server.gateway.engine.cache_stats().owners[tenant_id]
+            if stats.active_blocks == 0 or time.monotonic() > deadline:
+                return stats
+            time.sleep(0.02)
 
     def last_audit_seq(self) -> int:
         self.server.gateway.audit.join()

@@ -25,7 +25,9 @@ _METRICS_401 = error_response("A metrics token was presented and is wrong")
 
 @router.get("/v1/models", responses=API_RESPONSES)
 async def list_models(state: StateDep) -> dict[str, object]:
-    return {"object": "list", "data": [_model(state)]}
+    """Every model served now (behind workers: every model with a worker in routing)."""
+    names = await run_in_threadpool(state.models.names)  # a new model's registry may load
+    return {"object": "list", "data": [_model(name) for name in names]}
 
 
 @router.get(
@@ -34,14 +36,14 @@ async def list_models(state: StateDep) -> dict[str, object]:
 )
 async def get_model(model_id: str, state: StateDep) -> dict[str, object]:
     """One model by id (ids may hold slashes, as `org/name` does)."""
-    if model_id != state.model_name:
+    if await run_in_threadpool(state.models.get, model_id) is None:
         raise APIError.model_not_found(model_id[:256])
-    return _model(state)
+    return _model(model_id)
 
 
-def _model(state: GatewayState) -> dict[str, object]:
+def _model(name: str) -> dict[str, object]:
     return {
-        "id": state.model_name,
+        "id": name,
         "object": "model",
         "created": _STARTED,
         "owned_by": "prefixgate",

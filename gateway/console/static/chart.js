@@ -1,6 +1,7 @@
 // The tenant page's live usage chart: every 2 s it fetches the console's usage.json for the
 // tenant (the admin API's tenant usage) and redraws two inline SVG charts (cache blocks against
-// quota and reservation; hit ratio per sample) and the numbers above them. No library, no inline
+// quota and reservation; hit ratio per sample), the numbers above them and the table of the
+// tenant's usage in each model's pool. No library, no inline
 // script: the CSP allows scripts from this origin only, and every visual property is an SVG
 // attribute or a CSS class.
 //
@@ -159,6 +160,22 @@
     setText("live-cached-tokens", number(now.cached_tokens));
     setText("live-evicted-own", number(now.evicted_own_blocks));
     setText("live-evicted-pressure", number(now.evicted_pressure_blocks));
+    showPools(now.pools || []);
+  }
+
+  // The per-pool table's rows, by model; a model served since the page loaded waits for a reload.
+  function showPools(pools) {
+    var table = document.getElementById("pool-cache");
+    if (!table) { return; }
+    var rows = Array.prototype.slice.call(table.querySelectorAll("tbody tr"));
+    pools.forEach(function (pool) {
+      var row = rows.filter(function (tr) { return tr.getAttribute("data-model") === pool.model; })[0];
+      if (!row) { return; }
+      Array.prototype.forEach.call(row.querySelectorAll("[data-field]"), function (cell) {
+        var name = cell.getAttribute("data-field");
+        cell.textContent = name === "hit_ratio" ? hitRatio(pool.hit_ratio, pool.prompt_tokens) : number(pool[name]);
+      });
+    });
   }
 
   function start() {

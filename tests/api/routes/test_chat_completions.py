@@ -69,7 +69,9 @@ def test_penalties_and_logit_bias_as_clients_send_them(gateway: Gateway) -> None
                                         temperature=0)  # fmt: skip
     assert defaults.choices[0].message.content == plain.choices[0].message.content
     # A +100 bias on one token makes it the only choice.
-    loaded = gateway.server.gateway.loaded
+    served = gateway.server.gateway.models.get(MODEL)
+    assert served is not None
+    loaded = served.loaded
     word = loaded.tokenizer.encode(" yes", add_special_tokens=False)[0]
     forced = api.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=4, temperature=1, seed=3,

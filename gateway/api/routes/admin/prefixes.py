@@ -1,13 +1,13 @@
 """Public prefixes under /admin/api/prefixes: list, add, show, enable/disable, delete.
 
-A public prefix is a system prompt whose KV blocks every tenant may reuse, so only an admin
-manages them (a tenant-admin gets 403). Each answer shows what the prefix shares for the
-served model: its tokens, its whole blocks, and a warning when it is too short to be shared.
-A change applies to this process before the answer: the sharing policy is rebuilt, and a
-disabled or deleted prefix's cached blocks are dropped (and zeroed), so no request after the
-answer gets a public hit on it. Other gateways rebuild their policy within
-`registry_refresh_s`; there the old blocks are no longer planned as public, so they are never
-matched again and age out of the cache.
+A public prefix is a system prompt of one model whose KV blocks every tenant may reuse, so
+only an admin manages them (a tenant-admin gets 403). Each answer shows what the prefix shares
+for its model when this gateway serves that model: its tokens, its whole blocks, and a warning
+when it is too short to be shared. A change applies to this process before the answer: the
+model's sharing policy is rebuilt, and a disabled or deleted prefix's cached blocks are dropped
+(and zeroed) in that model's pool, so no request after the answer gets a public hit on it.
+Other gateways rebuild their policy within `registry_refresh_s`; there the old blocks are no
+longer planned as public, so they are never matched again and age out of the cache.
 
 Audit events hold the prefix's namespace, name and model and a SHA-256 of its text, not the
 text (up to 200,000 characters).
@@ -27,7 +27,7 @@ from gateway.admin.schemas import PrefixCreate, PrefixOut, PrefixUpdate
 from gateway.admin.views import prefix_out
 from gateway.api.deps import AdminDep, StateDep
 from gateway.api.openapi import ADMIN_RESPONSES
-from gateway.errors import from_tenancy_error
+from gateway.errors import APIError, from_tenancy_error
 from gateway.state import GatewayState
 from policies.templates import system_prompt_tokens
 from tenancy import prefixes
@@ -51,8 +51,12 @@ def list_prefixes(caller: AdminDep, state: StateDep) -> list[PrefixOut]:
 def add_prefix(
     body: Annotated[PrefixCreate, Body()], caller: AdminDep, state: StateDep
 ) -> PrefixOut:
-    """Register a system prompt to share across tenants (model default: the served one)."""
-    model = body.model or state.model_name
+    """Register a system prompt to share across tenants (model default: the served one, when
+    the gateway serves exactly one)."""
+    model = body.model or state.models.default_name()
+    if model is None:
+        served = ", ".join(state.models.names()) or "no model right now"
+        raise APIError.invalid(f"name the model: this gateway serves {served}", "model")
 
     def change(session: Session) -> Changed[PrefixOut]:
         prefix = prefixes.add_prefix(
@@ -64,7 +68,7 @@ def add_prefix(
     added = apply_change(
         state, caller, Action("prefix.create", "public_prefix", resource, admin_only=True), change
     )
-    state.sharing.refresh(state.store)  # this process shares it from the next request on
+    state.models.refresh_registries()  # this process shares it from the next request on
     return added
 
 
@@ -95,7 +99,7 @@ def update_prefix(
     updated = apply_change(
         state, caller, Action(action, "public_prefix", str(prefix_id), admin_only=True), change
     )
-    state.sharing.refresh(state.store)
+    state.models.refresh_registries()
     if not updated.enabled:
         _drop_blocks(state, updated.model, updated.namespace, updated.text)
     return updated
@@ -113,20 +117,21 @@ def delete_prefix(prefix_id: uuid.UUID, caller: AdminDep, state: StateDep) -> No
 
     action = Action("prefix.delete", "public_prefix", str(prefix_id), admin_only=True)
     model, namespace, text = apply_change(state, caller, action, change)
-    state.sharing.refresh(state.store)
+    state.models.refresh_registries()
     _drop_blocks(state, model, namespace, text)
 
 
 def _drop_blocks(state: GatewayState, model: str, namespace: str, text: str) -> None:
-    """Drop (and zero) the cached public blocks of a withdrawn prefix of the served model.
+    """Drop (and zero) the cached public blocks of a withdrawn prefix, in its model's pool.
 
     Called after the policy was rebuilt without it, so that no request planned from then on
     caches those blocks as public again.
     """
-    tokenizer = state.loaded.tokenizer
-    if model != state.model_name or tokenizer is None:
+    served = state.models.get(model)
+    if served is None or served.loaded.tokenizer is None:
         return
-    state.engine.drop_public_prefix(namespace, system_prompt_tokens(tokenizer, text))
+    tokens = system_prompt_tokens(served.loaded.tokenizer, text)
+    served.engine.drop_public_prefix(namespace, tokens)
 
 
 def _audit_view(prefix: PublicPrefix) -> dict[str, object]:
