@@ -33,7 +33,7 @@ from gateway.limits.redis_store import RedisLimits
 from gateway.limits.store import LimitStoreDown
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import BodySizeLimit, RequestGate
-from gateway.peers import REPORT_S, Peers
+from gateway.peers import REPORT_S, Peers, limits_store_id
 from gateway.served_models import ServedModels
 from gateway.settings import Settings
 from gateway.state import GatewayState
@@ -195,8 +195,9 @@ def build_state(
     if settings.workers:
         if settings.model_dir is not None or settings.served_model_name is not None:
             announce(
-                "note: a gateway with workers serves the models its workers announce; "
-                "PREFIXGATE_MODEL_DIR and PREFIXGATE_SERVED_MODEL_NAME are the workers' settings"
+                "note: a gateway with workers serves the models its workers announce; --model "
+                "and --served-model-name (PREFIXGATE_MODEL_DIR, PREFIXGATE_SERVED_MODEL_NAME) "
+                "are the workers' settings and are ignored here"
             )
         engine = start_routing(settings)
         models = ServedModels(settings, policy_config, store, remote=engine)
@@ -217,7 +218,7 @@ def build_state(
     tenancy_sync.poll()
     tenant_names: dict[str, str] = {}
     limiter = make_limiter(settings)
-    peers = Peers(store, shared_limits=limiter.shared is not None)
+    peers = Peers(store, limits_store_id(settings.redis_url, settings.redis_key_prefix))
     try:
         peers.report()
     except Exception:  # the list is advice: a gateway starts without it

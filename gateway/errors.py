@@ -295,8 +295,11 @@ def validation_to_api_error(errors: Any) -> APIError:
     field = _location(errors[0])[:1]
     candidates = [error for error in errors if _location(error)[:1] == field]
     first = min(candidates, key=_specificity)
-    parts = (_plain(part) for part in _location(first))
-    location = [part for part in parts if part is not None]
+    if tuple(first.get("loc", ()))[:1] == ("header",):  # a header keeps its own name
+        location = [str(part) for part in _location(first)]
+    else:
+        parts = (_plain(part) for part in _location(first))
+        location = [part for part in parts if part is not None]
     # `param` names the top-level field, as OpenAI does; the message keeps the full path.
     param = location[0] if location else None
     message = str(first.get("msg", "invalid request"))

@@ -3,8 +3,9 @@
 `RequestGate` is outermost. For every HTTP request it turns an exception that escaped a route
 into a 500 in OpenAI's error shape *without* re-raising it, so the client's keep-alive
 connection stays usable. Under /v1 it also opens the request's `Settlement`, checks the API key
-from the headers before a byte of the body is read (a bad key never costs a body read), and
-settles the request exactly once when it ends, whatever the outcome.
+from the headers before a byte of the body is read (a bad key never costs a body read), admits
+an inference request against its tenant's limits, and settles the request exactly once when it
+ends, whatever the outcome.
 
 `BodySizeLimit` reads the body within its size limit and deadline before any route runs.
 """
@@ -67,10 +68,12 @@ class RequestGate:
                 headers = Headers(scope=scope)
                 settlement.caller = await _authenticate(state, settlement, headers)
                 _note_client_request_id(settlement, headers)
-                # The tenant's concurrency slot is taken before the body is read: one key's
-                # slow uploads hold at most its own share of the server.
-                settlement.admission = state.limiter.admission(settlement.caller)
-                await settlement.admission.enter()
+                # An inference request takes the tenant's concurrency slot before its body is
+                # read: one key's slow uploads hold at most its own share of the server. Other
+                # routes under /v1 (the model list) cost nothing to count.
+                if settlement.endpoint in INFERENCE_ENDPOINTS:
+                    settlement.admission = state.limiter.admission(settlement.caller)
+                    await settlement.admission.enter()
             await self.app(scope, receive, tracking_send)
         except APIError as error:  # refused at the gate (bad key, draining)
             if settlement is not None:

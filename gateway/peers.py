@@ -1,19 +1,24 @@
 """The gateways serving this deployment: each reports itself to the database every `REPORT_S`,
-so each can count the others and tell whether they share their limits.
+so each can count the others and tell whether they count tenants' limits in one place.
 
-A gateway that limits alone (no `redis_url`) and sees other gateways warns once, in one line:
-each tenant gets its limits once per gateway. A gateway with shared limits that sees one
-without warns once about that one: its tenants' requests there are counted apart.
+Each report names where the gateway counts limits: "" (its own process), or a digest of its
+shared store (the Redis and the key prefix; `limits_store_id`). A gateway that limits alone
+and sees other gateways warns once, in one line: each tenant gets its limits once per gateway.
+A gateway with shared limits that sees one counting elsewhere (in its own process, or in
+another Redis or under another key prefix) warns once about that one: its tenants' requests
+there are counted apart.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 from tenancy import deployment
 from tenancy.deployment import GatewaySeen
@@ -25,28 +30,42 @@ REPORT_S = 5.0
 LIVE_WITHIN = timedelta(seconds=30)
 
 
+def limits_store_id(redis_url: str | None, key_prefix: str) -> str:
+    """Where a gateway counts limits, as its report names it: "" for its own process, else a
+    digest of the Redis it uses (host, port, database or socket path) and its key prefix, so
+    that two gateways agree exactly when they count in one place (a password is left out)."""
+    if redis_url is None:
+        return ""
+    parts = urlsplit(redis_url)
+    database = parts.path.strip("/") or "0"
+    place = f"{parts.hostname or ''}:{parts.port or 6379}/{database}|{key_prefix}"
+    if parts.scheme == "unix":
+        place = f"unix:{parts.path}|{key_prefix}"
+    return "redis:" + hashlib.sha256(place.encode()).hexdigest()[:32]
+
+
 @dataclass
 class Peers:
     """This gateway's report of itself, and what it last read of the others."""
 
     store: Store
-    shared_limits: bool
+    limits_store: str  # where this gateway counts limits (`limits_store_id`)
     instance_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     live: list[GatewaySeen] = field(default_factory=list)
     _warned: set[str] = field(default_factory=set)
 
     def report(self) -> None:
-        """Say this gateway runs, read the others, and warn about limits that are not shared.
+        """Say this gateway runs, read the others, and warn about limits counted apart.
 
         Blocking (the database): run it off the event loop.
         """
         with self.store.transaction() as session:
             deployment.report_gateway(
-                session, self.instance_id, socket.gethostname(), os.getpid(), self.shared_limits
+                session, self.instance_id, socket.gethostname(), os.getpid(), self.limits_store
             )
             self.live = deployment.gateways_seen(session, LIVE_WITHIN)
         others = [seen for seen in self.live if seen.id != self.instance_id]
-        if not self.shared_limits:
+        if not self.limits_store:
             if others and "alone" not in self._warned:
                 self._warned.add("alone")
                 logger.warning(
@@ -56,13 +75,19 @@ class Peers:
                 )
             return
         for seen in others:
-            if not seen.shared_limits and seen.id not in self._warned:
+            if seen.limits_store != self.limits_store and seen.id not in self._warned:
                 self._warned.add(seen.id)
+                where = (
+                    "without PREFIXGATE_REDIS_URL"
+                    if not seen.limits_store
+                    else "with another Redis or key prefix than this one"
+                )
                 logger.warning(
-                    "gateway %s (pid %d) serves this database without PREFIXGATE_REDIS_URL: "
-                    "tenants' requests there are not counted against their shared limits",
+                    "gateway %s (pid %d) serves this database %s: tenants' requests there are "
+                    "not counted against the limits they have here",
                     seen.hostname,
                     seen.pid,
+                    where,
                 )
 
     def leave(self) -> None:

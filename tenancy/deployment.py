@@ -8,7 +8,7 @@ verify as forged, so the first process to use a database records a fingerprint o
 revealing it) and every later one must match. Servers also record their KV pool size, so quota
 and reservation changes can be checked against the memory that will hold them, and every
 gateway reports itself every few seconds, so each can tell how many serve the deployment (and
-whether they share their limits).
+whether they count tenants' limits in one place).
 """
 
 from __future__ import annotations
@@ -114,12 +114,12 @@ class GatewaySeen:
     id: str
     hostname: str
     pid: int
-    shared_limits: bool
+    limits_store: str  # "": its own process
     seen_at: datetime
 
 
 def report_gateway(
-    session: Session, instance_id: str, hostname: str, pid: int, shared_limits: bool
+    session: Session, instance_id: str, hostname: str, pid: int, limits_store: str
 ) -> None:
     """Record that this gateway runs now (and forget gateways gone for a day)."""
     now = utcnow()
@@ -127,12 +127,12 @@ def report_gateway(
     if row is None:
         session.add(
             GatewayInstance(
-                id=instance_id, hostname=hostname[:255], pid=pid, shared_limits=shared_limits,
+                id=instance_id, hostname=hostname[:255], pid=pid, limits_store=limits_store,
                 started_at=now, seen_at=now,
             )
         )  # fmt: skip
     else:
-        row.seen_at, row.shared_limits = now, shared_limits
+        row.seen_at, row.limits_store = now, limits_store
     session.execute(
         delete(GatewayInstance).where(GatewayInstance.seen_at < now - FORGET_GATEWAY_AFTER)
     )
@@ -145,7 +145,7 @@ def gateways_seen(session: Session, within: timedelta) -> list[GatewaySeen]:
         .where(GatewayInstance.seen_at >= utcnow() - within)
         .order_by(GatewayInstance.seen_at.desc())
     )
-    return [GatewaySeen(r.id, r.hostname, r.pid, r.shared_limits, r.seen_at) for r in rows]
+    return [GatewaySeen(r.id, r.hostname, r.pid, r.limits_store, r.seen_at) for r in rows]
 
 
 def forget_gateway(session: Session, instance_id: str) -> None:

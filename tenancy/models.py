@@ -270,7 +270,9 @@ class GatewayInstance(Base):
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     hostname: Mapped[str] = mapped_column(String(255))
     pid: Mapped[int] = mapped_column(Integer)
-    shared_limits: Mapped[bool] = mapped_column(Boolean)
+    # Where it counts tenants' limits: "" in its own process, else a digest naming the shared
+    # store (a Redis and a key prefix; never its password).
+    limits_store: Mapped[str] = mapped_column(String(64))
     started_at: Mapped[datetime] = mapped_column(UTCDateTime)
     seen_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
 

@@ -43,7 +43,7 @@ def worker(
     if settings.worker_secret is None:
         fail("a worker needs PREFIXGATE_WORKER_SECRET, the secret its gateways share")
     check_engine_settings(settings, model)
-    application = create_worker_app(settings)
+    application = create_worker_app(settings, announce=typer.echo)
     config = uvicorn.Config(
         application,
         host=settings.host,

@@ -87,8 +87,9 @@ class Admission:
 
     async def charge(self, tokens: int, choices: int = 1) -> None:
         """Take `tokens` from the tenant's per-minute budget and a concurrency slot for each
-        choice past the first, or raise a 429 (a 400 for more choices, or more tokens, than
-        the tenant may ever have at once)."""
+        choice past the first, or raise a 429: a 400 for more choices than the tenant may ever
+        run at once; for more tokens than its per-minute limit, a 429 coded
+        `tokens_per_minute_exceeded` (as OpenAI answers it), whose wait cannot help."""
         limits = self.limits
         if choices > limits.max_concurrent:
             message = (

@@ -27,7 +27,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -80,8 +80,13 @@ class WorkerState:
         self.draining = False
 
 
-def create_worker_app(settings: Settings, loaded: LoadedModel | None = None) -> FastAPI:
-    """The worker app; the model loads and the engine starts in its lifespan."""
+def create_worker_app(
+    settings: Settings,
+    loaded: LoadedModel | None = None,
+    announce: Callable[[str], None] = print,
+) -> FastAPI:
+    """The worker app; the model loads and the engine starts in its lifespan, which says
+    (`announce`) which model it serves, under which name."""
     from gateway.app import start_engine
 
     if settings.worker_secret is None:
@@ -93,8 +98,10 @@ def create_worker_app(settings: Settings, loaded: LoadedModel | None = None) -> 
         _, engine = await run_in_threadpool(
             on_passing_thread, lambda: start_engine(settings, loaded)
         )
-        logger.info("worker engine: %s", engine.describe())
-        app.state.worker = WorkerState(engine, settings.served_model_name or engine.loaded.name)
+        name = settings.served_model_name or engine.loaded.name
+        announce(f"worker: serving {name} (fingerprint {engine.loaded.fingerprint[:16]})")
+        announce("engine: " + ", ".join(f"{k} {v}" for k, v in engine.describe().items()))
+        app.state.worker = WorkerState(engine, name)
         try:
             yield
         finally:

@@ -21,7 +21,7 @@ def upgrade() -> None:
         sa.Column("id", sa.String(length=36), nullable=False),
         sa.Column("hostname", sa.String(length=255), nullable=False),
         sa.Column("pid", sa.Integer(), nullable=False),
-        sa.Column("shared_limits", sa.Boolean(), nullable=False),
+        sa.Column("limits_store", sa.String(length=64), nullable=False),
         sa.Column("started_at", sa.DateTime(timezone=True), nullable=False),
         sa.Column("seen_at", sa.DateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_gateway_instances")),

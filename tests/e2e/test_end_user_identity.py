@@ -50,3 +50,15 @@ def test_a_proxy_header_wins_over_the_body_user(gateway: Gateway) -> None:
     assert cached_tokens(gateway, key, prompt, user=mallory, header_user=alice) > 0
     assert cached_tokens(gateway, key, prompt, user=alice, header_user=bob) == 0
     assert cached_tokens(gateway, key, prompt, user=alice) > 0  # no proxy: the body's user
+
+
+def test_a_bad_user_header_is_a_400_that_names_the_header(gateway: Gateway) -> None:
+    body = {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    for bad in ("u" * 257, "tab\there"):
+        response = httpx.post(
+            gateway.base_url + "/chat/completions", json=body, timeout=60,
+            headers={"Authorization": f"Bearer {gateway.keys['acme']}", "X-PrefixGate-User": bad},
+        )  # fmt: skip
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "X-PrefixGate-User" and "X-PrefixGate-User" in error["message"]

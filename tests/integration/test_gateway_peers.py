@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-from gateway.peers import Peers
+from gateway.peers import Peers, limits_store_id
 from tenancy.models import GatewayInstance, utcnow
 from tenancy.store import Store
+
+ALONE = limits_store_id(None, "prefixgate")
+SHARED = limits_store_id("redis://:pw@redis.internal:6379/0", "prefixgate")
 
 
 @pytest.fixture
@@ -29,10 +32,10 @@ def test_a_gateway_that_limits_alone_warns_once_when_it_sees_another(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, "gateway.peers")
-    alone = Peers(store, shared_limits=False)
+    alone = Peers(store, limits_store=ALONE)
     alone.report()
     assert alone.count == 1 and warnings(caplog) == []
-    other = Peers(store, shared_limits=False)
+    other = Peers(store, limits_store=ALONE)
     other.report()
     assert len(warnings(caplog)) == 1 and "PREFIXGATE_REDIS_URL is unset" in warnings(caplog)[0]
     alone.report()
@@ -48,22 +51,43 @@ def test_a_sharing_gateway_names_the_one_that_does_not_share(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, "gateway.peers")
-    sharing, another = Peers(store, shared_limits=True), Peers(store, shared_limits=True)
+    sharing, another = Peers(store, limits_store=SHARED), Peers(store, limits_store=SHARED)
     sharing.report()
     another.report()
     sharing.report()
     assert warnings(caplog) == []  # two gateways sharing their limits: nothing to say
-    stray = Peers(store, shared_limits=False)
+    stray = Peers(store, limits_store=ALONE)
     stray.report()
     sharing.report()
     named = [w for w in warnings(caplog) if "without PREFIXGATE_REDIS_URL" in w]
     assert len(named) == 1 and f"pid {os.getpid()}" in named[0]
+    elsewhere = Peers(store, limits_store_id("redis://redis.internal:6379/1", "prefixgate"))
+    elsewhere.report()  # it warns of the three others in its turn
+    caplog.clear()
+    sharing.report()
+    named = [w for w in warnings(caplog) if "another Redis or key prefix" in w]
+    assert len(named) == 1 and warnings(caplog) == named  # it is named, and only it is new
+
+
+def test_gateways_count_in_one_place_exactly_when_their_stores_are_one() -> None:
+    assert limits_store_id(None, "prefixgate") == ""
+    same = limits_store_id("redis://:one@redis.internal:6379/0", "prefixgate")
+    assert same == limits_store_id("redis://:another-password@redis.internal/0", "prefixgate")
+    assert same == limits_store_id("redis://redis.internal:6379", "prefixgate")  # db 0 default
+    for other in (
+        limits_store_id("redis://redis.internal:6379/1", "prefixgate"),
+        limits_store_id("redis://redis.internal:6380/0", "prefixgate"),
+        limits_store_id("redis://other.internal:6379/0", "prefixgate"),
+        limits_store_id("redis://redis.internal:6379/0", "staging"),
+    ):
+        assert other != same and other.startswith("redis:")
+    assert "one" not in same and "redis.internal" not in same  # a digest, not the URL
 
 
 def test_gateways_not_seen_lately_are_not_counted_and_old_ones_are_forgotten(
     store: Store,
 ) -> None:
-    gone, here = Peers(store, shared_limits=True), Peers(store, shared_limits=True)
+    gone, here = Peers(store, limits_store=SHARED), Peers(store, limits_store=SHARED)
     gone.report()
     with store.transaction() as session:
         session.execute(
