@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tqdm import tqdm
 
 from bench.common import BENCH_MODEL, emit, machine, percentile, plot_bars
 from bench.served_gateway import GatewayProcess, gateway_process
@@ -98,7 +99,7 @@ def main() -> None:
             say("starting PostgreSQL database, two workers and two gateways")
             with cluster(Path(scratch), args.redis, prefix) as running:
                 say(f"driving three tenants through both gateways for {args.seconds:g} s")
-                records = asyncio.run(drive(running, args.seconds))
+                records = asyncio.run(drive(running, args.seconds, progress=not args.json))
                 steps = gateway_steps(running.gateways)
                 say(f"revoking {args.revocations} keys")
                 revocations = asyncio.run(revoke(running, args.revocations))
@@ -224,9 +225,10 @@ def drop_redis_prefix(url: str, prefix: str) -> None:
 # -- the load ----------------------------------------------------------------------------------
 
 
-async def drive(running: Cluster, seconds: float) -> dict[str, Record]:
+async def drive(running: Cluster, seconds: float, progress: bool = True) -> dict[str, Record]:
     records = {slug: Record() for slug in ("rpm", "tpm", "slots")}
     deadline = time.monotonic() + seconds
+    ticker = asyncio.create_task(tick(deadline, seconds, progress))
     limits = httpx.Limits(max_connections=64)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         loops = [
@@ -243,7 +245,17 @@ async def drive(running: Cluster, seconds: float) -> dict[str, Record]:
             *(streams_loop(client, running, records["slots"], deadline, i) for i in range(8)),
         ]
         await asyncio.gather(*loops)
+    await ticker
     return records
+
+
+async def tick(deadline: float, seconds: float, shown: bool) -> None:
+    """A progress bar of the load's seconds."""
+    with tqdm(total=round(seconds), unit="s", desc="load", disable=not shown) as bar:
+        while (left := deadline - time.monotonic()) > 0:
+            await asyncio.sleep(min(1.0, left))
+            bar.n = min(round(seconds), round(seconds - max(0.0, deadline - time.monotonic())))
+            bar.refresh()
 
 
 def completion(prompt_tokens: int, max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -321,7 +333,7 @@ async def limiter_overhead(redis_url: str, prefix: str, samples: int) -> dict[st
     timings: dict[str, list[float]] = {}
     for name, limiter in (
         ("process", Limiter()),
-        ("redis", Limiter(RedisLimits(redis_url, prefix, timeout_s=1.0), redis_url)),
+        ("redis", Limiter(RedisLimits(redis_url, prefix, timeout_s=1.0))),
     ):
         spent = []
         for _ in range(samples + 50):

@@ -261,10 +261,12 @@ def make_limiter(settings: Settings) -> Limiter:
     if settings.redis_url is None:
         return Limiter()
     shared = RedisLimits(
-        settings.redis_url, settings.redis_key_prefix, settings.redis_timeout_s,
+        settings.redis_url,
+        settings.redis_key_prefix,
+        settings.redis_timeout_s,
         settings.limit_lease_s,
-    )  # fmt: skip
-    return Limiter(shared, settings.redis_url, settings.limit_lease_s)
+    )
+    return Limiter(shared, settings.limit_lease_s)
 
 
 async def _check_shared_limits(limiter: Limiter, announce: Callable[[str], None]) -> None:

@@ -65,12 +65,18 @@ def tiny_chat_model(
     if architecture == "qwen2":  # another architecture: biased Q/K/V projections
         Qwen2ForCausalLM(
             Qwen2Config(
-                vocab_size=49152, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                num_hidden_layers=num_hidden_layers, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
-                bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
+                vocab_size=49152,
+                hidden_size=hidden_size,
+                intermediate_size=intermediate_size,
+                num_hidden_layers=num_hidden_layers,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=max_position_embeddings,
+                bos_token_id=1,
+                eos_token_id=2,
+                tie_word_embeddings=True,
             )
-        ).save_pretrained(directory)  # fmt: skip
+        ).save_pretrained(directory)
         return _with_tokenizer(directory, tokenizer_dir)
     config = LlamaConfig(
         vocab_size=49152,

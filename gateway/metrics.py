@@ -190,7 +190,7 @@ class LimiterCollector(Collector):
             "prefixgate_limits_shared",
             "1 while tenants' limits are kept in the shared store (Redis), 0 while this "
             "gateway limits alone (no Redis configured, or Redis away: fail-open).",
-            value=1 if limiter.shared is not None and limiter.shared_up else 0,
+            value=1 if limiter.shared_now else 0,
         )
         yield CounterMetricFamily(
             "prefixgate_limits_fallback_steps",

@@ -18,8 +18,8 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from urllib.parse import urlsplit
 
+from gateway.limits.redis_store import redis_place
 from tenancy import deployment
 from tenancy.deployment import GatewaySeen
 from tenancy.store import Store
@@ -36,11 +36,7 @@ def limits_store_id(redis_url: str | None, key_prefix: str) -> str:
     that two gateways agree exactly when they count in one place (a password is left out)."""
     if redis_url is None:
         return ""
-    parts = urlsplit(redis_url)
-    database = parts.path.strip("/") or "0"
-    place = f"{parts.hostname or ''}:{parts.port or 6379}/{database}|{key_prefix}"
-    if parts.scheme == "unix":
-        place = f"unix:{parts.path}|{key_prefix}"
+    place = f"{redis_place(redis_url)}|{key_prefix}"
     return "redis:" + hashlib.sha256(place.encode()).hexdigest()[:32]
 
 

@@ -10,6 +10,7 @@ registered for one model: the same text is other tokens, other keys, in another)
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from gateway.sharing import SharingPolicyHolder
 from gateway.workers.remote_engine import RemoteEngine
 from policies.config import PolicyConfig
 from tenancy.store import Store
+
+logger = logging.getLogger(__name__)
 
 
 class ModelEngine(Protocol):
@@ -76,9 +79,14 @@ class ServedModels:
 
     @classmethod
     def one(
-        cls, settings: Settings, policy: PolicyConfig, store: Store, name: str,
-        loaded: LoadedModel, engine: ModelEngine,
-    ) -> ServedModels:  # fmt: skip
+        cls,
+        settings: Settings,
+        policy: PolicyConfig,
+        store: Store,
+        name: str,
+        loaded: LoadedModel,
+        engine: ModelEngine,
+    ) -> ServedModels:
         """A gateway's own engine, serving one model under `name`."""
         sharing = SharingPolicyHolder(policy, loaded, name, settings.block_size)
         sharing.refresh(store)
@@ -122,23 +130,28 @@ class ServedModels:
 
         Blocking (the database, tokenizers): run it off the event loop.
         """
-        served = self.all()
-        for model in served:
+        for model in self.all():
             model.sharing.refresh(self._store)
-        with self._lock:  # forget the models no worker serves any more
-            current = {(model.name, model.loaded.fingerprint) for model in served}
-            for identity in [key for key in self._by_identity if key not in current]:
-                del self._by_identity[identity]
+        if self._remote is not None:
+            known = self._remote.catalog
+            with self._lock:  # forget the models no known worker serves any more
+                for identity in [key for key in self._by_identity if known.get(key[1]) is None]:
+                    del self._by_identity[identity]
 
     def _served(self, name: str, loaded: LoadedModel, engine: ModelEngine) -> ServedModel:
         """The `ServedModel` of a workers' model, made (and its registry loaded) the first time
-        it is asked for."""
+        it is asked for. Its registry is loaded outside the lock; a database that does not
+        answer then leaves it empty (nothing public is shared) until the next refresh."""
         identity = (name, loaded.fingerprint)
         with self._lock:
             model = self._by_identity.get(identity)
-            if model is None:
-                sharing = SharingPolicyHolder(self._policy, loaded, name, self._settings.block_size)
-                sharing.refresh(self._store)
-                model = ServedModel(name, loaded, engine, sharing, self._settings.max_prompt_tokens)
-                self._by_identity[identity] = model
+        if model is not None:
             return model
+        sharing = SharingPolicyHolder(self._policy, loaded, name, self._settings.block_size)
+        try:
+            sharing.refresh(self._store)
+        except Exception:  # the registry refresh loop retries every `registry_refresh_s`
+            logger.warning("public prefixes of %s not loaded yet", name, exc_info=True)
+        made = ServedModel(name, loaded, engine, sharing, self._settings.max_prompt_tokens)
+        with self._lock:
+            return self._by_identity.setdefault(identity, made)

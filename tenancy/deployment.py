@@ -127,10 +127,14 @@ def report_gateway(
     if row is None:
         session.add(
             GatewayInstance(
-                id=instance_id, hostname=hostname[:255], pid=pid, limits_store=limits_store,
-                started_at=now, seen_at=now,
+                id=instance_id,
+                hostname=hostname[:255],
+                pid=pid,
+                limits_store=limits_store,
+                started_at=now,
+                seen_at=now,
             )
-        )  # fmt: skip
+        )
     else:
         row.seen_at, row.limits_store = now, limits_store
     session.execute(

@@ -37,8 +37,11 @@ def worker(
     from gateway.workers.worker_app import create_worker_app
 
     overrides: dict[str, Any] = {
-        "host": host, "port": port, "model_dir": model, "served_model_name": served_model_name,
-    }  # fmt: skip
+        "host": host,
+        "port": port,
+        "model_dir": model,
+        "served_model_name": served_model_name,
+    }
     settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
     if settings.worker_secret is None:
         fail("a worker needs PREFIXGATE_WORKER_SECRET, the secret its gateways share")

@@ -32,7 +32,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from prometheus_client import Histogram
 
@@ -44,6 +43,7 @@ from gateway.limits.store import (
     Limits,
     LimitStore,
     LimitStoreDown,
+    LimitStoreFailed,
     Refusal,
     Verdict,
     WindowUsage,
@@ -53,6 +53,9 @@ from gateway.limits.store import (
 logger = logging.getLogger(__name__)
 # How often a limiter that fell back asks Redis whether it answers again.
 PROBE_S = 1.0
+FAILURE_LOG_S = 60.0
+# What a step that could not be counted answers: let through, nothing known of the windows.
+_UNCOUNTED = Verdict(WindowUsage(0, 0.0, 0, 0.0))
 _ROUND_TRIP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 _MESSAGES = {
@@ -155,15 +158,15 @@ class Limiter:
     def __init__(
         self,
         shared: LimitStore | None = None,
-        shared_url: str | None = None,
         lease_s: float = 15.0,
     ) -> None:
         self.local = ProcessLimits()
         self.shared = shared
-        self.shared_where = _without_password(shared_url) if shared_url else None
+        self.shared_where = shared.where if shared is not None else None
         self.lease_s = lease_s
         self.shared_up = shared is not None
         self.fallbacks = 0  # admission steps taken here because the shared store was away
+        self._failure_logged = -FAILURE_LOG_S
         # Unregistered: the gateway's metrics registry takes it (gateway/metrics.py).
         self.round_trips = Histogram(
             "prefixgate_limits_round_trip_seconds",
@@ -184,12 +187,24 @@ class Limiter:
             return "process"
         return self.shared.name if self.shared_up else f"process ({self.shared.name} away)"
 
+    async def drain(self) -> None:
+        """Wait for the releases under way (at shutdown; in tests)."""
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=1.0)
+
     async def step(
         self, store: LimitStore | None, call: Callable[[LimitStore], Awaitable[Verdict]]
     ) -> tuple[LimitStore, Verdict]:
         """Run one admission step on `store` (None: the shared store if it is up, else this
-        process's). A shared store that fails is marked away and the step runs here."""
-        chosen = store or (self.shared if self.shared is not None and self.shared_up else None)
+        process's). A shared store that does not answer is marked away and the step runs here;
+        one that answers with an error (its script's) runs this step here and stays in use.
+
+        A step of an admission entered in the shared store that is away now (or fails) is let
+        through uncounted, at once: its slot there lapses with its lease; refusing it would
+        make Redis's outage the tenant's."""
+        if store is not None and store is self.shared and not self.shared_up:
+            return store, _UNCOUNTED
+        chosen = store or (self.shared if self.shared_now else None)
         if chosen is not None and chosen is not self.local:
             started = time.perf_counter()
             try:
@@ -197,9 +212,11 @@ class Limiter:
             except LimitStoreDown as error:
                 self._lost(error)
                 if store is not None:
-                    # Entered there, now away: this step is let through uncounted (its slot
-                    # there lapses with its lease) rather than refused.
-                    return store, Verdict(WindowUsage(0, 0.0, 0, 0.0))
+                    return store, _UNCOUNTED
+            except LimitStoreFailed as error:
+                self._failed(error)
+                if store is not None:
+                    return store, _UNCOUNTED
             else:
                 self.round_trips.observe(time.perf_counter() - started)
                 return chosen, verdict
@@ -207,13 +224,18 @@ class Limiter:
         verdict = await call(self.local)
         return self.local, verdict
 
+    @property
+    def shared_now(self) -> bool:
+        """Whether tenants' limits are counted in the shared store now."""
+        return self.shared is not None and self.shared_up
+
     def hold(self, admission: Admission) -> None:
         if admission.store is not None and admission.store is not self.local:
             self._held[admission.lease_id] = admission
 
     def let_go(self, admission: Admission, refund: int) -> None:
-        """Release an admission's slots: at once here, on a task for a shared store (the
-        response is not held up by it)."""
+        """Release an admission's slots, on a task of its own (the response is not held up by
+        a shared store's round trip)."""
         self._held.pop(admission.lease_id, None)
         store = admission.store
         assert store is not None
@@ -251,6 +273,8 @@ class Limiter:
                     await shared.renew(self.held_leases())
             except LimitStoreDown as error:
                 self._lost(error)
+            except Exception:  # never let renewals end: running requests would lose slots
+                logger.exception("shared limits: renewing leases failed; trying again")
 
     def held_leases(self) -> list[HeldLease]:
         """The shared store's leases of this gateway's running requests."""
@@ -259,6 +283,19 @@ class Limiter:
             for admission in list(self._held.values())
             if admission.store is self.shared
         ]
+
+    def _failed(self, error: LimitStoreFailed) -> None:
+        """The shared store answered with an error (a script's, a full Redis): logged at most
+        once a minute; the store stays in use."""
+        now = time.monotonic()
+        if now - self._failure_logged >= FAILURE_LOG_S:
+            self._failure_logged = now
+            logger.error(
+                "shared limits: %s answered with an error (%s); the step was counted in this "
+                "process (logged at most once a minute)",
+                self.shared_where,
+                error,
+            )
 
     def _lost(self, error: LimitStoreDown) -> None:
         if self.shared_up:
@@ -271,8 +308,7 @@ class Limiter:
         self.shared_up = False
 
     async def close(self) -> None:
-        if self._pending:
-            await asyncio.wait(set(self._pending), timeout=1.0)
+        await self.drain()
         if self.shared is not None:
             await self.shared.close()
 
@@ -281,16 +317,6 @@ def _raise_if_refused(verdict: Verdict) -> None:
     if verdict.refusal is not None:
         message = _MESSAGES[verdict.refusal]
         raise APIError.rate_limited(message, whole_seconds(verdict.retry_after_s))
-
-
-def _without_password(url: str) -> str:
-    """A store URL fit for logs: its password left out."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return parts._replace(netloc=netloc).geturl()
 
 
 def _duration(seconds: float) -> str:

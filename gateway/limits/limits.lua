@@ -66,16 +66,15 @@ if step == 'enter' then
   local per_minute, most, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
   forget_old()
   if redis.call('ZCARD', KEYS[5]) >= most then return answer(1, 1000, {}) end
-  local count = redis.call('ZCARD', KEYS[1])
-  if count >= per_minute then
-    local wait = window
-    if count > 0 then
-      -- Over the limit after it was lowered: wait for the entry whose leaving brings it under.
-      local entry = redis.call('ZRANGE', KEYS[1], count - per_minute, count - per_minute,
-                               'WITHSCORES')
-      wait = math.max(0, tonumber(entry[2]) + window - now)
+  if redis.call('ZCARD', KEYS[1]) >= per_minute then
+    -- The caller works out the wait from the window's entries (time, 1), oldest first.
+    local times = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+    local entries = {}
+    for i = 1, #times, 2 do
+      entries[#entries + 1] = times[i + 1]
+      entries[#entries + 1] = 1
     end
-    return answer(2, wait, {})
+    return answer(2, 0, entries)
   end
   redis.call('ZADD', KEYS[1], now, lease)
   take_slots(0, 1, lease_ms)

@@ -21,7 +21,7 @@ from gateway.limits.store import (
     Refusal,
     Verdict,
     WindowUsage,
-    tokens_wait,
+    window_wait,
 )
 
 
@@ -63,6 +63,7 @@ class ProcessLimits:
     """Limits kept in this process (`LimitStore`)."""
 
     name = "process"
+    where = "this process"
 
     def __init__(
         self, clock: Callable[[], float] = time.monotonic, window_s: float = WINDOW_S
@@ -78,12 +79,8 @@ class ProcessLimits:
             if tenant.slots >= limits.max_concurrent:
                 return self._refused(tenant, now, Refusal.CONCURRENCY, CONCURRENCY_RETRY_S)
             requests = tenant.requests
-            if len(requests.entries) >= limits.requests_per_minute:
-                # The window holds more than the limit after a lowered limit: wait for the
-                # entry whose leaving brings it under.
-                over = len(requests.entries) - limits.requests_per_minute
-                window = self._window_s
-                wait = requests.entries[over][0] + window - now if requests.entries else window
+            if requests.total + 1 > limits.requests_per_minute:
+                wait = self._wait(requests, 1, limits.requests_per_minute, now)
                 return self._refused(tenant, now, Refusal.REQUESTS, wait)
             requests.add(now, 1, lease_id)
             tenant.slots += 1
@@ -98,10 +95,7 @@ class ProcessLimits:
                 return self._refused(tenant, now, Refusal.CONCURRENCY, CONCURRENCY_RETRY_S)
             window = tenant.tokens
             if window.total + tokens > limits.tokens_per_minute:
-                entries = [(when, amount) for when, amount, _ in window.entries]
-                wait = tokens_wait(
-                    entries, window.total, tokens, limits.tokens_per_minute, now, self._window_s
-                )
+                wait = self._wait(window, tokens, limits.tokens_per_minute, now)
                 return self._refused(tenant, now, Refusal.TOKENS, wait)
             window.add(now, tokens, lease_id)
             tenant.slots += extra_slots
@@ -138,6 +132,10 @@ class ProcessLimits:
         tenant.requests.forget_until(now - self._window_s)
         tenant.tokens.forget_until(now - self._window_s)
         return now, tenant
+
+    def _wait(self, window: _Window, wanted: int, limit: int, now: float) -> float:
+        entries = [(when, amount) for when, amount, _ in window.entries]
+        return window_wait(entries, window.total, wanted, limit, now, self._window_s)
 
     def _usage(self, tenant: _Tenant, now: float) -> WindowUsage:
         return WindowUsage(

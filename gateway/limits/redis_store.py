@@ -20,21 +20,23 @@ from collections import defaultdict
 from collections.abc import Sequence
 from importlib.resources import files
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from gateway.limits.store import (
     WINDOW_S,
     HeldLease,
     Limits,
     LimitStoreDown,
+    LimitStoreFailed,
     Refusal,
     Verdict,
     WindowUsage,
-    tokens_wait,
+    window_wait,
 )
 
 _SCRIPT = files("gateway.limits").joinpath("limits.lua").read_text()
@@ -48,9 +50,13 @@ class RedisLimits:
     name = "redis"
 
     def __init__(
-        self, url: str, key_prefix: str = "prefixgate", timeout_s: float = 0.25,
-        lease_s: float = 15.0, window_s: float = WINDOW_S,
-    ) -> None:  # fmt: skip
+        self,
+        url: str,
+        key_prefix: str = "prefixgate",
+        timeout_s: float = 0.25,
+        lease_s: float = 15.0,
+        window_s: float = WINDOW_S,
+    ) -> None:
         self._client: Redis = Redis.from_url(
             url,
             socket_timeout=timeout_s,
@@ -59,38 +65,56 @@ class RedisLimits:
             decode_responses=False,
         )
         self._script = self._client.register_script(_SCRIPT)
+        self.where = redis_place(url)
         self._prefix = key_prefix
         self.lease_s = lease_s
         self._window_ms = int(window_s * 1000)
 
     def _keys(self, tenant_id: str) -> list[str]:
         base = f"{self._prefix}:{{{tenant_id}}}"
-        return [f"{base}:requests", f"{base}:token-times", f"{base}:token-counts",
-                f"{base}:token-sum", f"{base}:slots"]  # fmt: skip
+        return [
+            f"{base}:requests",
+            f"{base}:token-times",
+            f"{base}:token-counts",
+            f"{base}:token-sum",
+            f"{base}:slots",
+        ]
 
     async def _run(self, tenant_id: str, step: str, lease_id: str, *args: int) -> Any:
         try:
             return await self._script(
                 keys=self._keys(tenant_id), args=[step, self._window_ms, lease_id, *args]
             )
+        except ResponseError as error:  # it answered: no outage, an error of the script's
+            raise LimitStoreFailed(str(error)) from error
         except (RedisError, OSError) as error:
             raise LimitStoreDown(f"{type(error).__name__}: {error}") from error
 
     async def enter(self, tenant_id: str, lease_id: str, limits: Limits) -> Verdict:
         reply = await self._run(
-            tenant_id, "enter", lease_id,
-            limits.requests_per_minute, limits.max_concurrent, self._lease_ms,
-        )  # fmt: skip
-        return self._verdict(reply, 0, limits)
+            tenant_id,
+            "enter",
+            lease_id,
+            limits.requests_per_minute,
+            limits.max_concurrent,
+            self._lease_ms,
+        )
+        return self._verdict(reply, 1, limits.requests_per_minute)
 
     async def charge(
         self, tenant_id: str, lease_id: str, tokens: int, extra_slots: int, limits: Limits
     ) -> Verdict:
         reply = await self._run(
-            tenant_id, "charge", lease_id, tokens, extra_slots, limits.max_concurrent,
-            limits.tokens_per_minute, self._lease_ms,
-        )  # fmt: skip
-        return self._verdict(reply, tokens, limits)
+            tenant_id,
+            "charge",
+            lease_id,
+            tokens,
+            extra_slots,
+            limits.max_concurrent,
+            limits.tokens_per_minute,
+            self._lease_ms,
+        )
+        return self._verdict(reply, tokens, limits.tokens_per_minute)
 
     async def release(self, tenant_id: str, lease_id: str, slots: int, refund: int) -> None:
         await self._run(tenant_id, "release", lease_id, slots, refund)
@@ -117,9 +141,10 @@ class RedisLimits:
         except (RedisError, OSError) as error:
             raise LimitStoreDown(f"{type(error).__name__}: {error}") from error
 
-    def _verdict(self, reply: list[Any], wanted_tokens: int, limits: Limits) -> Verdict:
-        """A script's answer as a `Verdict`; a token refusal's wait is worked out here, from the
-        window's entries, by the same rule the in-process store uses."""
+    def _verdict(self, reply: list[Any], wanted: int, limit: int) -> Verdict:
+        """A script's answer as a `Verdict`. A window's refusal comes with the window's entries
+        (time, amount), oldest first; the wait is worked out from them here, by the rule the
+        in-process store keeps too (`window_wait`)."""
         refusal = _REFUSALS[int(reply[0])]
         usage = WindowUsage(
             requests_used=int(reply[2]),
@@ -128,13 +153,11 @@ class RedisLimits:
             tokens_reset_s=int(reply[5]) / 1000,
         )
         wait = int(reply[1]) / 1000
-        if refusal is Refusal.TOKENS:
+        if refusal in (Refusal.REQUESTS, Refusal.TOKENS):
             now, raw = int(reply[7]) / 1000, reply[8:]
             entries = [(int(raw[i]) / 1000, int(raw[i + 1])) for i in range(0, len(raw), 2)]
-            wait = tokens_wait(
-                entries, usage.tokens_used, wanted_tokens, limits.tokens_per_minute, now,
-                self._window_ms / 1000,
-            )  # fmt: skip
+            used = usage.requests_used if refusal is Refusal.REQUESTS else usage.tokens_used
+            wait = window_wait(entries, used, wanted, limit, now, self._window_ms / 1000)
         return Verdict(usage, refusal, wait)
 
     async def ping(self) -> None:
@@ -149,3 +172,16 @@ class RedisLimits:
     @property
     def _lease_ms(self) -> int:
         return int(self.lease_s * 1000)
+
+
+def redis_place(url: str) -> str:
+    """Where a Redis URL points, without its credentials: `redis://host:port/db`, or
+    `unix:///path?db=N` for a socket (a password in the user part or the query is left out)."""
+    parts = urlsplit(url)
+    database = parse_qs(parts.query).get("db", ["0"])[0]
+    if parts.scheme == "unix":
+        return f"unix://{parts.path}?db={database}"
+    database = parts.path.strip("/") or database
+    host = parts.hostname or "localhost"
+    shown = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{shown}:{parts.port or 6379}/{database}"

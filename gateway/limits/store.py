@@ -81,10 +81,15 @@ class LimitStoreDown(Exception):
     """The store did not answer in time (a shared store that is away)."""
 
 
+class LimitStoreFailed(Exception):
+    """The store answered with an error (a shared store's script failed, or it is full)."""
+
+
 class LimitStore(Protocol):
     """Where a tenant's windows and slots live. Every method is one atomic step."""
 
     name: str  # "process" or "redis", for /readyz and logs
+    where: str  # where it keeps them, for logs (never a password)
 
     async def enter(self, tenant_id: str, lease_id: str, limits: Limits) -> Verdict:
         """Take one concurrency slot and one request of the window, or neither."""
@@ -111,7 +116,7 @@ class LimitStore(Protocol):
     async def close(self) -> None: ...
 
 
-def tokens_wait(
+def window_wait(
     entries: Sequence[tuple[float, int]],
     used: int,
     wanted: int,
@@ -119,8 +124,10 @@ def tokens_wait(
     now: float,
     window_s: float = WINDOW_S,
 ) -> float:
-    """Seconds until `wanted` more tokens fit under `limit`, given the window's entries
-    (time, tokens), oldest first, which hold `used` tokens in all."""
+    """Seconds until `wanted` more (requests, or tokens) fit under `limit`, given the window's
+    entries (time, amount), oldest first, which hold `used` in all: until the entry whose
+    leaving makes room leaves (after a lowered limit, not the oldest); a whole window when
+    nothing in it would (a limit of 0)."""
     for when, amount in entries:
         used -= amount
         if used + wanted <= limit:

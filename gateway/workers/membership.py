@@ -326,8 +326,9 @@ class WorkerSet:
         try:
             for tenant_id in tenant_ids:
                 purged = self._post(worker, "purge", {"tenant_id": tenant_id}).get("blocks", 0)
-                logger.info("purged %s blocks of deleted tenant %s on %s", purged, tenant_id,
-                            worker.url)  # fmt: skip
+                logger.info(
+                    "purged %s blocks of deleted tenant %s on %s", purged, tenant_id, worker.url
+                )
         except (httpx.HTTPError, ValueError) as error:
             self.mark_down(worker, f"could not purge a deleted tenant: {error!r}")
 

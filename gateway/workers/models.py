@@ -4,8 +4,9 @@ A worker announces the model it serves by name (the id clients send) and fingerp
 of its weights, tokenizer and config: engine/model_loader.py). The gateway tokenizes and
 templates requests itself, so the first time it meets a fingerprint it fetches that model's
 tokenizer and config files from the worker (`GET /internal/v1/model`; no weights) and loads
-its shape. Workers are trusted (they hold the worker secret); the files are checked by name
-and size all the same.
+its shape. Workers are trusted (they hold the worker secret); the answer is checked all the
+same: its size (`MAX_SHAPE_BYTES` of files at most), every file's name (a tokenizer's or a
+config's, no path) before anything is written, and the name and fingerprint it announced.
 
 A fingerprint may be served under two names (an alias): each name is a model of its own for
 clients and for public prefixes, computed alike (the same weights give the same cache keys).
@@ -21,6 +22,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import itertools
+import json
 import logging
 import re
 import shutil
@@ -31,10 +33,18 @@ from typing import Any
 
 import httpx
 
-from engine.model_loader import LoadedModel, ModelLoadError, is_shape_file, load_shape
+from engine.model_loader import (
+    MAX_SHAPE_BYTES,
+    LoadedModel,
+    ModelLoadError,
+    is_shape_file,
+    load_shape,
+)
 
 logger = logging.getLogger(__name__)
 _FINGERPRINT = re.compile(r"[0-9a-f]{64}")  # a SHA-256 digest (engine/model_loader.py)
+# The files as base64 (4 bytes for 3) in JSON, with room for the rest of the answer.
+_MAX_ANSWER_BYTES = MAX_SHAPE_BYTES * 4 // 3 + (1 << 20)
 MAX_MODEL_NAME = 256
 
 
@@ -105,9 +115,15 @@ class ModelCatalog:
         shutil.rmtree(self._directory, ignore_errors=True)
 
     def _fetch(self, worker_url: str, name: str, fingerprint: str) -> LoadedModel:
-        response = self._client.get(f"{worker_url}/internal/v1/model")
-        response.raise_for_status()
-        body: dict[str, Any] = response.json()
+        with self._client.stream("GET", f"{worker_url}/internal/v1/model") as response:
+            response.raise_for_status()
+            chunks, size = [], 0
+            for chunk in response.iter_bytes():
+                size += len(chunk)
+                if size > _MAX_ANSWER_BYTES:
+                    raise ValueError(f"its model's files exceed {MAX_SHAPE_BYTES} bytes")
+                chunks.append(chunk)
+        body: dict[str, Any] = json.loads(b"".join(chunks))
         if body["name"] != name or body["fingerprint"] != fingerprint:
             raise ValueError("the worker's model changed while it was fetched")
         files = dict(body["files"])

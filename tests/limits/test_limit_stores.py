@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from gateway.limits.process_store import ProcessLimits
 from gateway.limits.redis_store import RedisLimits
 from gateway.limits.store import HeldLease, Limits, LimitStore, Refusal
+from tests.support.redis import drop_prefix
 
 pytestmark = pytest.mark.anyio
 WINDOW_S = 1.0  # a short window for the tests that watch it slide
@@ -110,12 +111,33 @@ async def test_each_choice_past_the_first_takes_a_slot(store: LimitStore) -> Non
 
 async def test_a_lowered_limit_waits_for_enough_of_the_window_to_pass(store: LimitStore) -> None:
     generous = Limits(requests_per_minute=5, tokens_per_minute=100, max_concurrent=100)
+    admitted = []
     for _ in range(4):
         assert (await store.enter("t", lease(), generous)).allowed
+        admitted.append(time.monotonic())
+        await asyncio.sleep(0.1)
     lowered = Limits(requests_per_minute=2, tokens_per_minute=100, max_concurrent=100)
     refused = await store.enter("t", lease(), lowered)
-    # Two of the four must leave: the wait is until the third oldest goes.
-    assert refused.refusal is Refusal.REQUESTS and 0 < refused.retry_after_s <= WINDOW_S
+    asked = time.monotonic()
+    # Three of the four must leave before one more fits under 2: the wait is the third's.
+    expected = admitted[2] + WINDOW_S - asked
+    assert refused.refusal is Refusal.REQUESTS
+    assert abs(refused.retry_after_s - expected) < 0.06, (refused.retry_after_s, expected)
+
+
+async def test_a_limit_of_zero_refuses_for_a_whole_window(store: LimitStore) -> None:
+    """An admin throttling a tenant to 0 while its window holds requests: a 429, never an
+    error."""
+    first = lease()
+    assert (await store.enter("t", first, LIMITS)).allowed
+    assert (await store.charge("t", first, 10, 0, LIMITS)).allowed
+    stopped = Limits(requests_per_minute=0, tokens_per_minute=0, max_concurrent=3)
+    refused = await store.enter("t", lease(), stopped)
+    assert refused.refusal is Refusal.REQUESTS and refused.retry_after_s == WINDOW_S
+    second = lease()
+    assert (await store.enter("t", second, LIMITS)).allowed
+    no_tokens = await store.charge("t", second, 1, 0, stopped)
+    assert no_tokens.refusal is Refusal.TOKENS and no_tokens.retry_after_s == WINDOW_S
 
 
 async def test_the_usage_says_when_the_window_is_empty_again(store: LimitStore) -> None:
@@ -145,15 +167,15 @@ async def test_two_gateways_share_one_redis_atomically(
 
 
 async def test_a_redis_lease_lapses_unless_renewed(redis_server: str, redis_prefix: str) -> None:
-    store = RedisLimits(redis_server, redis_prefix, timeout_s=2.0, lease_s=1.0)
+    store = RedisLimits(redis_server, redis_prefix, timeout_s=2.0, lease_s=2.0)
     limits = Limits(requests_per_minute=100, tokens_per_minute=100, max_concurrent=2)
     try:
         kept, lost = lease(), lease()
         assert (await store.enter("t", kept, limits)).allowed
         assert (await store.enter("t", lost, limits)).allowed
         assert not (await store.enter("t", lease(), limits)).allowed
-        for _ in range(4):  # 1.2 s: past the lease, renewing only one of the two
-            await asyncio.sleep(0.3)
+        for _ in range(5):  # 2.5 s: past the lease, renewing only one of the two
+            await asyncio.sleep(0.5)
             await store.renew([HeldLease("t", kept, 1)])
         assert (await store.enter("t", lease(), limits)).allowed  # the lapsed one's slot
         assert not (await store.enter("t", lease(), limits)).allowed  # the kept one holds
@@ -164,6 +186,12 @@ async def test_a_redis_lease_lapses_unless_renewed(redis_server: str, redis_pref
         await store.close()
 
 
+# Limits an admin may set and change between any two steps (lowered ones included, and 0).
+LIMIT_CHOICES = [
+    Limits(requests_per_minute=8, tokens_per_minute=200, max_concurrent=3),
+    Limits(requests_per_minute=3, tokens_per_minute=60, max_concurrent=2),
+    Limits(requests_per_minute=0, tokens_per_minute=0, max_concurrent=0),
+]
 STEPS = st.lists(
     st.tuples(
         st.sampled_from(["enter", "enter", "charge", "charge", "release"]),
@@ -171,6 +199,7 @@ STEPS = st.lists(
         st.integers(0, 6),  # which earlier admission (charge, release)
         st.integers(0, 80),  # tokens
         st.integers(0, 2),  # extra slots
+        st.sampled_from([0, 0, 0, 1, 2]),  # which limits hold for this step
     ),
     max_size=40,
 )
@@ -181,19 +210,20 @@ STEPS = st.lists(
 )
 @given(steps=STEPS)
 async def test_both_stores_give_the_same_answers(
-    steps: list[tuple[str, str, int, int, int]], redis_server: str
+    steps: list[tuple[str, str, int, int, int, int]], redis_server: str
 ) -> None:
-    """Random admission sequences: the two stores refuse the same steps for the same reasons
-    and count the same usage (with a window no test outlasts)."""
+    """Random admission sequences under limits that change between steps: the two stores
+    refuse the same steps for the same reasons, with the same waits, and count the same usage
+    (with a window no test outlasts)."""
     prefix = f"prefixgate-test-{uuid.uuid4().hex[:12]}"
     stores: list[LimitStore] = [
         ProcessLimits(window_s=600),
         RedisLimits(redis_server, prefix, timeout_s=2.0, window_s=600),
     ]
-    limits = Limits(requests_per_minute=8, tokens_per_minute=200, max_concurrent=3)
     try:
         admitted: list[tuple[str, str, int]] = []  # tenant, lease, slots
-        for step, tenant, which, tokens, extra in steps:
+        for step, tenant, which, tokens, extra, chosen in steps:
+            limits = LIMIT_CHOICES[chosen]
             if step == "enter":
                 lease_id = lease()
                 answers = [await s.enter(tenant, lease_id, limits) for s in stores]
@@ -218,9 +248,9 @@ async def test_both_stores_give_the_same_answers(
             assert ours.refusal == theirs.refusal
             assert ours.usage.requests_used == theirs.usage.requests_used
             assert ours.usage.tokens_used == theirs.usage.tokens_used
+            # Each on its own clock (monotonic here, Redis's there), moments apart.
+            assert abs(ours.retry_after_s - theirs.retry_after_s) < 0.5
     finally:
         for s in stores:
             await s.close()
-        from tests.support.redis import drop_prefix
-
         drop_prefix(prefix)

@@ -14,11 +14,12 @@ from collections.abc import AsyncIterator, Iterator
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 
 from gateway.auth import Caller, TenantSnapshot
 from gateway.errors import APIError
 from gateway.limits.limiter import Limiter
-from gateway.limits.redis_store import RedisLimits
+from gateway.limits.redis_store import RedisLimits, redis_place
 from gateway.limits.store import Limits
 from tests.support.tcp_proxy import TcpProxy
 
@@ -57,16 +58,13 @@ async def running(limiter: Limiter) -> AsyncIterator[Limiter]:
 def limiter_through(proxy: TcpProxy, prefix: str, lease_s: float = 15.0) -> Limiter:
     url = f"redis://127.0.0.1:{proxy.port}/0"
     store = RedisLimits(url, prefix, timeout_s=0.25, lease_s=lease_s)
-    return Limiter(store, url, lease_s)
+    return Limiter(store, lease_s)
 
 
 async def test_a_shared_limiter_counts_every_gateway_once(
     redis_server: str, redis_prefix: str
 ) -> None:
-    gateways = [
-        Limiter(RedisLimits(redis_server, redis_prefix, timeout_s=2.0), redis_server)
-        for _ in range(2)
-    ]
+    gateways = [Limiter(RedisLimits(redis_server, redis_prefix, timeout_s=2.0)) for _ in range(2)]
     one, other = gateways
     first = one.admission(caller())
     await first.enter()
@@ -77,7 +75,7 @@ async def test_a_shared_limiter_counts_every_gateway_once(
     assert refused.value.status == 429 and "concurrent" in refused.value.message
     assert third.headers()  # a refusal still tells the client where it stands
     first.release(0)
-    await asyncio.sleep(0.05)  # the release goes out on a task of its own
+    await one.drain()  # the release goes out on a task of its own
     await third.enter()
     for gateway in gateways:
         await gateway.close()
@@ -137,7 +135,7 @@ async def test_a_hung_redis_costs_one_timeout_not_one_per_request(redis_prefix: 
 
     threading.Thread(target=accept, daemon=True).start()
     url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
-    limiter = Limiter(RedisLimits(url, redis_prefix, timeout_s=0.25), url)
+    limiter = Limiter(RedisLimits(url, redis_prefix, timeout_s=0.25))
     try:
         started = time.perf_counter()
         await limiter.admission(caller()).enter()
@@ -160,7 +158,7 @@ async def test_running_requests_keep_their_slots_past_the_lease(
 ) -> None:
     lease_s = 1.0
     store = RedisLimits(redis_server, redis_prefix, timeout_s=2.0, lease_s=lease_s)
-    async with running(Limiter(store, redis_server, lease_s)) as limiter:
+    async with running(Limiter(store, lease_s)) as limiter:
         held = limiter.admission(caller(max_concurrent=1))
         await held.enter()
         await asyncio.sleep(2.5 * lease_s)  # renewed every third of a lease meanwhile
@@ -168,7 +166,7 @@ async def test_running_requests_keep_their_slots_past_the_lease(
         one_slot = Limits(requests_per_minute=100, tokens_per_minute=100, max_concurrent=1)
         assert not (await other.enter("t", "other-gateway", one_slot)).allowed
         held.release(0)
-        await asyncio.sleep(0.05)
+        await limiter.drain()
         assert (await other.enter("t", "other-gateway", one_slot)).allowed
         await other.close()
 
@@ -180,3 +178,36 @@ async def test_without_redis_limits_are_this_processs_own() -> None:
     await admission.enter()
     assert admission.store is limiter.local and limiter.fallbacks == 0
     await limiter.close()
+
+
+async def test_an_error_answered_by_redis_is_no_outage(
+    redis_server: str, redis_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step whose script fails (here: a tenant's key of the wrong type) is counted in this
+    process; Redis stays in use for everyone else, and the error is logged once."""
+    caplog.set_level(logging.ERROR, "gateway.limits.limiter")
+    broken = redis.Redis.from_url(redis_server)
+    broken.set(f"{redis_prefix}:{{broken}}:requests", "not a sorted set")
+    broken.close()
+    limiter = Limiter(RedisLimits(redis_server, redis_prefix, timeout_s=2.0))
+    for _ in range(3):
+        admission = limiter.admission(caller("broken", max_concurrent=5))
+        await admission.enter()
+        assert admission.store is limiter.local
+    assert limiter.mode == "redis"  # not an outage: nobody else falls back
+    healthy = limiter.admission(caller("healthy"))
+    await healthy.enter()
+    assert healthy.store is limiter.shared
+    errors = [r for r in caplog.records if "answered with an error" in r.getMessage()]
+    assert len(errors) == 1 and "WRONGTYPE" in errors[0].getMessage()
+    await limiter.close()
+
+
+def test_a_redis_url_is_shown_without_its_password() -> None:
+    assert redis_place("redis://:s3cret@cache.internal:6380/2") == "redis://cache.internal:6380/2"
+    assert redis_place("rediss://user:s3cret@cache.internal/1") == "rediss://cache.internal:6379/1"
+    assert redis_place("redis://cache.internal?password=s3cret&db=3") == (
+        "redis://cache.internal:6379/3"
+    )
+    assert redis_place("redis://[::1]:6379") == "redis://[::1]:6379/0"
+    assert redis_place("unix:///run/redis.sock?db=1&password=x") == "unix:///run/redis.sock?db=1"

@@ -89,7 +89,7 @@ def _limits(state: GatewayState) -> dict[str, object]:
             "note": "PREFIXGATE_REDIS_URL is unset: with several gateways, each tenant gets "
             "its limits once per gateway",
         }
-    if not limiter.shared_up:
+    if not limiter.shared_now:
         return {
             "store": "process",
             "shared": False,
