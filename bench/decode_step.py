@@ -53,15 +53,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from bench.common import emit, machine, plot_bars
 from bench.machine_speed import Prober, Speed, product_dtype, summary, typical
 from bench.prefix import tiny_llama
+from engine.cache.kv_spec import dtype_name
+from engine.cache.scope import Tenant
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineError
-from engine.kv_spec import dtype_name
-from engine.model_loader import LoadedModel, embedded_model_dir, load_model
+from engine.model.loader import LoadedModel, embedded_model_dir, load_model
 from engine.precision import native_bf16_flags, resolve_dtype
 from engine.request import GenerationDelta, GenerationRequest
-from engine.sampler import SamplingParams
-from engine.scope import Tenant
+from engine.sampling.sampler import SamplingParams
 
 TENANT = "bench"
 T = TypeVar("T")

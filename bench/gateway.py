@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 
 from bench.common import BENCH_MODEL, bench_gateway, emit, machine, percentile, plot_bars
+from engine.cache.scope import User
 from engine.request import GenerationRequest
-from engine.sampler import SamplingParams
-from engine.scope import User
+from engine.sampling.sampler import SamplingParams
 from policies.templates import render_with_spans
 
 TARGET_OVERHEAD_P50_MS = 2.0

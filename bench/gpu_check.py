@@ -92,7 +92,7 @@ def size_pool() -> dict[str, Any]:
 
 def embedded_model() -> tuple[Path | None, str | None]:
     """The embedded model's directory, or None and why not."""
-    from engine.model_loader import embedded_model_dir
+    from engine.model.loader import embedded_model_dir
 
     try:
         return embedded_model_dir(), None

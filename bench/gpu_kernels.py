@@ -29,10 +29,10 @@ import torch
 import triton
 
 from bench.common import emit, machine
-from engine.kernels.triton_common import multiprocessors
-from engine.kernels.triton_decode import decode_attention, plan_splits
-from engine.kernels.triton_prefill import prefill_attention
-from engine.kernels.triton_zero import zero_blocks
+from engine.kernels.triton.common import multiprocessors
+from engine.kernels.triton.decode import decode_attention, plan_splits
+from engine.kernels.triton.prefill import prefill_attention
+from engine.kernels.triton.zero import zero_blocks
 
 GB = 1e9
 # (query, key cache, value cache, block tables, query starts, context lengths)

@@ -4,8 +4,8 @@
 
 For a few JSON schemas over the embedded model's tokenizer (SmolLM2, 49,152 tokens): the time
 to set a library up for the vocabulary, to compile each schema, and to compute the next-token
-mask at each token of a valid document (teacher-forced), median and worst. engine/grammar.py
-uses the one this chose and says why.
+mask at each token of a valid document (teacher-forced), median and worst.
+engine/structured/grammar.py uses the one this chose and says why.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from bench.common import emit, machine
-from engine.grammar import COMPACT
-from engine.model_loader import embedded_model_dir
+from engine.model.loader import embedded_model_dir
+from engine.structured.grammar import COMPACT
 
 SCHEMAS: dict[str, tuple[dict[str, Any], Any]] = {
     "person": (

@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 from bench.common import emit, machine, plot_bars
-from engine.block_hash import BlockHasher, encode_token_ids
-from engine.scope import Public, User
+from engine.cache.block_hash import BlockHasher, encode_token_ids
+from engine.cache.scope import Public, User
 
 TARGET_NS_PER_TOKEN = 50.0
 

@@ -47,15 +47,15 @@ from transformers import (
 
 from bench.common import fp32_kv_bytes_per_token
 from bench.served_gateway import served_gateway
+from engine.cache.kv_spec import dtype_name
+from engine.cache.scope import Tenant
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.kv_spec import dtype_name
-from engine.model_loader import load_model
-from engine.openmp import foreign_environment
+from engine.model.loader import load_model
+from engine.model.openmp import foreign_environment
 from engine.precision import resolve_dtype
 from engine.request import GenerationDelta, GenerationRequest
-from engine.sampler import SamplingParams
-from engine.scope import Tenant
+from engine.sampling.sampler import SamplingParams
 from engine.sequence import Sink
 
 TENANT = "bench"
@@ -102,7 +102,7 @@ class Trace:
 
 @dataclass(frozen=True, slots=True)
 class CpuThreads:
-    """What PrefixGate's ThreadGovernor (engine/openmp.py) reports: the OpenMP threads its
+    """What PrefixGate's ThreadGovernor (engine/model/openmp.py) reports: the OpenMP threads its
     steps compute with now, and how often it has gone from all of them to fewer."""
 
     threads: int

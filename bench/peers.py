@@ -29,7 +29,7 @@ about a second after a phase's last token, and whichever engine ran next would p
 Each engine's notes say how long the machine stayed busy after its phases
 (`busy_after_phases_s`) and after how many it did not settle within the 10 s; PrefixGate's
 say in which phases its engine computed with fewer threads than it started with
-(`narrowed_phases`: its ThreadGovernor, engine/openmp.py, judged the CPUs busy), and the
+(`narrowed_phases`: its ThreadGovernor, engine/model/openmp.py, judged the CPUs busy), and the
 scaling target names those of its phases. All engines stay
 loaded for the whole run: memory for each one's model and KV pool at once. The result is
 written at the end; a run killed midway leaves nothing, as every metric needs every phase.
@@ -100,7 +100,7 @@ from bench.peer_runners import (
     Workload,
 )
 from bench.peer_turns import interleave
-from engine.model_loader import embedded_model_dir
+from engine.model.loader import embedded_model_dir
 from engine.precision import cpu_flags, cpu_info, native_bf16_flags, resolve_dtype
 
 SEED = 0

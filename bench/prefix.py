@@ -26,13 +26,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.common import emit, machine, plot_bars
 from bench.hf_baseline import run_hf
+from engine.cache.scope import Public, Segment, Tenant, User
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model_loader import LoadedModel, load_model
+from engine.model.loader import LoadedModel, load_model
 from engine.precision import DEVICE_SETTINGS, DTYPE_SETTINGS, resolve_device, resolve_dtype
 from engine.request import GenerationRequest, Usage
-from engine.sampler import SamplingParams
-from engine.scope import Public, Segment, Tenant, User
+from engine.sampling.sampler import SamplingParams
 
 TINY_VOCAB = 32_000
 

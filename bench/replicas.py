@@ -124,9 +124,9 @@ def main() -> None:
 
 @contextmanager
 def cluster(scratch: Path, redis_url: str, prefix: str) -> Iterator[Cluster]:
-    from engine.model_loader import embedded_model_dir
-    from gateway.local_server import tiny_chat_model
-    from gateway.workers.local import worker_processes
+    from bench.local_server import tiny_chat_model
+    from bench.local_workers import worker_processes
+    from engine.model.loader import embedded_model_dir
 
     model_dir = tiny_chat_model(scratch / BENCH_MODEL, embedded_model_dir())
     with ExitStack() as stack:
@@ -320,7 +320,7 @@ async def streams_loop(
 
 async def limiter_overhead(redis_url: str, prefix: str, samples: int) -> dict[str, Any]:
     """Each store's enter + charge, timed in this process: Redis against this process."""
-    from gateway.auth import Caller, TenantSnapshot
+    from gateway.auth.key_auth import Caller, TenantSnapshot
     from gateway.limits.limiter import Limiter
     from gateway.limits.redis_store import RedisLimits
 

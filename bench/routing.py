@@ -182,8 +182,8 @@ def routed_gateway(
 ) -> Iterator[tuple[Any, list[Any], dict[str, str]]]:
     """Two fresh workers and a gateway routing to them in `mode`; tenants (slug, sharing
     mode) with one key each: (server, workers, keys)."""
-    from gateway.local_server import serve
-    from gateway.workers.local import worker_processes
+    from bench.local_server import serve
+    from bench.local_workers import worker_processes
     from tenancy import api_keys
     from tenancy import tenants as tenancy
     from tenancy.migrate import upgrade
@@ -284,8 +284,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         model_dir, model = args.model, args.model.name if args.model else BENCH_MODEL
         if model_dir is None:
-            from engine.model_loader import embedded_model_dir
-            from gateway.local_server import tiny_chat_model
+            from bench.local_server import tiny_chat_model
+            from engine.model.loader import embedded_model_dir
 
             model_dir = tiny_chat_model(Path(scratch) / BENCH_MODEL, embedded_model_dir())
         kv_bytes = kv_cache_bytes(model_dir, sizes, args.kv_cache_mib)

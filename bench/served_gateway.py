@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.local_server import free_port, wait_until_ready
-from gateway.workers.local import ServerProcess, stop
+from bench.local_server import free_port, wait_until_ready
+from bench.local_workers import ServerProcess, stop
 
 PUBLIC_NAMESPACE = "default"  # in the packaged policy's namespaces
 

@@ -24,10 +24,10 @@ import httpx
 import psutil
 
 from bench.common import emit, machine
+from bench.local_server import tiny_chat_model
 from bench.served_gateway import served_gateway
 from bench.soak_clients import SYSTEM_PROMPT, WORDS
-from engine.model_loader import embedded_model_dir
-from gateway.local_server import tiny_chat_model
+from engine.model.loader import embedded_model_dir
 
 MODEL = "tiny-chat"
 SAMPLE_S = 5.0

@@ -22,7 +22,7 @@ import httpx
 import psutil
 
 from bench.common import BENCH_MODEL, fp32_kv_bytes_per_token, percentile
-from gateway.local_server import RunningServer, serve, tiny_chat_model
+from bench.local_server import RunningServer, serve, tiny_chat_model
 from gateway.state import GatewayState
 from tenancy import api_keys, prefixes, tenants
 from tenancy.migrate import upgrade
@@ -67,7 +67,7 @@ class Soaked:
 
 def soak_model(directory: Path) -> Path:
     """The tiny random chat model, written to `directory` / MODEL."""
-    from engine.model_loader import embedded_model_dir
+    from engine.model.loader import embedded_model_dir
 
     return tiny_chat_model(directory / MODEL, embedded_model_dir())
 

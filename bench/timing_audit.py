@@ -65,10 +65,10 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from bench.common import emit, fp32_kv_bytes_per_token, percentile
+from bench.local_server import tiny_chat_model
 from bench.peers import machine_info
 from bench.served_gateway import ServedGateway, ServedTenant, served_tenants
-from engine.model_loader import embedded_model_dir
-from gateway.local_server import tiny_chat_model
+from engine.model.loader import embedded_model_dir
 from policies.templates import system_prompt_tokens
 
 CASES = "abcdef"

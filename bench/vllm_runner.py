@@ -16,7 +16,7 @@ Each new token is timestamped when `step()` hands it over: the streaming view an
 client would have, like PrefixGate's engine driven by `Engine.step()`.
 
 `bench.peers` starts it without what PrefixGate's engine adds to the environment
-(`GOMP_SPINCOUNT`, engine/openmp.py), so vLLM's threads wait between operations as vLLM's own
+(`GOMP_SPINCOUNT`, engine/model/openmp.py), so vLLM's threads wait between operations as vLLM's own
 defaults have them.
 
 CPU settings (set only when the caller has not): `VLLM_CPU_OMP_THREADS_BIND` binds the

@@ -1,5 +1,5 @@
 """The engine: paged KV blocks, the prefix cache, the scheduler and the model runner."""
 
-from engine import openmp
+from engine.model import openmp
 
-openmp.defaults()  # before anything imports torch: see engine/openmp.py
+openmp.defaults()  # before anything imports torch: see engine/model/openmp.py

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.budget import TenantBudget
+from engine.cache.budget import TenantBudget
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +15,7 @@ class EngineConfig:
 
     The pool holds `num_blocks` blocks if given, else as many as fit in `kv_cache_bytes`;
     without either, 1 GiB on a CPU, and on a CUDA device what `gpu_memory_fraction` of its
-    memory leaves after the weights and the activations (`engine/gpu_memory.py`).
+    memory leaves after the weights and the activations (`engine/model/gpu_memory.py`).
     """
 
     block_size: int = 16
@@ -29,7 +29,7 @@ class EngineConfig:
     max_waiting: int = 4096
     queue_timeout_s: float = 30.0
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto, cpu, torch or triton: see engine/attention.py
+    attention_backend: str = "auto"  # auto, cpu, torch or triton: see engine/attention/paged.py
     adapter_id: str = ""
     public_budget: TenantBudget | None = None
     default_budget: TenantBudget | None = None

@@ -22,11 +22,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import torch
 
-from engine.attention import AttentionBackend, make_backend
-from engine.block_hash import BlockHash, BlockHasher
-from engine.block_pool import BlockPool
-from engine.budget import Owner, TenantBudget
-from engine.cache_stats import CacheStats, snapshot
+from engine.attention.paged import AttentionBackend, make_backend
+from engine.cache.block_hash import BlockHash, BlockHasher
+from engine.cache.block_pool import BlockPool
+from engine.cache.budget import Owner, TenantBudget
+from engine.cache.kv_cache_manager import KVCacheManager
+from engine.cache.kv_spec import KVSpec, dtype_name
+from engine.cache.stats import CacheStats, snapshot
 from engine.config import EngineConfig
 from engine.errors import (
     EngineError,
@@ -37,21 +39,19 @@ from engine.errors import (
     RequestFailed,
 )
 from engine.fault_isolation import run_isolated
-from engine.gpu_memory import kv_cache_budget, peak_bytes
-from engine.grammar import Grammars
 from engine.inbox import Inbox
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_spec import KVSpec, dtype_name
 from engine.math_utils import cdiv
 from engine.metrics import EngineMetrics
-from engine.model_loader import LoadedModel
-from engine.model_runner import Chunk, ModelRunner
-from engine.openmp import ThreadGovernor
+from engine.model.gpu_memory import kv_cache_budget, peak_bytes
+from engine.model.loader import LoadedModel
+from engine.model.openmp import ThreadGovernor
+from engine.model.runner import Chunk, ModelRunner
 from engine.request import GenerationDelta, GenerationRequest
-from engine.sampler import TokenLogprobs
+from engine.sampling.sampler import TokenLogprobs
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, Sink, Status
 from engine.step_sampling import sample_next, take_prompt_logprobs
+from engine.structured.grammar import Grammars
 from engine.validation import ModelLimits, validate
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.model_runner import Chunk
+from engine.model.runner import Chunk
 
 # Runs chunks in one forward pass; returns one logits row per chunk that needs logits.
 Forward = Callable[[list[Chunk]], torch.Tensor]

@@ -6,9 +6,9 @@ from collections import abc
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.budget import TenantBudget
-from engine.sampler import SamplingParams, TokenLogprobs
-from engine.scope import NO_CACHE, CacheScope, Segment
+from engine.cache.budget import TenantBudget
+from engine.cache.scope import NO_CACHE, CacheScope, Segment
+from engine.sampling.sampler import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,9 +20,9 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.budget import PUBLIC_OWNER, PoolExhausted, QuotaExceeded, Refusal
+from engine.cache.budget import PUBLIC_OWNER, PoolExhausted, QuotaExceeded, Refusal
+from engine.cache.kv_cache_manager import KVCacheManager
 from engine.errors import CacheQuotaTimeout, EngineError, PoolTimeout
-from engine.kv_cache_manager import KVCacheManager
 from engine.sequence import Sequence, Status
 
 # Most tokens per chunk of a request that wants logits at every prompt position: its logits

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from engine.cache_request import CacheRequest
-from engine.detokenizer import Detokenizer
-from engine.grammar import GrammarState
+from engine.cache.cache_request import CacheRequest
 from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
-from engine.sampler import MIN_SEED, SEED_LIMIT, TokenLogprobs, make_generator
+from engine.sampling.detokenizer import Detokenizer
+from engine.sampling.sampler import MIN_SEED, SEED_LIMIT, TokenLogprobs, make_generator
+from engine.structured.grammar import GrammarState
 
 # Receives deltas, and at most one exception, from the engine thread.
 Sink = Callable[[GenerationDelta | Exception], None]

@@ -10,11 +10,17 @@ from collections import abc
 import torch
 
 from engine.errors import RequestFailed
-from engine.grammar import mask_logits
-from engine.model_runner import Chunk
-from engine.sampler import TokenLogprobs, chosen_logprobs, raw_logprobs, sample, scored_logprobs
+from engine.model.runner import Chunk
+from engine.sampling.sampler import (
+    TokenLogprobs,
+    chosen_logprobs,
+    raw_logprobs,
+    sample,
+    scored_logprobs,
+)
 from engine.scheduler import ScheduledChunk
 from engine.sequence import Sequence
+from engine.structured.grammar import mask_logits
 
 
 def sample_next(

@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from engine.budget import PUBLIC_OWNER, Owner
-from engine.cache_request import request_block_scopes
+from engine.cache.budget import PUBLIC_OWNER, Owner
+from engine.cache.cache_request import request_block_scopes
+from engine.cache.kv_cache_manager import KVCacheManager
 from engine.errors import ContextTooLong, ExceedsCacheQuota, InvalidRequest
-from engine.kv_cache_manager import KVCacheManager
 from engine.request import GenerationRequest
-from engine.sampler import MAX_TOP_LOGPROBS
+from engine.sampling.sampler import MAX_TOP_LOGPROBS
 from engine.sequence import cache_request
 
 # Choices per request the engine takes; gateways set their own, lower limit.

@@ -14,32 +14,33 @@ from fastapi import FastAPI
 from sqlalchemy import inspect
 from starlette.concurrency import run_in_threadpool
 
-from engine.budget import TenantBudget
+from engine.cache.budget import TenantBudget
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model_loader import EMBEDDED_MODEL_NAME, LoadedModel
-from engine.openmp import on_passing_thread
-from gateway.admin.throttle import LoginThrottle, SlidingWindow
-from gateway.admin.tokens import AdminTokens
-from gateway.api.openapi import install_openapi
-from gateway.api.routes import completions, system
-from gateway.api.routes.admin import ROUTERS as ADMIN_ROUTERS
-from gateway.audit_queue import AuditQueue
-from gateway.auth import KeyAuthenticator
+from engine.model.loader import EMBEDDED_MODEL_NAME, LoadedModel
+from engine.model.openmp import on_passing_thread
+from gateway.admin.routes import ROUTERS as ADMIN_ROUTERS
+from gateway.auth.admin_tokens import AdminTokens
+from gateway.auth.key_auth import KeyAuthenticator
+from gateway.auth.login_throttle import LoginThrottle, SlidingWindow
 from gateway.console import install_console
 from gateway.errors import install_error_handlers
+from gateway.http import system_routes as system
+from gateway.http.middleware import BodySizeLimit, RequestGate
+from gateway.http.openapi import install_openapi
 from gateway.limits.limiter import Limiter
 from gateway.limits.redis_store import RedisLimits
 from gateway.limits.store import LimitStoreDown
-from gateway.metrics import GatewayMetrics
-from gateway.middleware import BodySizeLimit, RequestGate
-from gateway.peers import REPORT_S, Peers, limits_store_id
-from gateway.served_models import ServedModels
+from gateway.observability.metrics import GatewayMetrics
+from gateway.observability.tracing import make_tracer_provider
+from gateway.openai import routes as completions
+from gateway.runtime.audit_queue import AuditQueue
+from gateway.runtime.peers import REPORT_S, Peers, limits_store_id
+from gateway.runtime.served_models import ServedModels
+from gateway.runtime.tenancy_sync import TenancySync
+from gateway.runtime.usage_history import UsageHistory
 from gateway.settings import Settings
 from gateway.state import GatewayState
-from gateway.tenancy_sync import TenancySync
-from gateway.tracing import make_tracer_provider
-from gateway.usage_history import UsageHistory
 from gateway.workers.membership import WorkerSet
 from gateway.workers.remote_engine import RemoteEngine, RoutingConfig, ServingEngine
 from policies.config import load_policy
@@ -203,7 +204,7 @@ def build_state(
         models = ServedModels(settings, policy_config, store, remote=engine)
     else:
         # Loaded and built on a thread that then ends: the engine thread's OpenMP pool stays
-        # the only one (engine/openmp.py).
+        # the only one (engine/model/openmp.py).
         loaded, engine = on_passing_thread(lambda: start_engine(settings, loaded))
         models = ServedModels.one(
             settings, policy_config, store, served_name(settings), loaded, engine

@@ -2,7 +2,7 @@
 
 Every error a client sees is `{"error": {"message", "type", "param", "code"}}`. Validation
 errors are 400s in that shape (not FastAPI's 422 body) and nothing unexpected ever leaks a
-stack trace: the request gate (gateway/middleware.py) logs it and answers a generic 500.
+stack trace: the request gate (gateway/http/middleware.py) logs it and answers a generic 500.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from engine.errors import (
     PoolTimeout,
     RequestFailed,
 )
-from engine.sampler import InvalidSampling
+from engine.sampling.sampler import InvalidSampling
 from tenancy.api_keys import AuthFailure
 from tenancy.db import is_outage
 from tenancy.errors import Conflict, InvalidInput, NotFound, TenancyError

@@ -31,7 +31,7 @@ from tenancy.deployment import SecretMismatch, mismatched_secrets
 from tenancy.store import Store
 
 if TYPE_CHECKING:
-    from engine.model_loader import LoadedModel
+    from engine.model.loader import LoadedModel
 
 _GENERATED_SECRETS = ("key_hash_secret", "audit_signing_key", "jwt_secret")
 # The secrets the store works with: keys hashed or checkpoints signed under another value
@@ -301,7 +301,7 @@ class Settings(BaseSettings):
     def check_engine(self) -> None:
         """Refuse, before a model loads, a device or an attention backend named explicitly
         that cannot serve on this machine: ValueError saying why, in one line."""
-        from engine.attention import check_backend
+        from engine.attention.paged import check_backend
         from engine.precision import resolve_device
 
         check_backend(self.attention_backend, resolve_device(self.device))
@@ -320,7 +320,7 @@ class Settings(BaseSettings):
         """The model (`model_dir`, else the configured one, else the embedded one) on the
         configured device, in the configured dtype; without `weights`, only its shape and
         tokenizer. Raises `ModelLoadError` (also for a device that is not there)."""
-        from engine.model_loader import ModelLoadError, load_model
+        from engine.model.loader import ModelLoadError, load_model
         from engine.precision import resolve_device, resolve_dtype
 
         try:

@@ -9,17 +9,17 @@ from functools import cached_property
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace import Tracer
 
-from gateway.admin.throttle import LoginThrottle, SlidingWindow
-from gateway.admin.tokens import AdminTokens
-from gateway.audit_queue import AuditQueue
-from gateway.auth import KeyAuthenticator
+from gateway.auth.admin_tokens import AdminTokens
+from gateway.auth.key_auth import KeyAuthenticator
+from gateway.auth.login_throttle import LoginThrottle, SlidingWindow
 from gateway.limits.limiter import Limiter
-from gateway.metrics import GatewayMetrics
-from gateway.peers import Peers
-from gateway.served_models import ServedModels
+from gateway.observability.metrics import GatewayMetrics
+from gateway.runtime.audit_queue import AuditQueue
+from gateway.runtime.peers import Peers
+from gateway.runtime.served_models import ServedModels
+from gateway.runtime.tenancy_sync import TenancySync
+from gateway.runtime.usage_history import UsageHistory
 from gateway.settings import Settings
-from gateway.tenancy_sync import TenancySync
-from gateway.usage_history import UsageHistory
 from gateway.workers.remote_engine import ServingEngine
 from tenancy.changes import ChangeListener
 from tenancy.store import Store

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.scope import NO_CACHE, CacheScope, Public, Segment, Tenant, User
+from engine.cache.scope import NO_CACHE, CacheScope, Public, Segment, Tenant, User
 from policies.config import PolicyConfig
 from policies.registry import PublicPrefixRegistry, RegisteredPrefix
 from policies.templates import MessageSpan

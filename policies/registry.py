@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.block_hash import encode_token_ids
+from engine.cache.block_hash import encode_token_ids
 from policies.templates import system_prompt_tokens
 
 

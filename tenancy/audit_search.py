@@ -15,9 +15,9 @@ every database, and the range an export's header states is the range it holds. A
 has no UTC equivalent (near the years 1 and 9999) is refused by name.
 
 Request totals sum the usage every /v1 request's event carries in its details (written by
-gateway/settlement.py) in one SQL aggregate. SQLAlchemy's JSON index with `as_integer()` renders
-as `CAST(details ->> 'key' AS INTEGER)` on PostgreSQL and `JSON_EXTRACT` on SQLite, so the same
-query runs on both and no row leaves the database.
+gateway/http/settlement.py) in one SQL aggregate. SQLAlchemy's JSON index with `as_integer()`
+renders as `CAST(details ->> 'key' AS INTEGER)` on PostgreSQL and `JSON_EXTRACT` on SQLite, so the
+same query runs on both and no row leaves the database.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ Ts = TypeVarTuple("Ts")
 
 MAX_PAGE = 500  # events in one page of a search
 MAX_TOTALS_RANGE = timedelta(days=90)  # the longest range request totals are summed over
-# The actions of /v1 requests' events, as gateway/settlement.py names them (its `_ACTIONS`,
+# The actions of /v1 requests' events, as gateway/http/settlement.py names them (its `_ACTIONS`,
 # and "api.other" for any other /v1 path). Auth failures ("auth") have no tenant: not counted.
 REQUEST_ACTIONS = ("inference.chat", "inference.completions", "models.list", "api.other")
 

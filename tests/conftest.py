@@ -38,14 +38,14 @@ def _private_state_home(
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2 model as a safetensors directory (converted once per machine)."""
-    from engine.model_loader import embedded_model_dir
+    from engine.model.loader import embedded_model_dir
 
     return embedded_model_dir()
 
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir: Path) -> Any:
-    from engine.model_loader import load_model
+    from engine.model.loader import load_model
 
     return load_model(smollm2_dir)
 
@@ -140,7 +140,7 @@ def store(database: str, tmp_path: Path) -> Iterator[Any]:
 @pytest.fixture(scope="session")
 def tiny_chat_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
     """A small random Llama with SmolLM2's real tokenizer and chat template, for the gateways."""
-    from gateway.local_server import tiny_chat_model
+    from bench.local_server import tiny_chat_model
     from tests.support.gateway import MODEL
 
     return tiny_chat_model(tmp_path_factory.mktemp("models") / MODEL, smollm2_dir)

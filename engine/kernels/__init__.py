@@ -1,4 +1,4 @@
-"""Attention kernels behind the backend seam in `engine/attention.py`: the C++ CPU kernel
+"""Attention kernels behind the backend seam in `engine/attention/paged.py`: the C++ CPU kernel
 (`cpu_*`) and the Triton kernels for CUDA (`triton_*`)."""
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
 
-from gateway.admin.tokens import InvalidToken
+from gateway.auth.admin_tokens import InvalidToken
 from gateway.errors import APIError
 from gateway.state import GatewayState
 from tenancy import admins, api_keys, keys, tenants

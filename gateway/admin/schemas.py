@@ -22,7 +22,7 @@ from pydantic import (
     StringConstraints,
 )
 
-from engine.cache_stats import OwnerStats
+from engine.cache.stats import OwnerStats
 
 _ISO_DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[T ]")
 

@@ -32,8 +32,8 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Plan KV memory and prefill work for requests sharing one prefix."""
-    from engine.capacity import plan_capacity
-    from engine.kv_spec import KVSpec, parse_dtype
+    from engine.cache.capacity import plan_capacity
+    from engine.cache.kv_spec import KVSpec, parse_dtype
 
     positive = {"--layers": layers, "--kv-heads": kv_heads, "--head-dim": head_dim}
     positive["--block-size"] = block_size
@@ -94,9 +94,9 @@ def demo(
     from rich.console import Console
     from rich.table import Table
 
-    from engine.budget import describe_owner
-    from engine.demo import run_demo
-    from engine.model_loader import ModelLoadError
+    from engine.cache.budget import describe_owner
+    from engine.model.loader import ModelLoadError
+    from gateway.cli.engine_demo import run_demo
 
     settings = load_settings()
     try:
@@ -148,13 +148,13 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
 ) -> None:
     """Generate a chat answer on the paged engine and stream it to the terminal."""
+    from engine.cache.scope import User
     from engine.config import EngineConfig
     from engine.engine import Engine
     from engine.errors import EngineError
-    from engine.model_loader import ModelLoadError
+    from engine.model.loader import ModelLoadError
     from engine.request import GenerationRequest
-    from engine.sampler import InvalidSampling, SamplingParams
-    from engine.scope import User
+    from engine.sampling.sampler import InvalidSampling, SamplingParams
     from policies.templates import TemplateRejected, render
 
     settings = load_settings()

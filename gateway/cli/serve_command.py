@@ -48,7 +48,7 @@ def serve(
     import uvicorn
 
     from gateway.app import create_app, prepare_database
-    from gateway.connections import InvalidTrustedProxy, uvicorn_config
+    from gateway.http.connections import InvalidTrustedProxy, uvicorn_config
     from policies.config import PolicyFileError, load_policy
 
     overrides: dict[str, Any] = {

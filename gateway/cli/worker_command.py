@@ -34,7 +34,7 @@ def worker(
     """
     import uvicorn
 
-    from gateway.workers.worker_app import create_worker_app
+    from gateway.worker_app import create_worker_app
 
     overrides: dict[str, Any] = {
         "host": host,

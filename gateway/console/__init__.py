@@ -4,7 +4,7 @@ Operators log in with their username and password and work through plain HTML fo
 (quota bars, hit ratios, a live usage chart), their keys, limits and cache quotas, public
 prefixes, each model's KV pool (its workers, and who holds its blocks), operator accounts and
 the audit log. The console owns no rules of its own: every read and every change is a call to
-the admin API's route functions (`gateway/api/routes/admin/`), so validation, audit events and
+the admin API's route functions (`gateway/admin/routes/`), so validation, audit events and
 effects on the engine have one home, and the console shows their answers and their errors as
 pages.
 

@@ -1,6 +1,6 @@
 """The audit log page: filters, pages of events, export downloads and the chain's status.
 
-The filters are the admin API's (`gateway.api.routes.admin.audit`): tenant, action or action
+The filters are the admin API's (`gateway.admin.routes.audit`): tenant, action or action
 prefix (`tenant.*`), outcome and a time range, read here from the page's GET form (times typed
 without a zone are UTC, as the page says). The table pages newest first; the export buttons
 download the admin API's signed export of exactly the filtered events (JSONL or CSV), which
@@ -19,10 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from starlette.responses import Response
 
 from gateway.admin.callers import AdminCaller
-from gateway.api.deps import StateDep
-from gateway.api.routes.admin import audit as audit_api
+from gateway.admin.routes import audit as audit_api
 from gateway.console.pages import CallerDep, ConsoleRoute, FormErrors, render
 from gateway.errors import APIError, validation_to_api_error
+from gateway.http.deps import StateDep
 from gateway.state import GatewayState
 from tenancy import tenants
 from tenancy.audit_search import AuditFilter

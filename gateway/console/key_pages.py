@@ -1,6 +1,6 @@
 """A tenant's API keys on its page: create, revoke, rotate.
 
-These are the admin API's own key functions (`gateway.api.routes.admin.keys`), so a
+These are the admin API's own key functions (`gateway.admin.routes.keys`), so a
 tenant-admin manages its own tenant's keys here as it can through the API, and nobody else's.
 A new key's secret (from a creation or a rotation) is rendered into the answer to that POST,
 once: it is not stored, the page is never cached (`Cache-Control: no-store`), and reloading
@@ -19,10 +19,9 @@ from fastapi import APIRouter, Path, Request
 from starlette.responses import Response
 
 from gateway.admin.callers import AdminCaller
+from gateway.admin.routes import keys as keys_api
+from gateway.admin.routes import tenants as tenants_api
 from gateway.admin.schemas import CreatedKeyOut, KeyCreate, KeyRotate
-from gateway.api.deps import StateDep
-from gateway.api.routes.admin import keys as keys_api
-from gateway.api.routes.admin import tenants as tenants_api
 from gateway.console.form_nonces import (
     NONCE_FIELD,
     FormAlreadyUsed,
@@ -32,6 +31,7 @@ from gateway.console.form_nonces import (
 from gateway.console.pages import CallerDep, ConsoleRoute, Form, FormDep, FormErrors, redirect
 from gateway.console.tenant_pages import create_key_scope, render_tenant, rotate_key_scope
 from gateway.errors import APIError
+from gateway.http.deps import StateDep
 from gateway.state import GatewayState
 
 router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=False)

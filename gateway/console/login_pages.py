@@ -14,9 +14,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
+from gateway.admin.routes import auth
 from gateway.admin.schemas import LoginBody
-from gateway.api.deps import StateDep
-from gateway.api.routes.admin import auth
 from gateway.console import session
 from gateway.console.pages import (
     CSRF_FIELD,
@@ -32,7 +31,8 @@ from gateway.console.pages import (
     render,
 )
 from gateway.errors import APIError
-from gateway.middleware import client_ip
+from gateway.http.deps import StateDep
+from gateway.http.middleware import client_ip
 
 router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=False)
 

@@ -4,7 +4,7 @@ An admin creates operators (an `admin`, or a `tenant-admin` bound to one tenant,
 slug), disables and re-enables them and sets their passwords; every operator changes its own
 password on its account page, giving its current one (the admin API's rule: a session left
 open cannot take the account over; a wrong one counts toward the lockout). All of it is the
-admin API's own operator functions (`gateway.api.routes.admin.operators`): at least one
+admin API's own operator functions (`gateway.admin.routes.operators`): at least one
 enabled admin always remains, a disabled account's sessions end at once, and no password
 reaches an answer, a page or the audit log.
 """
@@ -17,9 +17,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.admin.callers import AdminCaller
+from gateway.admin.routes import operators as operators_api
 from gateway.admin.schemas import OperatorCreate, OperatorUpdate, PasswordChange
-from gateway.api.deps import StateDep
-from gateway.api.routes.admin import operators as operators_api
 from gateway.console.pages import (
     CallerDep,
     ConsoleRoute,
@@ -30,6 +29,7 @@ from gateway.console.pages import (
     render,
 )
 from gateway.errors import APIError
+from gateway.http.deps import StateDep
 from gateway.state import GatewayState
 from tenancy import tenants
 from tenancy.errors import NotFound

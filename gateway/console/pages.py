@@ -35,7 +35,7 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from gateway.admin.callers import AdminCaller, caller_from_token
 from gateway.console.session import SESSION_COOKIE, session_csrf, token_matches
 from gateway.errors import APIError, from_tenancy_error, validation_to_api_error
-from gateway.middleware import client_ip
+from gateway.http.middleware import client_ip
 from gateway.state import GatewayState
 from tenancy.errors import TenancyError
 

@@ -4,7 +4,7 @@ Each prefix shows what it shares for the served model (tokens and whole KV block
 with the chat template's system turn around the text) and the admin API's warning when it is
 too short to be shared at all. An enabled prefix that is not shared says so in its state, and
 adding or enabling one ends in a warning that says why instead of a plain success. Adding,
-enabling, disabling and deleting are the admin API's own functions (`gateway.api.routes.admin
+enabling, disabling and deleting are the admin API's own functions (`gateway.admin.routes
 .prefixes`): the sharing policy is rebuilt and a withdrawn prefix's cached blocks are dropped
 before the page answers.
 Deleting asks for confirmation first.
@@ -18,9 +18,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.admin.callers import AdminCaller
+from gateway.admin.routes import prefixes as prefixes_api
 from gateway.admin.schemas import PrefixCreate, PrefixOut, PrefixUpdate
-from gateway.api.deps import StateDep
-from gateway.api.routes.admin import prefixes as prefixes_api
 from gateway.console.pages import (
     CallerDep,
     ConsoleRoute,
@@ -31,6 +30,7 @@ from gateway.console.pages import (
     render,
 )
 from gateway.errors import APIError
+from gateway.http.deps import StateDep
 from gateway.state import GatewayState
 
 router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=False)

@@ -3,7 +3,7 @@
 The table lists live tenants with a bar of cache blocks held against the quota and the hit
 ratio, searchable and paged. A tenant's page shows its cache now and over the last minutes (a
 chart that `static/chart.js` refreshes from `usage.json` every 2 s), its keys, and the forms
-that change it. Every change is the admin API's own function (`gateway.api.routes.admin
+that change it. Every change is the admin API's own function (`gateway.admin.routes
 .tenants`): the same validation, the same audit event, the same effect on the engine. Suspend,
 resume and delete go through a confirmation page first. A quota saved in tokens comes back in
 tokens. The tenants table's hit ratio and prompt tokens are the last minutes' (the usage window),
@@ -20,11 +20,10 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from gateway.admin.callers import AdminCaller
+from gateway.admin.routes import keys as keys_api
+from gateway.admin.routes import tenants as tenants_api
+from gateway.admin.routes import usage as usage_api
 from gateway.admin.schemas import CreatedKeyOut, KeyOut, QuotaUpdate, TenantCreate, TenantUpdate
-from gateway.api.deps import StateDep
-from gateway.api.routes.admin import keys as keys_api
-from gateway.api.routes.admin import tenants as tenants_api
-from gateway.api.routes.admin import usage as usage_api
 from gateway.console.form_nonces import one_time_forms
 from gateway.console.pages import (
     CallerDep,
@@ -36,6 +35,7 @@ from gateway.console.pages import (
     render,
 )
 from gateway.errors import APIError
+from gateway.http.deps import StateDep
 from gateway.state import GatewayState
 
 router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=False)

@@ -1,7 +1,7 @@
 """The data behind a tenant page's live chart: `GET /admin/tenants/{id}/usage.json`.
 
 `static/chart.js` fetches it every 2 s with the session cookie. It is the admin API's own
-tenant usage (`gateway.api.routes.admin.usage.tenant_usage`): the tenant's blocks now, its
+tenant usage (`gateway.admin.routes.usage.tenant_usage`): the tenant's blocks now, its
 samples of the last minutes from the gateway's in-memory usage history (blocks at each sample,
 and the hit ratio of the prompt tokens since the sample before) and what the window adds up to.
 A tenant-admin asking for another tenant's feed gets the same 404 as for a missing tenant.
@@ -14,9 +14,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from gateway.api.deps import StateDep
-from gateway.api.routes.admin import usage as usage_api
+from gateway.admin.routes import usage as usage_api
 from gateway.console.pages import CallerDep, ConsoleRoute
+from gateway.http.deps import StateDep
 
 router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=False)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import Histogram
 
-from gateway.auth import Caller
+from gateway.auth.key_auth import Caller
 from gateway.errors import APIError
 from gateway.limits.process_store import ProcessLimits
 from gateway.limits.store import (
@@ -167,7 +167,7 @@ class Limiter:
         self.shared_up = shared is not None
         self.fallbacks = 0  # admission steps taken here because the shared store was away
         self._failure_logged = -FAILURE_LOG_S
-        # Unregistered: the gateway's metrics registry takes it (gateway/metrics.py).
+        # Unregistered: the gateway's metrics registry takes it (gateway/observability/metrics.py).
         self.round_trips = Histogram(
             "prefixgate_limits_round_trip_seconds",
             "Time one admission step took in the shared limit store.",

@@ -31,8 +31,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from engine.budget import Owner, TenantBudget
-from engine.cache_stats import CacheStats
+from engine.cache.budget import Owner, TenantBudget
+from engine.cache.stats import CacheStats
 from gateway.workers import wire
 from gateway.workers.models import ModelCatalog
 
@@ -102,7 +102,7 @@ class Worker:
     silent: bool = False  # ... because it answered nothing in time: a hung machine
     epoch: str | None = None
     model: str = ""  # the name clients ask for, as the worker announces it
-    fingerprint: str = ""  # its weights, tokenizer and config (engine/model_loader.py)
+    fingerprint: str = ""  # its weights, tokenizer and config (engine/model/loader.py)
     seq: int = 0
     keys: set[str] = field(default_factory=set)
     pending: dict[str, float] = field(default_factory=dict)  # key -> when it stops counting

@@ -1,7 +1,7 @@
 """The models a routing gateway serves: every model its workers announce.
 
 A worker announces the model it serves by name (the id clients send) and fingerprint (a digest
-of its weights, tokenizer and config: engine/model_loader.py). The gateway tokenizes and
+of its weights, tokenizer and config: engine/model/loader.py). The gateway tokenizes and
 templates requests itself, so the first time it meets a fingerprint it fetches that model's
 tokenizer and config files from the worker (`GET /internal/v1/model`; no weights) and loads
 its shape. Workers are trusted (they hold the worker secret); the answer is checked all the
@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from engine.model_loader import (
+from engine.model.loader import (
     MAX_SHAPE_BYTES,
     LoadedModel,
     ModelLoadError,
@@ -42,7 +42,7 @@ from engine.model_loader import (
 )
 
 logger = logging.getLogger(__name__)
-_FINGERPRINT = re.compile(r"[0-9a-f]{64}")  # a SHA-256 digest (engine/model_loader.py)
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")  # a SHA-256 digest (engine/model/loader.py)
 # The files as base64 (4 bytes for 3) in JSON, with room for the rest of the answer.
 _MAX_ANSWER_BYTES = MAX_SHAPE_BYTES * 4 // 3 + (1 << 20)
 MAX_MODEL_NAME = 256

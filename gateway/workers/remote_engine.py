@@ -29,11 +29,11 @@ import anyio
 import httpx
 
 from engine import errors
-from engine.budget import Owner, TenantBudget
-from engine.cache_stats import CacheStats, OwnerStats
+from engine.cache.budget import Owner, TenantBudget
+from engine.cache.kv_cache_manager import OwnerCounters
+from engine.cache.stats import CacheStats, OwnerStats
 from engine.engine import Engine
-from engine.kv_cache_manager import OwnerCounters
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest
 from gateway.workers import routing, wire
 from gateway.workers.membership import PENDING_KEYS_S, Worker, WorkerSet

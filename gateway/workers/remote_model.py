@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from engine.grammar import Grammars
-from engine.kv_spec import KVSpec
-from engine.model_loader import LoadedModel
+from engine.cache.kv_spec import KVSpec
+from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest
+from engine.structured.grammar import Grammars
 
 if TYPE_CHECKING:  # it builds these; they only call back into it
     from gateway.workers.remote_engine import RemoteEngine

@@ -2,7 +2,7 @@
 weighed against load.
 
 A request's block keys are computed here exactly as its worker will compute them: the same
-hash chain over the same token ids and the same scopes (engine/block_hash.py). Scope is part
+hash chain over the same token ids and the same scopes (engine/cache/block_hash.py). Scope is part
 of every key, so a tenant's request can only match blocks its own policy may reuse: another
 tenant's private prefix never attracts it, while a public system prompt or a user's own earlier
 turns draw it to the worker that holds them. Routing sees keys and scopes, never text.
@@ -26,10 +26,10 @@ import hashlib
 from collections import abc
 from dataclasses import dataclass
 
-from engine.block_hash import BlockHash, BlockHasher, encode_token_ids
+from engine.cache.block_hash import BlockHash, BlockHasher, encode_token_ids
+from engine.cache.scope import block_scopes
 from engine.math_utils import cdiv
 from engine.request import GenerationRequest
-from engine.scope import block_scopes
 from gateway.workers.key_log import short_key
 
 

@@ -12,13 +12,13 @@ import dataclasses
 from typing import Any
 
 from engine import errors
-from engine.budget import PUBLIC_OWNER, Owner, TenantBudget
-from engine.cache_stats import CacheStats, OwnerStats
-from engine.grammar import serialized
-from engine.kv_cache_manager import OwnerCounters
+from engine.cache.budget import PUBLIC_OWNER, Owner, TenantBudget
+from engine.cache.kv_cache_manager import OwnerCounters
+from engine.cache.scope import NO_CACHE, CacheScope, NoCache, Public, Segment, Tenant, User
+from engine.cache.stats import CacheStats, OwnerStats
 from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
-from engine.sampler import SamplingParams, TokenLogprobs
-from engine.scope import NO_CACHE, CacheScope, NoCache, Public, Segment, Tenant, User
+from engine.sampling.sampler import SamplingParams, TokenLogprobs
+from engine.structured.grammar import serialized
 
 Json = dict[str, Any]
 

@@ -9,7 +9,7 @@ from typing import Any
 import jwt
 import pytest
 
-from gateway.admin.tokens import ALGORITHM, AUDIENCE, AdminTokens, InvalidToken
+from gateway.auth.admin_tokens import ALGORITHM, AUDIENCE, AdminTokens, InvalidToken
 
 # Long enough for HS512 too, so that refusing HS512 is about the algorithm, not the key.
 SECRET = "unit-test-jwt-secret-" + "x" * 48

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import APIError
-from gateway.preparation import MAX_PROMPT_LOGPROB_ENTRIES, _prompt_logprobs
-from gateway.schemas import CompletionRequest
+from gateway.openai.preparation import MAX_PROMPT_LOGPROB_ENTRIES, _prompt_logprobs
+from gateway.openai.schemas import CompletionRequest
 
 
 def test_echoed_prompt_logprobs_are_bounded_over_all_choices() -> None:

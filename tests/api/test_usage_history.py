@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.budget import PUBLIC_OWNER, Owner
-from engine.cache_stats import CacheStats, OwnerStats
-from engine.kv_cache_manager import OwnerCounters
-from gateway.usage_history import PUBLIC, UsageHistory, UsageSummary
+from engine.cache.budget import PUBLIC_OWNER, Owner
+from engine.cache.kv_cache_manager import OwnerCounters
+from engine.cache.stats import CacheStats, OwnerStats
+from gateway.runtime.usage_history import PUBLIC, UsageHistory, UsageSummary
 
 
 def owner(

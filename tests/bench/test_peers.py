@@ -26,7 +26,7 @@ from bench.peers import (
     scaling_floor,
     targets,
 )
-from engine.openmp import ThreadGovernor
+from engine.model.openmp import ThreadGovernor
 
 
 def test_aggregate_decode_counts_only_tokens_after_every_stream_has_its_first() -> None:

@@ -101,7 +101,7 @@ def test_model_is_converted_and_kernel_built_at_build_time(name: str) -> None:
     # Built by the user that serves, into the cache it will read.
     user_at = next(i for i, item in enumerate(runtime) if item["instruction"] == "USER")
     builds = [
-        i for i, item in enumerate(runtime) if "engine.kernels.cpu_build" in str(item["value"])
+        i for i, item in enumerate(runtime) if "engine.kernels.cpu.build" in str(item["value"])
     ]
     assert builds and min(builds) > user_at
     assert env_of(runtime)["PREFIXGATE_KERNEL_CACHE"].startswith("/opt/prefixgate/")

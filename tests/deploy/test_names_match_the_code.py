@@ -10,7 +10,7 @@ import sys
 from gateway.settings import Settings
 from tests.deploy.tools import DEPLOY, REPO
 
-# Read by code outside the settings class (engine/model_loader.py, engine/kernels/cpu_build.py).
+# Read by code outside the settings class (engine/model/loader.py, engine/kernels/cpu/build.py).
 READ_DIRECTLY = {"PREFIXGATE_MODEL_CACHE", "PREFIXGATE_KERNEL_CACHE"}
 # deploy/'s own: Compose interpolation and the image's health check script.
 DEPLOY_ONLY = {

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from gateway.local_server import RunningServer, serve
+from bench.local_server import RunningServer, serve
 from tests.support.admin import admin_client
 from tests.support.gateway import MODEL, Gateway
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 
-from gateway.local_server import free_port
+from bench.local_server import free_port
 
 
 def _ready(port: int) -> bool:

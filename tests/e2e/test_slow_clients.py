@@ -22,7 +22,7 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 
-from gateway.connections import (
+from gateway.http.connections import (
     MAX_HEADER_BYTES,
     ConnectionGuard,
     GuardedHttpToolsProtocol,
@@ -289,7 +289,7 @@ def test_a_body_the_app_is_slow_to_read_is_not_timed_out(served: Served) -> None
 def test_pending_connections_are_bounded_and_served_ones_are_not(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="gateway.connections")
+    caplog.set_level(logging.WARNING, logger="gateway.http.connections")
     with _serve(max_pending_connections=3) as served:
         with closing(served.connect()) as kept_alive:
             assert exchange(kept_alive, PING).startswith(b"HTTP/1.1 200 ")

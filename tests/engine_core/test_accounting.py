@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from engine.budget import PUBLIC_OWNER
-from engine.cache_stats import snapshot
-from engine.scope import Public, Segment, User
+from engine.cache.budget import PUBLIC_OWNER
+from engine.cache.scope import Public, Segment, User
+from engine.cache.stats import snapshot
 from tests.support.cache import make_manager, request
 
 PREFIX_TOKENS = 4096

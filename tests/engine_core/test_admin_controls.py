@@ -3,11 +3,11 @@ public prefix, and evictions told apart as the owner's own or a neighbour's pres
 
 from __future__ import annotations
 
-from engine.block_hash import encode_token_ids
-from engine.budget import PUBLIC_OWNER, TenantBudget
-from engine.cache_stats import snapshot
+from engine.cache.block_hash import encode_token_ids
+from engine.cache.budget import PUBLIC_OWNER, TenantBudget
+from engine.cache.scope import Public, Tenant
+from engine.cache.stats import snapshot
 from engine.engine import Engine
-from engine.scope import Public, Tenant
 from tests.engine_models.prompts import shared_prefix_requests, tokens
 from tests.support.cache import blocks_are_zero, fill_blocks, make_manager, request, run_prompt
 from tests.support.models import engine_for, make_request, run_all, run_one

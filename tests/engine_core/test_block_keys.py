@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from engine.block_hash import BlockHasher, encode_scope, encode_token_ids
-from engine.scope import NO_CACHE, Public, Segment, Tenant, User, block_scopes
+from engine.cache.block_hash import BlockHasher, encode_scope, encode_token_ids
+from engine.cache.scope import NO_CACHE, Public, Segment, Tenant, User, block_scopes
 
 ALICE = User("t1", "alice")
 
@@ -75,8 +75,8 @@ def test_token_ids_are_fixed_width_little_endian() -> None:
 
 def test_keys_are_stable_across_processes_and_hash_seeds() -> None:
     program = (
-        "from engine.block_hash import BlockHasher, encode_token_ids\n"
-        "from engine.scope import User\n"
+        "from engine.cache.block_hash import BlockHasher, encode_token_ids\n"
+        "from engine.cache.scope import User\n"
         "h = BlockHasher(4)\n"
         "print(h.chain(h.root('m', '', 'float32'), encode_token_ids(range(8)), "
         "[User('t1', 'alice')] * 2)[-1].hex())\n"

@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.budget import PUBLIC_OWNER, Owner, PoolExhausted, QuotaExceeded, TenantBudget
-from engine.cache_request import CacheRequest, request_block_scopes
-from engine.scope import NO_CACHE, Public, Segment, Tenant, User
+from engine.cache.budget import PUBLIC_OWNER, Owner, PoolExhausted, QuotaExceeded, TenantBudget
+from engine.cache.cache_request import CacheRequest, request_block_scopes
+from engine.cache.scope import NO_CACHE, Public, Segment, Tenant, User
 from tests.support.cache import make_manager
 
 TENANTS = ("t1", "t2", "t3")

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from engine.capacity import plan_capacity
-from engine.kv_spec import KVSpec
+from engine.cache.capacity import plan_capacity
+from engine.cache.kv_spec import KVSpec
 
 EXAMPLE = [
     "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--dtype", "bf16",

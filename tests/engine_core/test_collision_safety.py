@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 
-from engine.block_hash import HashObject
-from engine.budget import PUBLIC_OWNER, TenantBudget
-from engine.cache_request import CacheRequest
-from engine.scope import Public, Segment, Tenant, User
+from engine.cache.block_hash import HashObject
+from engine.cache.budget import PUBLIC_OWNER, TenantBudget
+from engine.cache.cache_request import CacheRequest
+from engine.cache.scope import Public, Segment, Tenant, User
 from tests.support.cache import make_manager, request, run_prompt
 
 

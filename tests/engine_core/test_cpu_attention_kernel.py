@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.kernels import cpu_build
+from engine.kernels.cpu import build as cpu_build
 from tests.support import matrix_products
 from tests.support.attention_cases import CASES, Case, Inputs, make_inputs, reference
 
@@ -153,7 +153,7 @@ def test_bad_input_is_an_error_not_a_crash(message: str) -> None:
 
 FALLBACK_PROBE = """
 import time, torch
-from engine.attention import make_backend
+from engine.attention.paged import make_backend
 cpu = torch.device("cpu")
 print(make_backend("auto", cpu, 64).name)
 started = time.perf_counter()
@@ -195,7 +195,7 @@ def test_a_build_killed_mid_way_does_not_block_the_next_load(tmp_path: Path) -> 
     (tmp_path / key / "lock").touch()
     environment = os.environ | {"PREFIXGATE_KERNEL_CACHE": str(tmp_path)}
     probe = subprocess.run(
-        [sys.executable, "-c", "from engine.kernels import cpu_build; cpu_build.load()"],
+        [sys.executable, "-c", "from engine.kernels.cpu import build; build.load()"],
         env=environment,
         capture_output=True,
         text=True,

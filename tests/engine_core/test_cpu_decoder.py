@@ -11,11 +11,11 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from engine.attention import make_backend
-from engine.kernels import cpu_build
-from engine.kernels.cpu_decoder import LlamaDecoder, llama_decoder
-from engine.kernels.cpu_fused import FusedRMSNorm, fuse_elementwise
-from engine.model_runner import Chunk, ModelRunner
+from engine.attention.paged import make_backend
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu.fused import FusedRMSNorm, fuse_elementwise
+from engine.model.cpu_decoder import LlamaDecoder, llama_decoder
+from engine.model.runner import Chunk, ModelRunner
 from tests.support.models import reference_copy, tiny_model
 
 cpu_build.load()

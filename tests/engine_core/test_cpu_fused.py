@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from engine.kernels import cpu_build
-from engine.kernels.cpu_fused import FusedMLP, FusedRMSNorm, fuse_elementwise
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu.fused import FusedMLP, FusedRMSNorm, fuse_elementwise
 from tests.support.models import ARCHITECTURES, tiny_model
 
 cpu_build.load()

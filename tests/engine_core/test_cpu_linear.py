@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import cpu_build
-from engine.kernels.cpu_linear import (
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu.linear import (
     LARGE_ROWS_MAX_WEIGHT,
     NO_PRODUCTS,
     LinearPlan,

@@ -1,5 +1,5 @@
-"""`engine.huge_pages`: tensors that start on a 2 MB boundary in a range Linux was asked to back
-with huge pages, and ordinary tensors where a huge page would not fit."""
+"""`engine.huge_pages`: tensors that start on a 2 MB boundary in a range Linux was asked to
+back with huge pages, and ordinary tensors where a huge page would not fit."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import sysconfig
 import pytest
 from torch.utils import cpp_extension
 
-from engine.kernels import cpu_build
+from engine.kernels.cpu import build as cpu_build
 
 # x86-64: SSE2 only (the vectors' plain C++ fallbacks). x86-64-v3: AVX2 and FMA, no AVX-512.
 # skylake-avx512: AVX-512 (F, BW, VL), no BF16, no AMX. cooperlake: AVX512_BF16, no AMX.

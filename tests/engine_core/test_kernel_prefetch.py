@@ -14,7 +14,8 @@ import subprocess
 
 import pytest
 
-from engine.kernels import KernelUnavailable, cpu_build
+from engine.kernels import KernelUnavailable
+from engine.kernels.cpu import build as cpu_build
 from engine.precision import cpu_flags
 
 pytestmark = pytest.mark.skipif(

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import cpu_build
-from engine.kernels.cpu_logits import argmax_finite
-from engine.sampler import SamplingParams, sample
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu.logits import argmax_finite
+from engine.sampling.sampler import SamplingParams, sample
 
 cpu_build.load()
 INF, NAN = float("inf"), float("nan")

@@ -12,15 +12,15 @@ import torch
 from engine import huge_pages
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.kernels import cpu_build
-from engine.kernels.cpu_decoder import project
-from engine.kernels.cpu_linear import (
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu.linear import (
     MatrixLinear,
     PackedLinear,
     gather_packed_weights,
     matrix_linear,
     pack_linears,
 )
+from engine.model.cpu_decoder import project
 from tests.support import matrix_products
 from tests.support.models import engine_for, loaded, tiny_model
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import cpu_build
-from engine.kernels.cpu_linear import MatrixLinear, matrix_linear
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu.linear import MatrixLinear, matrix_linear
 from engine.precision import cpu_flags
 
 cpu_build.load()

@@ -1,4 +1,4 @@
-"""engine/openmp.py: the OpenMP default the engine sets and what another program's process
+"""engine/model/openmp.py: the OpenMP default the engine sets and what another program's process
 inherits from it (a fresh interpreter each: the default acts once, at `import engine`), and
 `ThreadGovernor`'s rule for computing with fewer threads, on clocks the test moves."""
 
@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from engine.openmp import SPIN_COUNT, ThreadGovernor, waited_for_cpu
+from engine.model.openmp import SPIN_COUNT, ThreadGovernor, waited_for_cpu
 
 PROBE = (
     "import os, engine\n"
-    "from engine.openmp import foreign_environment, threads_spin\n"
+    "from engine.model.openmp import foreign_environment, threads_spin\n"
     "for name in ('OMP_WAIT_POLICY', 'GOMP_SPINCOUNT'):\n"
     "    print(os.environ.get(name), foreign_environment().get(name))\n"
     "print(threads_spin())\n"
@@ -234,7 +234,7 @@ def test_a_narrowing_is_logged_as_a_warning_at_most_once_a_minute(
 ) -> None:
     machine = Machine()
     governor = machine.governor(threads=2)
-    with caplog.at_level("INFO", logger="engine.openmp"):
+    with caplog.at_level("INFO", logger="engine.model.openmp"):
         for _ in range(3):  # narrow, widen: three times within a minute
             machine.window(governor, waiting=0.5)
             machine.wall += ThreadGovernor.LAST_RETRY_S + 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.scope import NO_CACHE, CacheScope, Public, Segment, Tenant, User
+from engine.cache.scope import NO_CACHE, CacheScope, Public, Segment, Tenant, User
 from tests.support.cache import BLOCK_SIZE, make_manager, request, run_prompt
 
 PROMPT = list(range(100, 121))  # 5 full blocks and one token more

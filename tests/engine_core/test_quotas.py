@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.budget import PUBLIC_OWNER, PoolExhausted, QuotaExceeded, TenantBudget
-from engine.cache_request import CacheRequest
-from engine.cache_stats import snapshot
-from engine.kv_cache_manager import KVCacheManager
-from engine.scope import Public, Segment, Tenant
+from engine.cache.budget import PUBLIC_OWNER, PoolExhausted, QuotaExceeded, TenantBudget
+from engine.cache.cache_request import CacheRequest
+from engine.cache.kv_cache_manager import KVCacheManager
+from engine.cache.scope import Public, Segment, Tenant
+from engine.cache.stats import snapshot
 from tests.support.cache import make_manager, request, run_prompt
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.errors import RequestFailed
-from engine.sampler import (
+from engine.sampling.sampler import (
     MIN_TOP_P,
     InvalidSampling,
     SamplingParams,

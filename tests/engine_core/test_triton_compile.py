@@ -17,7 +17,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engine.kernels import triton_decode, triton_kv_write, triton_prefill, triton_zero
+from engine.kernels.triton import decode as triton_decode
+from engine.kernels.triton import kv_write as triton_kv_write
+from engine.kernels.triton import prefill as triton_prefill
+from engine.kernels.triton import zero as triton_zero
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "sm80": GPUTarget("cuda", 80, 32)}
 INDEX_POINTERS = {

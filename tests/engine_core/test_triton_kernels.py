@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.triton_attention import TritonAttention
-from engine.kernels.triton_decode import Splits, decode_attention, plan_splits
-from engine.kernels.triton_kv_write import write_kv
-from engine.kernels.triton_prefill import prefill_attention
-from engine.kernels.triton_zero import zero_blocks
+from engine.attention.triton_backend import TritonAttention
+from engine.kernels.triton.decode import Splits, decode_attention, plan_splits
+from engine.kernels.triton.kv_write import write_kv
+from engine.kernels.triton.prefill import prefill_attention
+from engine.kernels.triton.zero import zero_blocks
 from tests.support.attention_cases import CASES, Case, Inputs, make_inputs, reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -156,7 +156,7 @@ def test_zeroing_clears_the_listed_blocks_in_every_layer_and_nothing_else(
 
 
 def test_backend_refuses_a_cpu_outside_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.attention import check_backend
+    from engine.attention.paged import check_backend
     from engine.kernels import KernelUnavailable
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.budget import TenantBudget
-from engine.cache_stats import snapshot
-from engine.scope import NO_CACHE, Tenant, User
+from engine.cache.budget import TenantBudget
+from engine.cache.scope import NO_CACHE, Tenant, User
+from engine.cache.stats import snapshot
 from tests.support.cache import blocks_are_zero, fill_blocks, make_manager, request, run_prompt
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.cache.scope import Public, Segment, User
 from engine.request import GenerationRequest
-from engine.scope import Public, Segment, User
 from tests.support.models import VOCAB, make_request
 
 SUFFIX_TOKENS = 20

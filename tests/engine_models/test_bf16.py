@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 import torch
 
-from engine.attention import make_backend
-from engine.block_pool import BlockPool
+from engine.attention.paged import make_backend
+from engine.cache.block_pool import BlockPool
+from engine.cache.kv_spec import KVSpec
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.kv_spec import KVSpec
-from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import Chunk, ModelRunner
+from engine.model.loader import LoadedModel, load_model
+from engine.model.runner import Chunk, ModelRunner
 from engine.precision import parse_cpuinfo, resolve_dtype
 from tests.support.models import make_request, run_one
 

@@ -10,11 +10,11 @@ import dataclasses
 
 import pytest
 
+from engine.cache.scope import NO_CACHE
 from engine.engine import Engine
 from engine.errors import InvalidRequest
 from engine.request import GenerationDelta, GenerationRequest
-from engine.sampler import SamplingParams
-from engine.scope import NO_CACHE
+from engine.sampling.sampler import SamplingParams
 from engine.sequence import choice_request
 from tests.support.models import engine_for, make_request, run_one
 

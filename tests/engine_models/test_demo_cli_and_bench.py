@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.demo import run_demo
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
+from gateway.cli.engine_demo import run_demo
 
 
 def prefixgate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

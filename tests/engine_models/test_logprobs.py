@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from engine.request import GenerationDelta
-from engine.sampler import SamplingParams, TokenLogprobs
+from engine.sampling.sampler import SamplingParams, TokenLogprobs
 from tests.support.models import engine_for, make_request, reference_copy, run_one, tiny_model
 
 

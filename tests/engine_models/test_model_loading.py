@@ -8,8 +8,8 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model_loader import LoadedModel, ModelLoadError, fingerprint, load_model
-from engine.sampler import SamplingParams
+from engine.model.loader import LoadedModel, ModelLoadError, fingerprint, load_model
+from engine.sampling.sampler import SamplingParams
 from policies.templates import render
 from tests.support.models import make_request, run_one, tiny_model
 
@@ -77,8 +77,8 @@ def test_smollm2_stop_string_cuts_the_answer(smollm2: LoadedModel) -> None:
 def test_the_embedded_model_renders_tools_and_a_given_template_replaces_the_models_own(
     smollm2_dir: Path, tmp_path: Path
 ) -> None:
+    from gateway.openai.tool_calls import template_supports_tools
     from gateway.settings import Settings
-    from gateway.tool_calls import template_supports_tools
 
     embedded = Settings().load_model()
     assert template_supports_tools(embedded.tokenizer)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import AttentionBackend, TorchAttention, make_backend
-from engine.block_pool import BlockPool
-from engine.kernels.cpu_attention import CpuAttention
-from engine.kv_spec import KVSpec
-from engine.model_runner import Chunk, ModelRunner
+from engine.attention.cpu_backend import CpuAttention
+from engine.attention.paged import AttentionBackend, TorchAttention, make_backend
+from engine.cache.block_pool import BlockPool
+from engine.cache.kv_spec import KVSpec
+from engine.model.runner import Chunk, ModelRunner
 from tests.engine_models.prompts import tokens as random_tokens
 from tests.support.models import ARCHITECTURES, TRITON_DEVICE, reference_copy, tiny_model
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-CONVERT = "from engine.model_loader import embedded_model_dir; embedded_model_dir()"
+CONVERT = "from engine.model.loader import embedded_model_dir; embedded_model_dir()"
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from engine.cache_stats import CacheStats
+from engine.cache.stats import CacheStats
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.scheduler import SchedulerOutput

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.budget import TenantBudget
+from engine.cache.budget import TenantBudget
+from engine.cache.scope import Public, Segment, User
 from engine.engine import Engine
 from engine.errors import CacheQuotaTimeout, ContextTooLong, ExceedsCacheQuota, InvalidRequest
-from engine.model_runner import Chunk
+from engine.model.runner import Chunk
 from engine.request import GenerationRequest
-from engine.sampler import SamplingParams
-from engine.scope import Public, Segment, User
+from engine.sampling.sampler import SamplingParams
 from tests.engine_models.prompts import shared_prefix_requests, tokens
 from tests.support.models import VOCAB, Collector, engine_for, make_request, run_all, run_one
 

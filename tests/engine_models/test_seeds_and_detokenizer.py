@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from engine.detokenizer import Detokenizer
-from engine.sampler import SamplingParams
+from engine.sampling.detokenizer import Detokenizer
+from engine.sampling.sampler import SamplingParams
 from tests.support.models import (
     engine_for,
     make_request,

@@ -15,10 +15,10 @@ import xgrammar as xgr
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineOverloaded, InvalidRequest
-from engine.grammar import GrammarState, ResponseFormat
-from engine.model_loader import load_model
-from engine.sampler import SamplingParams
-from engine.schema_checks import check_schema
+from engine.model.loader import load_model
+from engine.sampling.sampler import SamplingParams
+from engine.structured.grammar import GrammarState, ResponseFormat
+from engine.structured.schema_checks import check_schema
 from policies.templates import render
 from tests.support.models import make_request, run_all
 

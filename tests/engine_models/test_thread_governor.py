@@ -1,5 +1,5 @@
 """The engine computes with fewer CPU threads while other processes take its CPUs, and with
-all of them again once they stop (engine/openmp.py `ThreadGovernor`): the real embedded model,
+all of them again once they stop (engine/model/openmp.py `ThreadGovernor`): the real embedded model,
 real busy processes, the engine thread's real wait for a CPU as Linux reports it."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model_loader import LoadedModel
-from engine.openmp import ThreadGovernor
+from engine.model.loader import LoadedModel
+from engine.model.openmp import ThreadGovernor
 from tests.support.models import Collector, make_request
 
 pytestmark = pytest.mark.slow

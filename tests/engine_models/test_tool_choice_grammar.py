@@ -15,8 +15,8 @@ import xgrammar as xgr
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineOverloaded, InvalidRequest
-from engine.sampler import SamplingParams
-from gateway.tool_calls import (
+from engine.sampling.sampler import SamplingParams
+from gateway.openai.tool_calls import (
     parse_tool_calls,
     template_supports_tools,
     to_template_messages,

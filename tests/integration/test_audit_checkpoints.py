@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import delete, select, update
 
-from gateway.audit_queue import AuditQueue
+from gateway.runtime.audit_queue import AuditQueue
 from tenancy.audit_chain import AuditRecord, signature_valid
 from tenancy.audit_export import VerifyResult, verify_database
 from tenancy.audit_files import UnreadableAuditFile, read_checkpoints

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.auth import AuthenticationFailed, Caller, KeyAuthenticator
+from gateway.auth.key_auth import AuthenticationFailed, Caller, KeyAuthenticator
 from tenancy import api_keys, tenants
 from tenancy.api_keys import AuthFailure
 from tenancy.errors import InvalidInput

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import update
 
-from gateway.peers import Peers, limits_store_id
+from gateway.runtime.peers import Peers, limits_store_id
 from tenancy.models import GatewayInstance, utcnow
 from tenancy.store import Store
 
@@ -31,7 +31,7 @@ def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 def test_a_gateway_that_limits_alone_warns_once_when_it_sees_another(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, "gateway.peers")
+    caplog.set_level(logging.WARNING, "gateway.runtime.peers")
     alone = Peers(store, limits_store=ALONE)
     alone.report()
     assert alone.count == 1 and warnings(caplog) == []
@@ -50,7 +50,7 @@ def test_a_gateway_that_limits_alone_warns_once_when_it_sees_another(
 def test_a_sharing_gateway_names_the_one_that_does_not_share(
     store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, "gateway.peers")
+    caplog.set_level(logging.WARNING, "gateway.runtime.peers")
     sharing, another = Peers(store, limits_store=SHARED), Peers(store, limits_store=SHARED)
     sharing.report()
     another.report()

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import pytest
 import redis
 
-from gateway.auth import Caller, TenantSnapshot
+from gateway.auth.key_auth import Caller, TenantSnapshot
 from gateway.errors import APIError
 from gateway.limits.limiter import Limiter
 from gateway.limits.redis_store import RedisLimits, redis_place

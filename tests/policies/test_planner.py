@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.scope import NO_CACHE, Public, Segment, Tenant, User, block_scopes
+from engine.cache.scope import NO_CACHE, Public, Segment, Tenant, User, block_scopes
 from policies.config import PolicyConfig, PolicyFileError, load_policy
 from policies.planner import PlanSubject, SharingPolicy, TenantPolicy
 from policies.registry import PublicPrefixRegistry, RegisteredPrefix

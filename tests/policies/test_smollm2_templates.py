@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from engine.block_hash import BlockHasher, encode_token_ids
-from engine.cache_request import CacheRequest, request_block_scopes
-from engine.scope import Public, User
+from engine.cache.block_hash import BlockHasher, encode_token_ids
+from engine.cache.cache_request import CacheRequest, request_block_scopes
+from engine.cache.scope import Public, User
 from policies.config import PolicyConfig
 from policies.planner import Plan, PlanSubject, SharingPolicy, TenantPolicy
 from policies.registry import build_registry

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.tool_calls import (
+from gateway.openai.tool_calls import (
     IndexedToolCall,
     ToolCall,
     ToolCallStream,

@@ -24,9 +24,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from bench.local_server import tiny_chat_model
+from bench.local_workers import LocalWorker, worker_process
 from bench.served_gateway import GatewayProcess, gateway_process
-from gateway.local_server import tiny_chat_model
-from gateway.workers.local import LocalWorker, worker_process
 from gateway.workers.membership import WorkerSet
 from gateway.workers.remote_engine import RemoteEngine, RoutingConfig
 from tenancy import api_keys, tenants

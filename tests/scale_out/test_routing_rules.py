@@ -8,13 +8,13 @@ from dataclasses import replace
 import pytest
 
 from engine import errors
-from engine.block_hash import BlockHasher
-from engine.budget import PUBLIC_OWNER, TenantBudget
-from engine.cache_stats import CacheStats, OwnerStats
-from engine.kv_cache_manager import OwnerCounters
+from engine.cache.block_hash import BlockHasher
+from engine.cache.budget import PUBLIC_OWNER, TenantBudget
+from engine.cache.kv_cache_manager import OwnerCounters
+from engine.cache.scope import Public, Segment, Tenant, User
+from engine.cache.stats import CacheStats, OwnerStats
 from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
-from engine.sampler import SamplingParams, TokenLogprobs
-from engine.scope import Public, Segment, Tenant, User
+from engine.sampling.sampler import SamplingParams, TokenLogprobs
 from gateway.workers import routing, wire
 from gateway.workers.key_log import KeyLog, short_key
 from gateway.workers.membership import WorkerSpecError, parse_worker_spec, resolve
@@ -49,10 +49,10 @@ def test_keys_follow_scope_not_text() -> None:
 
 
 def test_keys_match_what_the_worker_caches() -> None:
-    """The router's chain is the cache's chain (engine/block_hash.py), shortened."""
+    """The router's chain is the cache's chain (engine/cache/block_hash.py), shortened."""
     tokens = list(range(9))
     scopes = [Tenant("acme")] * 2
-    from engine.block_hash import encode_token_ids
+    from engine.cache.block_hash import encode_token_ids
 
     chain = BlockHasher(BLOCK).chain(ROOT, encode_token_ids(tokens), scopes)
     wanted = [short_key(key) for key in chain]

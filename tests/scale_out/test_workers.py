@@ -17,8 +17,8 @@ import httpx
 import openai
 import pytest
 
+from bench.local_workers import LocalWorker, worker_processes
 from bench.routing import Workloads, kv_cache_bytes, run_chats, run_gsp
-from gateway.workers.local import LocalWorker, worker_processes
 from gateway.workers.remote_engine import RemoteEngine
 from tenancy.tenants import TenantLimits
 from tests.support.admin import admin_client

@@ -13,7 +13,7 @@ import pytest
 from bench import soak, soak_checks, soak_neighbour
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model_loader import load_model
+from engine.model.loader import load_model
 
 
 def test_the_idle_check_sees_a_held_block_and_a_dirty_free_block(tiny_chat_dir: Path) -> None:

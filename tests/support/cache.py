@@ -7,13 +7,13 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.block_hash import DEFAULT_HASH, BlockHasher, HashConstructor
-from engine.block_pool import BlockPool
-from engine.budget import TenantBudget
-from engine.cache_request import CacheRequest
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_spec import KVSpec
-from engine.scope import CacheScope, Segment
+from engine.cache.block_hash import DEFAULT_HASH, BlockHasher, HashConstructor
+from engine.cache.block_pool import BlockPool
+from engine.cache.budget import TenantBudget
+from engine.cache.cache_request import CacheRequest
+from engine.cache.kv_cache_manager import KVCacheManager
+from engine.cache.kv_spec import KVSpec
+from engine.cache.scope import CacheScope, Segment
 
 BLOCK_SIZE = 4
 _ids = itertools.count()

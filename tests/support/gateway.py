@@ -16,8 +16,8 @@ from typing import Any
 import openai
 from sqlalchemy import func, select
 
-from engine.cache_stats import OwnerStats
-from gateway.local_server import RunningServer, serve
+from bench.local_server import RunningServer, serve
+from engine.cache.stats import OwnerStats
 from tenancy import admins, api_keys, prefixes, tenants
 from tenancy.migrate import upgrade
 from tenancy.models import AuditEvent

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine.kernels import cpu_build
+from engine.kernels.cpu import build as cpu_build
 
 cpu_build.load()
 # What the kernels take by default here: "amx", "vdpbf16ps", "fma" or "off"; and which loops

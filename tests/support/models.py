@@ -16,12 +16,12 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from engine.cache.scope import CacheScope, Segment, User
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.model_loader import LoadedModel
+from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest, Usage
-from engine.sampler import SamplingParams
-from engine.scope import CacheScope, Segment, User
+from engine.sampling.sampler import SamplingParams
 
 VOCAB = 512
 _COMMON = {

@@ -1,5 +1,5 @@
 """SmolLM2's tokenizer with the chat template that shows the model its tools (the embedded
-model's default, engine/chat_templates/smollm2-tools.jinja; SmolLM2's own template has none),
+model's default, engine/model/chat_templates/smollm2-tools.jinja; SmolLM2's own template has none),
 for tests that load the model directory directly."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from engine.model_loader import EMBEDDED_CHAT_TEMPLATE
+from engine.model.loader import EMBEDDED_CHAT_TEMPLATE
 
 TOOLS_TEMPLATE = EMBEDDED_CHAT_TEMPLATE.read_text()
 

@@ -64,7 +64,7 @@ def test_unknown_fields_are_dropped_and_logged_once_when_the_operator_says_so(
 ) -> None:
     base_url, key = dropping_gateway
     body = chat(frobnicate={"deep": [1, 2]}, x_vendor_hint="fast", max_tokens=3, temperature=0)
-    with caplog.at_level(logging.WARNING, logger="gateway.api.routes.completions"):
+    with caplog.at_level(logging.WARNING, logger="gateway.openai.routes"):
         for _ in range(2):
             answer = httpx.post(f"{base_url}/chat/completions", json=body, timeout=60,
                                 headers={"Authorization": f"Bearer {key}"})  # fmt: skip

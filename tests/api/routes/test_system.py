@@ -7,8 +7,8 @@ import re
 import httpx
 import torch
 
+from engine.cache.kv_spec import dtype_name
 from engine.engine import Engine
-from engine.kv_spec import dtype_name
 from engine.precision import resolve_dtype
 from tests.support.gateway import METRICS_TOKEN, MODEL, Gateway, openai_client
 

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.local_server import serve
 from gateway.admin import export_slots
 from gateway.admin.callers import AdminCaller
-from gateway.api.routes.admin import audit as audit_api
-from gateway.local_server import serve
+from gateway.admin.routes import audit as audit_api
 from tenancy import api_keys, tenants
 from tenancy.audit_chain import AuditRecord
 from tenancy.audit_export import verify_file

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from engine.budget import PUBLIC_OWNER
+from engine.cache.budget import PUBLIC_OWNER
 from tests.support.admin import admin_client, login
 from tests.support.gateway import MODEL, Gateway
 

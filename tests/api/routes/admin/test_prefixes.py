@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from engine.budget import PUBLIC_OWNER
-from engine.cache_stats import OwnerStats
+from engine.cache.budget import PUBLIC_OWNER
+from engine.cache.stats import OwnerStats
 from tests.support.admin import admin_client, login
 from tests.support.gateway import MODEL, Gateway
 

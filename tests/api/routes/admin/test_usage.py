@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from gateway.admin.callers import AdminCaller
-from gateway.api.routes.admin.usage import usage_totals
+from gateway.admin.routes.usage import usage_totals
 from gateway.errors import APIError
 from tests.support.admin import admin_client, login
 from tests.support.gateway import MODEL, SYSTEM_PROMPT, Gateway

@@ -1,0 +1,3 @@
+"""Paged attention: the seam between transformers' modeling code and the backends, and the backends
+(torch, the C++ CPU kernel, Triton).
+"""

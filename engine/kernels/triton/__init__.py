@@ -1,0 +1,1 @@
+"""Triton kernels: paged decode and prefill attention, KV writes, block zeroing."""

@@ -1,0 +1,1 @@
+"""Structured outputs: decoding constrained to a JSON schema or regex, and the schemas accepted."""

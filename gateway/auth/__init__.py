@@ -1,0 +1,1 @@
+"""Who is calling: API-key authentication, admin session tokens, the login throttle."""

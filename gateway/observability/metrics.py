@@ -1,0 +1,230 @@
+"""Prometheus metrics: per-app registry, request counters, latency histograms, and the engine's
+cache and queue read at scrape time.
+
+Series that name a tenant (`tenant` and `owner` labels) are shown only to a scraper that
+presents the metrics token; without it, a scrape sees the service as a whole and the public
+budget, and no tenant's identity or traffic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from engine.cache.budget import PUBLIC_OWNER, Owner
+from engine.model.openmp import ThreadGovernor
+from gateway.limits.limiter import Limiter
+from gateway.workers.remote_engine import RemoteEngine, ServingEngine
+from tenancy.audit_log import AuditLog
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    """The app's own registry: request counters and histograms, plus gauges read on scrape."""
+
+    def __init__(
+        self,
+        engine: ServingEngine,
+        audit: AuditLog,
+        tenant_name: Callable[[str], str],
+        limiter: Limiter | None = None,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "prefixgate_requests",
+            "HTTP API requests by endpoint and status.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "prefixgate_time_to_first_token_seconds",
+            "Time from arrival to the first token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "prefixgate_request_duration_seconds",
+            "End-to-end request latency.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "prefixgate_prompt_tokens",
+            "Prompt tokens per tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.cached_tokens = Counter(
+            "prefixgate_prefix_cache_hit_tokens",
+            "Prompt tokens served from the prefix cache.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.completion_tokens = Counter(
+            "prefixgate_completion_tokens",
+            "Generated tokens per tenant.",
+            ["tenant"],
+            registry=self.registry,
+        )
+        self.registry.register(EngineCollector(engine, tenant_name))
+        if limiter is not None:
+            self.registry.register(LimiterCollector(limiter))
+            self.registry.register(limiter.round_trips)
+        Gauge(
+            "prefixgate_audit_dead_letters",
+            "Audit events the database refused (in the file).",
+            registry=self.registry,
+        ).set_function(audit.dead_letters)
+        Gauge(
+            "prefixgate_audit_spooled_events",
+            "Audit events waiting for the database.",
+            registry=self.registry,
+        ).set_function(audit.pending)
+
+    def exposition(self, include_tenants: bool) -> bytes:
+        """The text exposition; per-tenant series only when `include_tenants`."""
+        if include_tenants:
+            return generate_latest(self.registry)
+        return generate_latest(_WithoutTenants(self.registry))
+
+
+class _WithoutTenants(Collector):
+    """A view of a registry with every sample that names a tenant left out."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            family.samples = [
+                sample
+                for sample in family.samples
+                if "tenant" not in sample.labels
+                and sample.labels.get("owner", "public") == "public"
+            ]
+            yield family
+
+
+class EngineCollector(Collector):
+    """Cache blocks per owner vs quota, evictions, zeroing and queue depth, read on scrape."""
+
+    def __init__(self, engine: ServingEngine, tenant_name: Callable[[str], str]) -> None:
+        self._engine = engine
+        self._tenant_name = tenant_name
+
+    def _owner(self, owner: Owner) -> str:
+        return "public" if owner is PUBLIC_OWNER else self._tenant_name(str(owner))
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._engine.cache_stats()
+        blocks = GaugeMetricFamily(
+            "prefixgate_kv_cache_blocks",
+            "KV blocks per owner by state (and its quota).",
+            labels=["owner", "state"],
+        )
+        evictions = CounterMetricFamily(
+            "prefixgate_kv_cache_evictions", "Cached blocks evicted, per owner.", labels=["owner"]
+        )
+        for owner, owner_stats in stats.owners.items():
+            name = self._owner(owner)
+            blocks.add_metric([name, "active"], owner_stats.active_blocks)
+            blocks.add_metric([name, "cached"], owner_stats.cached_blocks)
+            blocks.add_metric([name, "reserved"], owner_stats.reserved_blocks)
+            blocks.add_metric([name, "quota"], owner_stats.quota_blocks)
+            evictions.add_metric([name], owner_stats.counters.evicted_blocks)
+        yield blocks
+        yield evictions
+        pool = GaugeMetricFamily(
+            "prefixgate_kv_cache_pool_blocks", "KV pool blocks by state.", labels=["state"]
+        )
+        pool.add_metric(["total"], stats.num_blocks)
+        pool.add_metric(["free"], stats.free_blocks)
+        yield pool
+        yield CounterMetricFamily(
+            "prefixgate_kv_cache_zeroed_blocks",
+            "KV blocks zeroed before reuse.",
+            value=stats.blocks_zeroed,
+        )
+        yield CounterMetricFamily(
+            "prefixgate_kv_cache_key_collisions",
+            "Block-key hits rejected by verification.",
+            value=stats.collisions,
+        )
+        waiting, running = self._engine.queue_depth()
+        depth = GaugeMetricFamily(
+            "prefixgate_queue_depth", "Sequences in the engine.", labels=["state"]
+        )
+        depth.add_metric(["waiting"], waiting)
+        depth.add_metric(["running"], running)
+        yield depth
+        yield CounterMetricFamily(
+            "prefixgate_engine_preemptions",
+            "Sequences preempted for recompute.",
+            value=self._engine.metrics.preemptions,
+        )
+        yield CounterMetricFamily(
+            "prefixgate_engine_restarts",
+            "Times the engine failed outside any one request and restarted its state.",
+            value=self._engine.restarts,
+        )
+        if isinstance(self._engine, RemoteEngine):
+            yield from _worker_metrics(self._engine)
+        elif self._engine.threads is not None:
+            yield from _thread_metrics(self._engine.threads)
+
+
+class LimiterCollector(Collector):
+    """Where tenants' limits are kept now, and the steps counted here while Redis was away."""
+
+    def __init__(self, limiter: Limiter) -> None:
+        self._limiter = limiter
+
+    def collect(self) -> Iterator[Metric]:
+        limiter = self._limiter
+        yield GaugeMetricFamily(
+            "prefixgate_limits_shared",
+            "1 while tenants' limits are kept in the shared store (Redis), 0 while this "
+            "gateway limits alone (no Redis configured, or Redis away: fail-open).",
+            value=1 if limiter.shared_now else 0,
+        )
+        yield CounterMetricFamily(
+            "prefixgate_limits_fallback_steps",
+            "Admission steps counted in this process because the shared store did not answer.",
+            value=limiter.fallbacks,
+        )
+
+
+def _thread_metrics(threads: ThreadGovernor) -> Iterator[Metric]:
+    """The CPU threads the engine computes with (engine/model/openmp.py `ThreadGovernor`)."""
+    yield GaugeMetricFamily(
+        "prefixgate_engine_cpu_threads",
+        "OpenMP threads the engine's steps compute with now (fewer while the CPUs are busy).",
+        value=threads.threads,
+    )
+    yield CounterMetricFamily(
+        "prefixgate_engine_cpu_narrowings",
+        "Times the engine went from all its threads to fewer because its thread waited for a CPU.",
+        value=threads.narrowed,
+    )
+
+
+def _worker_metrics(engine: RemoteEngine) -> Iterator[Metric]:
+    """Each engine worker a routing gateway knows: in routing or not, and its load."""
+    up = GaugeMetricFamily(
+        "prefixgate_worker_up", "1 while the engine worker is in routing.", labels=["worker"]
+    )
+    in_flight = GaugeMetricFamily(
+        "prefixgate_worker_in_flight",
+        "This gateway's requests on the engine worker now.",
+        labels=["worker"],
+    )
+    for row in engine.worker_rows():
+        up.add_metric([row["url"]], 1 if row["up"] else 0)
+        in_flight.add_metric([row["url"]], row["in_flight"])
+    yield up
+    yield in_flight

@@ -1,0 +1,87 @@
+"""Keeps a running gateway in step with tenancy changes made anywhere (CLI, other replicas).
+
+The gateway reads the database's change counter, one single-row read, whenever PostgreSQL
+notifies it of a committed change (tenancy/changes.py) and every `tenancy_poll_s` (1 s) in any
+case. When it moved, cached key checks are dropped (so a revoked key, a suspended tenant or
+changed limits apply to the next request), changed cache quotas go to the engine at once, and
+a deleted tenant's cached KV blocks are purged (dropped and zeroed). A routing gateway also
+hands its workers' keeper (`fleet`) the database's whole view, every budget and every deleted
+tenant, which is what a worker that missed a change is given when it comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from engine.cache.budget import Owner, TenantBudget
+from gateway.auth.key_auth import KeyAuthenticator
+from gateway.runtime.usage_history import UsageHistory
+from gateway.workers.membership import WorkerSet
+from gateway.workers.remote_engine import ServingEngine
+from tenancy import changes
+from tenancy.changes import TenantRow
+from tenancy.store import Store
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TenancySync:
+    store: Store
+    engine: ServingEngine
+    auth: KeyAuthenticator
+    usage: UsageHistory | None = None  # a deleted tenant's live usage is forgotten too
+    fleet: WorkerSet | None = None  # a routing gateway's workers
+    seq: int | None = None
+    tenants: dict[str, TenantRow] = field(default_factory=dict)
+    # The background poll and an admin call's own poll (after its change) may overlap.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def poll(self) -> bool:
+        """Apply whatever changed since the last poll; returns whether anything did.
+
+        Blocking (database reads, engine calls): run it off the event loop.
+        """
+        with self._lock:
+            return self._poll()
+
+    def _poll(self) -> bool:
+        with self.store.transaction() as session:
+            seq = changes.current_seq(session)
+            if seq == self.seq:
+                return False
+            tenants = changes.tenant_budgets(session)
+        first, self.seq = self.seq is None, seq
+        previous, self.tenants = self.tenants, tenants
+        self.auth.forget_all()
+        if self.fleet is not None:
+            budgets: dict[Owner, TenantBudget] = {
+                row.tenant_id: _budget(row) for row in tenants.values() if row.status != "deleted"
+            }
+            deleted = frozenset(t for t, row in tenants.items() if row.status == "deleted")
+            self.fleet.know_tenants(budgets, deleted)
+        if first:  # the engine learns budgets from requests until something changes
+            return True
+        for tenant_id, row in tenants.items():
+            before = previous.get(tenant_id)
+            if row.status == "deleted":
+                if before is None or before.status != "deleted":
+                    purged = self.engine.purge_tenant(tenant_id)
+                    logger.info("tenant %s deleted: purged %d cached blocks", row.slug, purged)
+                    if self.usage is not None:
+                        self.usage.forget(tenant_id)
+            elif before is None or _budget(before) != _budget(row):
+                self._set_budget(row)
+        return True
+
+    def _set_budget(self, row: TenantRow) -> None:
+        try:
+            self.engine.set_budget(row.tenant_id, _budget(row))
+        except ValueError as error:  # reservations beyond the pool: requests cut them instead
+            logger.warning("cache budget of tenant %s not applied: %s", row.slug, error)
+
+
+def _budget(row: TenantRow) -> TenantBudget:
+    return TenantBudget(row.cache_quota_blocks, row.cache_reservation_blocks)
