@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 KERNEL_TESTS = [
-    "tests/engine_core/test_triton_kernels.py",
-    "tests/engine_models/test_triton_engine.py",
-    "tests/engine_models/test_paged_attention.py",
+    "tests/engine/kernels/test_triton_kernels.py",
+    "tests/engine/attention/test_triton_engine.py",
+    "tests/engine/attention/test_paged_attention.py",
 ]
 SYSPROMPT = ["--workload", "sysprompt", "--device", "cuda", "--dtype", "bfloat16",
              "--requests", "32", "--num-blocks", "16384", "--json"]  # fmt: skip

@@ -29,7 +29,7 @@ class EngineConfig:
     max_waiting: int = 4096
     queue_timeout_s: float = 30.0
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"  # auto, cpu, torch or triton: see engine/attention/paged.py
+    attention_backend: str = "auto"  # auto, cpu, torch or triton: see engine/attention/selection.py
     adapter_id: str = ""
     public_budget: TenantBudget | None = None
     default_budget: TenantBudget | None = None

@@ -4,12 +4,8 @@ Every decode step reads all of the model's weights and its sequences' K/V from m
 270 MB of packed bf16 weights and, for 16 streams over 1,544-token contexts, 190 MB of K/V.
 In 4 KB pages that is some 115,000 pages a step, far more than the TLB holds, so nearly every
 page costs a page walk, and the hardware prefetchers stop at each page's end. In 2 MB pages it
-is a few hundred. On a Zen 5 EPYC (2 vCPUs, 2026-12-04; side by side in one process), SmolLM2's
-30 layers of projections took 0.91x the time at one row and 0.92x at 16 with their weights in
-2 MB pages, and 30 layers of decode attention 0.96x for one sequence (0.99x for 16). In the
-engine (`bench.decode_step`'s workload, the weights switched between 2 MB and 4 KB pages
-between rounds, five runs on a noisy machine) a one-stream step took 0.85-1.10x the time, a
-16-stream step 0.97-1.04x (the longest run's paired rounds: median 0.97x and 0.99x).
+is a few hundred, and projections and decode attention measured faster (figures:
+docs/performance.md).
 
 Linux backs a range with huge pages when asked (`madvise(MADV_HUGEPAGE)`) if
 `/sys/kernel/mm/transparent_hugepage/enabled` says `madvise` or `always`; the range must be

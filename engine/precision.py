@@ -1,10 +1,10 @@
 """Where the model computes (`resolve_device`) and in which dtype (`resolve_dtype`).
 
-`auto` is bf16 where the CPU computes bf16 natively (AVX512_BF16 or AMX-BF16: about twice the
-fp32 rate for the same weights, half the memory traffic) or on a CUDA device that supports it,
-and fp32 elsewhere. A setting overrides it. On a CPU with AVX2 but no AVX-512, a forced
-bf16 runs on the kernels' FMA loops (`bf16_product.h`): prefill as fast as fp32, decode about
-twice as fast (half the bytes to read), at bf16's rounding; `auto` leaves that choice to the
+`auto` is bf16 where the CPU computes bf16 natively (AVX512_BF16 or AMX-BF16: a higher rate
+than fp32's for the same weights, half the memory traffic) or on a CUDA device that supports
+it, and fp32 elsewhere. A setting overrides it. On a CPU with AVX2 but no AVX-512, a forced
+bf16 runs on the kernels' FMA loops (`bf16_product.h`): prefill as fast as fp32, decode
+faster (half the bytes to read), at bf16's rounding; `auto` leaves that choice to the
 operator.
 """
 

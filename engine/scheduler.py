@@ -180,7 +180,7 @@ class Scheduler:
         prefix cache where its scopes allow).
         """
         if len(self.running) < self.config.max_num_seqs:
-            refusal = self.manager.fork(parent.request_id, child.cache_request())
+            refusal = self.manager.fork(parent.request_id, child.cache_request, child.key_chain)
             if refusal is None:
                 self.running.append(child)
                 child.status = Status.RUNNING
@@ -222,7 +222,9 @@ class Scheduler:
 
     def _admit(self, sequence: Sequence, budget: int, output: SchedulerOutput) -> int:
         """Admit a waiting sequence for a first chunk; returns its size, 0 if it must wait."""
-        hit = self.manager.match(sequence.cache_request())
+        hit = self.manager.match(
+            sequence.cache_request, sequence.key_chain, reuse=sequence.reuses_cache
+        )
         count = _chunk_size(sequence, hit.cached_tokens, budget)
         refusal = self.manager.admit(hit, count)
         if refusal is not None:

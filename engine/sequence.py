@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from engine.cache.cache_request import CacheRequest
+from engine.cache.cache_request import CacheRequest, KeyChain
 from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
 from engine.sampling.detokenizer import Detokenizer
 from engine.sampling.sampler import MIN_SEED, SEED_LIMIT, TokenLogprobs, make_generator
@@ -30,18 +30,15 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-def cache_request(
-    request: GenerationRequest, token_ids: list[int], reuse: bool = True
-) -> CacheRequest:
-    """What the cache manager sees of a request whose tokens so far are `token_ids`."""
+def cache_request(request: GenerationRequest) -> CacheRequest:
+    """What the cache manager is told of a request: its prompt, scopes and budget."""
     return CacheRequest(
         request_id=request.request_id,
         tenant_id=request.tenant_id,
-        prompt_token_ids=token_ids,
+        prompt_token_ids=list(request.prompt_token_ids),
         segments=request.prompt_segments(),
         tail_scope=request.tail_scope,
         budget=request.budget,
-        reuse=reuse,
     )
 
 
@@ -68,6 +65,10 @@ class Sequence:
     prompt_len: int
     generator: torch.Generator | None
     detokenizer: Detokenizer | None
+    # What the cache manager is told of it, and its tokens' keys, kept for its whole life so
+    # that no admission attempt hashes a block twice (generated tokens join the chain).
+    cache_request: CacheRequest
+    key_chain: KeyChain
     status: Status = Status.SUBMITTED
     num_computed: int = 0
     arrival: float = field(default_factory=time.monotonic)
@@ -94,17 +95,25 @@ class Sequence:
         cls,
         request: GenerationRequest,
         sink: Sink,
+        cache: tuple[CacheRequest, KeyChain],
         tokenizer: Any,
         device: torch.device,
         stop_token_ids: Collection[int] = (),
     ) -> Sequence:
-        """The request's sequence; for n > 1 also its other choices, waiting in `forks`."""
-        sequences = [
-            cls._choice(choice_request(request, index), sink, tokenizer, device, stop_token_ids)
-            for index in range(request.n)
-        ]
-        for index, sequence in enumerate(sequences):
+        """The request's sequence; for n > 1 also its other choices, waiting in `forks`.
+
+        `cache` is what `validation.validate` made of the request for the cache manager;
+        each other choice gets a copy under its own id.
+        """
+        as_cache, chain = cache
+        sequences = []
+        for index in range(request.n):
+            choice = choice_request(request, index)
+            if index:  # the request's own, under the choice's id
+                cache = dataclasses.replace(as_cache, request_id=choice.request_id), chain.copy()
+            sequence = cls._choice(choice, sink, cache, tokenizer, device, stop_token_ids)
             sequence.index = index
+            sequences.append(sequence)
         if request.n > 1:
             sequences[0].forks = sequences[1:]
             for sequence in sequences:
@@ -116,6 +125,7 @@ class Sequence:
         cls,
         request: GenerationRequest,
         sink: Sink,
+        cache: tuple[CacheRequest, KeyChain],
         tokenizer: Any,
         device: torch.device,
         stop_token_ids: Collection[int],
@@ -124,7 +134,7 @@ class Sequence:
         stop = request.sampling.stop
         detokenizer = Detokenizer(tokenizer, prompt, stop) if tokenizer is not None else None
         generator = make_generator(request.sampling, device)
-        sequence = cls(request, sink, prompt, len(prompt), generator, detokenizer)
+        sequence = cls(request, sink, prompt, len(prompt), generator, detokenizer, *cache)
         if request.grammar is not None:
             sequence.grammar = GrammarState(request.grammar, list(stop_token_ids))
         return sequence
@@ -188,12 +198,11 @@ class Sequence:
         wanted = self.request.prompt_logprobs is not None
         return wanted and len(self.prompt_logprobs) < self.prompt_len - 1
 
-    def cache_request(self) -> CacheRequest:
-        """The cache manager's view: everything generated so far counts as prompt on re-entry.
-
-        A request for prompt logprobs reuses no cached block until it has them all.
-        """
-        return cache_request(self.request, self.token_ids, reuse=not self.wants_prompt_logits)
+    @property
+    def reuses_cache(self) -> bool:
+        """Whether its admission may hit cached blocks: a request for prompt logprobs reuses
+        none until it has them all."""
+        return not self.wants_prompt_logits
 
     def usage(self, computed_prompt_positions: int) -> Usage:
         """OpenAI usage; cached tokens are prompt positions the model never computed (I6).

@@ -12,7 +12,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from engine.cache.budget import PUBLIC_OWNER, Owner
-from engine.cache.cache_request import request_block_scopes
+from engine.cache.cache_request import CacheRequest, KeyChain
 from engine.cache.kv_cache_manager import KVCacheManager
 from engine.errors import ContextTooLong, ExceedsCacheQuota, InvalidRequest
 from engine.request import GenerationRequest
@@ -32,8 +32,12 @@ class ModelLimits:
     has_tokenizer: bool
 
 
-def validate(request: GenerationRequest, limits: ModelLimits, cache: KVCacheManager) -> None:
-    """Raise `InvalidRequest` (or a subclass) if the request can never be served."""
+def validate(
+    request: GenerationRequest, limits: ModelLimits, cache: KVCacheManager
+) -> tuple[CacheRequest, KeyChain]:
+    """Raise `InvalidRequest` (or a subclass) if the request can never be served; else return
+    what the cache manager is told of it and its prompt's key chain (no key computed yet),
+    made here once for the request's whole life."""
     prompt = request.prompt_token_ids
     if not prompt:
         raise InvalidRequest("the prompt is empty", param="prompt")
@@ -57,29 +61,32 @@ def validate(request: GenerationRequest, limits: ModelLimits, cache: KVCacheMana
         )
     if request.sampling.stop and not limits.has_tokenizer:
         raise InvalidRequest("stop strings need a model with a tokenizer", param="stop")
+    as_cache = cache_request(request)
     try:
-        request_block_scopes(cache_request(request, list(prompt)), cache.block_size)
+        chain = KeyChain.of(as_cache, cache.block_size)
     except ValueError as error:
         raise InvalidRequest(f"bad cache scopes: {error}") from error
-    check_fits(request, cache)
+    check_fits(request, as_cache, chain, cache)
+    return as_cache, chain
 
 
-def check_fits(request: GenerationRequest, cache: KVCacheManager) -> None:
+def check_fits(
+    request: GenerationRequest, as_cache: CacheRequest, chain: KeyChain, cache: KVCacheManager
+) -> None:
     """Raise `ExceedsCacheQuota` if the request's KV could never be held at once.
 
     A running request holds every one of its blocks (cache hits included) until it ends, so it
     can run only if each owner's share fits that owner's quota and the total fits the pool.
     """
-    as_cache = cache_request(request, list(request.prompt_token_ids))
     prompt_len = len(request.prompt_token_ids)
     # The last sampled token is never fed back: KV holds at most this many positions.
     positions = prompt_len + request.sampling.max_tokens - 1
-    excess = _excess(request, cache, cache.blocks_charged(as_cache, positions))
+    excess = _excess(request, cache, cache.blocks_charged(as_cache, chain, positions))
     if excess is None:
         return
     owner, needed_blocks, limit_blocks = excess
     # Whether a smaller max_tokens could help, or the prompt alone is too big.
-    prompt_excess = _excess(request, cache, cache.blocks_charged(as_cache, prompt_len))
+    prompt_excess = _excess(request, cache, cache.blocks_charged(as_cache, chain, prompt_len))
     param, fix = (
         ("max_tokens", "lower max_tokens")
         if prompt_excess is None

@@ -8,16 +8,12 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI
 from sqlalchemy import inspect
 from starlette.concurrency import run_in_threadpool
 
-from engine.cache.budget import TenantBudget
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.model.loader import EMBEDDED_MODEL_NAME, LoadedModel
+from engine.model.loader import LoadedModel
 from engine.model.openmp import on_passing_thread
 from gateway.admin.routes import ROUTERS as ADMIN_ROUTERS
 from gateway.auth.admin_tokens import AdminTokens
@@ -35,17 +31,17 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import make_tracer_provider
 from gateway.openai import routes as completions
 from gateway.runtime.audit_queue import AuditQueue
+from gateway.runtime.engine_setup import start_local_engine, start_routing
 from gateway.runtime.peers import REPORT_S, Peers, limits_store_id
 from gateway.runtime.served_models import ServedModels
+from gateway.runtime.serving_engine import ServingEngine
 from gateway.runtime.tenancy_sync import TenancySync
 from gateway.runtime.usage_history import UsageHistory
 from gateway.settings import Settings
 from gateway.state import GatewayState
-from gateway.workers.membership import WorkerSet
-from gateway.workers.remote_engine import RemoteEngine, RoutingConfig, ServingEngine
 from policies.config import load_policy
 from tenancy import deployment
-from tenancy.changes import ChangeListener
+from tenancy.change_feed import ChangeListener
 from tenancy.db import make_engine
 from tenancy.migrate import current_revision, ensure_current, upgrade
 
@@ -95,8 +91,7 @@ def create_app(
             state.draining = True
             await run_in_threadpool(shutdown_state, state)
             await state.limiter.close()
-            if isinstance(state.engine, RemoteEngine):
-                await state.engine.close_connections()
+            await state.engine.close_connections()
 
     app = FastAPI(title="PrefixGate", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
@@ -138,54 +133,6 @@ def prepare_database(
         engine.dispose()
 
 
-def start_engine(settings: Settings, loaded: LoadedModel | None) -> tuple[LoadedModel, Engine]:
-    """The model (loaded unless given) and a started engine over it, as the settings say."""
-    if loaded is None:
-        loaded = settings.load_model()
-    public_budget = None
-    if settings.public_cache_blocks is not None:
-        public_budget = TenantBudget(settings.public_cache_blocks)
-    engine = Engine(
-        loaded,
-        EngineConfig(
-            block_size=settings.block_size,
-            kv_cache_bytes=settings.kv_cache_bytes,
-            gpu_memory_fraction=settings.gpu_memory_fraction,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            queue_timeout_s=settings.queue_timeout_s,
-            enable_prefix_caching=settings.enable_prefix_caching,
-            attention_backend=settings.attention_backend,
-            public_budget=public_budget,
-        ),
-    )
-    return loaded, engine.start()
-
-
-def start_routing(settings: Settings) -> RemoteEngine:
-    """The workers, once one of them answers: a routing gateway serves whatever models they
-    announce (it loads each one's tokenizer and shape from a worker, never weights)."""
-    if settings.worker_secret is None:
-        raise ValueError("routing to workers needs PREFIXGATE_WORKER_SECRET")
-    workers = WorkerSet(
-        settings.workers,
-        settings.worker_secret.get_secret_value(),
-        settings.worker_poll_s,
-        settings.worker_timeout_s,
-    )
-    config = RoutingConfig(
-        settings.routing, settings.routing_load_tokens, settings.routing_max_imbalance
-    )
-    return RemoteEngine(workers, config).start(settings.worker_start_timeout_s)
-
-
-def served_name(settings: Settings) -> str:
-    """The id clients name the model of this process's engine by."""
-    if settings.served_model_name:
-        return settings.served_model_name
-    return EMBEDDED_MODEL_NAME if settings.model_dir is None else Path(settings.model_dir).name
-
-
 def build_state(
     settings: Settings, loaded: LoadedModel | None, announce: Callable[[str], None]
 ) -> GatewayState:
@@ -205,17 +152,15 @@ def build_state(
     else:
         # Loaded and built on a thread that then ends: the engine thread's OpenMP pool stays
         # the only one (engine/model/openmp.py).
-        loaded, engine = on_passing_thread(lambda: start_engine(settings, loaded))
-        models = ServedModels.one(
-            settings, policy_config, store, served_name(settings), loaded, engine
-        )
+        loaded, local = on_passing_thread(lambda: start_local_engine(settings, loaded))
+        models = ServedModels.one(settings, policy_config, store, local.served_name, loaded, local)
+        engine = local
     announce("engine: " + ", ".join(f"{key} {value}" for key, value in engine.describe().items()))
     with store.transaction() as session:  # so the CLI can check quotas against the pool
         deployment.record_pool_blocks(session, engine.pool.num_blocks)
     auth = KeyAuthenticator(store, settings.auth_cache_ttl_s, settings.auth_stale_ttl_s)
     usage = UsageHistory(settings.usage_sample_s, settings.usage_window_s)
-    fleet = engine.workers if isinstance(engine, RemoteEngine) else None
-    tenancy_sync = TenancySync(store, engine, auth, usage, fleet=fleet)
+    tenancy_sync = TenancySync(store, engine, auth, usage)
     tenancy_sync.poll()
     tenant_names: dict[str, str] = {}
     limiter = make_limiter(settings)

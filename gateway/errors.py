@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -31,6 +32,19 @@ from engine.sampling.sampler import InvalidSampling
 from tenancy.api_keys import AuthFailure
 from tenancy.db import is_outage
 from tenancy.errors import Conflict, InvalidInput, NotFound, TenancyError
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error a client sees, as the OpenAPI spec shows it (`APIError.body` writes it)."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):

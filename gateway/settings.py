@@ -19,7 +19,7 @@ import secrets
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator
@@ -29,9 +29,6 @@ from tenancy.admins import Lockout
 from tenancy.db import check_database_url
 from tenancy.deployment import SecretMismatch, mismatched_secrets
 from tenancy.store import Store
-
-if TYPE_CHECKING:
-    from engine.model.loader import LoadedModel
 
 _GENERATED_SECRETS = ("key_hash_secret", "audit_signing_key", "jwt_secret")
 # The secrets the store works with: keys hashed or checkpoints signed under another value
@@ -297,48 +294,6 @@ class Settings(BaseSettings):
     def checkpoint_path(self) -> Path:
         """The append-only file that keeps signed audit checkpoints outside the database."""
         return self.audit_checkpoint_path or self.state_dir / "audit-checkpoints.jsonl"
-
-    def check_engine(self) -> None:
-        """Refuse, before a model loads, a device or an attention backend named explicitly
-        that cannot serve on this machine: ValueError saying why, in one line."""
-        from engine.attention.paged import check_backend
-        from engine.precision import resolve_device
-
-        check_backend(self.attention_backend, resolve_device(self.device))
-
-    def check_workers(self) -> None:
-        """Refuse, before anything starts, worker addresses that cannot be read or routing
-        without the worker secret: ValueError saying why, in one line."""
-        from gateway.workers.membership import parse_worker_spec
-
-        for spec in self.workers:
-            parse_worker_spec(spec)
-        if self.workers and self.worker_secret is None:
-            raise ValueError("routing to workers needs PREFIXGATE_WORKER_SECRET")
-
-    def load_model(self, model_dir: Path | None = None, weights: bool = True) -> LoadedModel:
-        """The model (`model_dir`, else the configured one, else the embedded one) on the
-        configured device, in the configured dtype; without `weights`, only its shape and
-        tokenizer. Raises `ModelLoadError` (also for a device that is not there)."""
-        from engine.model.loader import ModelLoadError, load_model
-        from engine.precision import resolve_device, resolve_dtype
-
-        try:
-            device = resolve_device(self.device)
-        except ValueError as error:
-            raise ModelLoadError(str(error)) from error
-        dtype = resolve_dtype(self.dtype, device)
-        template = None
-        if self.chat_template is not None:
-            try:
-                template = self.chat_template.read_text()
-            except (OSError, UnicodeDecodeError) as error:
-                message = f"cannot read the chat template {self.chat_template}: {error}"
-                raise ModelLoadError(message) from error
-        directory = model_dir or self.model_dir
-        return load_model(
-            directory, dtype=dtype, device=device, chat_template=template, weights=weights
-        )
 
     def open_store(self, check_schema: bool = True) -> Store:
         """The tenancy store these settings describe, opened the same way by every process.

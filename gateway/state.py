@@ -17,11 +17,11 @@ from gateway.observability.metrics import GatewayMetrics
 from gateway.runtime.audit_queue import AuditQueue
 from gateway.runtime.peers import Peers
 from gateway.runtime.served_models import ServedModels
+from gateway.runtime.serving_engine import ServingEngine
 from gateway.runtime.tenancy_sync import TenancySync
 from gateway.runtime.usage_history import UsageHistory
 from gateway.settings import Settings
-from gateway.workers.remote_engine import ServingEngine
-from tenancy.changes import ChangeListener
+from tenancy.change_feed import ChangeListener
 from tenancy.store import Store
 
 

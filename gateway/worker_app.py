@@ -42,6 +42,7 @@ from engine.engine import Engine
 from engine.model.loader import LoadedModel, shape_files
 from engine.model.openmp import on_passing_thread
 from engine.sampling.sampler import InvalidSampling
+from gateway.runtime.engine_setup import start_engine
 from gateway.settings import Settings
 from gateway.workers import wire
 from gateway.workers.key_log import KeyLog
@@ -87,8 +88,6 @@ def create_worker_app(
 ) -> FastAPI:
     """The worker app; the model loads and the engine starts in its lifespan, which says
     (`announce`) which model it serves, under which name."""
-    from gateway.app import start_engine
-
     if settings.worker_secret is None:
         raise ValueError("a worker needs PREFIXGATE_WORKER_SECRET (the gateways' shared secret)")
     secret = settings.worker_secret.get_secret_value().encode()
@@ -118,9 +117,12 @@ def create_worker_app(
         return state
 
     app = FastAPI(  # internal: nothing to advertise
-        title="PrefixGate worker", lifespan=lifespan, docs_url=None, redoc_url=None,
+        title="PrefixGate worker",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
         openapi_url=None,
-    )  # fmt: skip
+    )
     guarded = [Depends(authorized)]
 
     @app.exception_handler(_Refused)

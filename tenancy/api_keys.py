@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from tenancy.errors import Conflict, InvalidInput, NotFound
-from tenancy.keys import MalformedKey, hash_secret, new_key, parse_key, secret_matches
+from tenancy.key_format import MalformedKey, hash_secret, new_key, parse_key, secret_matches
 from tenancy.models import KEY_ROLES, ApiKey, Tenant, utcnow
 
 MAX_LIVE_KEYS = 1000  # per tenant: one tenant-admin cannot fill the table

@@ -32,9 +32,16 @@ DETAILS_EXCERPT_CHARS = MAX_DETAIL_STRING  # what is kept of `details` still too
 REPLACEMENT = "\ufffd"
 TOO_DEEP = "(nested too deep)"
 TEXT_FIELDS = (
-    "actor_type", "action", "outcome", "actor_id", "tenant_id", "resource_type",
-    "resource_id", "request_id", "source_ip",
-)  # fmt: skip
+    "actor_type",
+    "action",
+    "outcome",
+    "actor_id",
+    "tenant_id",
+    "resource_type",
+    "resource_id",
+    "request_id",
+    "source_ip",
+)
 _UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
 
 

@@ -3,7 +3,7 @@ thread pool).
 
 Only SQLite and PostgreSQL are supported; `check_database_url` says so in one sentence before
 anything tries to connect. Sessions check every value against its column before it is written
-and count tenancy changes (`tenancy.changes`).
+and count tenancy changes (`tenancy.change_feed`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from sqlalchemy.exc import (
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session, sessionmaker
 
-from tenancy import changes
+from tenancy import change_feed
 from tenancy.models import Base, check_column_bounds
 
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
@@ -98,7 +98,7 @@ def make_sessions(engine: Engine) -> sessionmaker[Session]:
     sessions = sessionmaker(engine, expire_on_commit=False)
     # Registered first, so a refused value raises before the change counter moves.
     event.listen(sessions, "before_flush", _check_bounds)
-    changes.track(sessions)
+    change_feed.track(sessions)
     return sessions
 
 

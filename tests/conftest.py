@@ -153,7 +153,7 @@ def gateway(
     tmp_path_factory: pytest.TempPathFactory,
     redis_server: str,
 ) -> Iterator[Gateway]:
-    """One real gateway for the whole run, shared by tests/api and tests/e2e (each start costs
+    """One real gateway for the whole run, shared by tests/gateway and tests/e2e (each start costs
     seconds), with the tenants of `SESSION_TENANTS`, keeping their limits in Redis as a
     deployment of several gateways does."""
     from tests.support.gateway import SESSION_TENANTS, start_gateway

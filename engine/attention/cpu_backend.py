@@ -4,8 +4,8 @@ Decode, prefill and extend over cached blocks all go through one call per layer;
 gathered out of the pool. Where the CPU has bf16 matrix products (AMX, AVX512_BF16, or AVX2's
 FMA), bf16 prefill and extend run as matrix products (`paged_attention_matrix.cpp`). The new
 K/V are written by `kv_write.cpp`, one call per layer for the whole batch (what the torch
-backend's two `index_copy_` calls do; a decode step takes 0.96x the time), and freed blocks
-zeroed with the torch backend's `index_fill_`.
+backend's two `index_copy_` calls do, in less time), and freed blocks zeroed with the torch
+backend's `index_fill_`.
 """
 
 from __future__ import annotations
@@ -38,10 +38,9 @@ class CpuAttention:
             raise KernelUnavailable(f"head_dim {head_dim} is not a multiple of 16 up to 256")
         cls.check(device)
         # Matrix products for bf16 prefill and shared prefixes wherever the CPU has them
-        # (bf16_product.h). On AMX, and on AVX512_BF16's vdpbf16ps, they were measured faster
-        # (a 1,536-token prefill's attention 2.2x as fast as the vector kernel's on an AMD
-        # EPYC); on AVX2's FMA, 16 decodes over 1,024 shared keys 1.4x as fast, a prefill 3%
-        # slower, and a prompt rounds the same whether its beginning came from the cache.
+        # (bf16_product.h): faster on AMX and AVX512_BF16, and on AVX2's FMA faster for
+        # shared prefixes, with a prompt rounding the same whether its beginning came from
+        # the cache or not.
         torch.ops.prefixgate.use_matrix_units(True)
         return cls()
 

@@ -1,14 +1,21 @@
-"""What the KV cache manager is told about a request, and what it keeps about one."""
+"""What the KV cache manager is told about a request, and what it keeps about one.
+
+A request's tokens are keyed once: its `KeyChain` (token bytes, one scope per block, the keys
+computed so far) is made when the request is submitted and kept by the request for its whole
+life, through admission attempts that are refused, preemption and re-admission. The manager
+extends the chain's keys only past what it computed before, so a request that waits many
+steps, or is preempted and comes back, hashes each of its blocks once.
+"""
 
 from __future__ import annotations
 
 from collections import abc
 from dataclasses import dataclass, field
 
-from engine.cache.block_hash import BlockHash
+from engine.cache.block_hash import TOKEN_ID_BYTES, BlockHash, encode_token_ids
 from engine.cache.block_pool import Block
 from engine.cache.budget import TenantBudget
-from engine.cache.scope import NO_CACHE, CacheScope, Segment, block_scopes
+from engine.cache.scope import NO_CACHE, CacheScope, Segment, block_scopes, no_less_private
 from engine.math_utils import cdiv
 
 
@@ -23,24 +30,61 @@ class CacheRequest:
     # Scope of the tokens no segment covers: the generated text.
     tail_scope: CacheScope = NO_CACHE
     budget: TenantBudget | None = None
-    # False: compute every prompt position, hitting no cached block (its blocks are still
-    # cached for others).
-    reuse: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class KeyChain:
+    """A request's tokens as the cache keys them: their bytes (`encode_token_ids`), one scope
+    per block, and the keys of its first blocks, computed by the manager as it needs them.
+
+    Tokens are only ever appended, and a block's key depends only on the blocks before it, so
+    keys once computed stay valid for the request's whole life.
+    """
+
+    token_bytes: bytearray
+    scopes: list[CacheScope]
+    tail_scope: CacheScope
+    keys: list[BlockHash] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, request: CacheRequest, block_size: int) -> KeyChain:
+        """The chain of a request's prompt, no key computed yet; raises ValueError for
+        segments that cannot be honoured."""
+        scopes = request_block_scopes(request, block_size)
+        token_bytes = bytearray(encode_token_ids(request.prompt_token_ids))
+        return cls(token_bytes, scopes, request.tail_scope)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_bytes) // TOKEN_ID_BYTES
+
+    def append(self, token_ids: abc.Sequence[int]) -> None:
+        """Add generated tokens, so that their full blocks can be keyed and committed."""
+        self.token_bytes += encode_token_ids(token_ids)
+
+    def extend_scopes(self, num_blocks: int) -> None:
+        """Scopes for blocks of generated text: the tail scope, never less private."""
+        while len(self.scopes) < num_blocks:
+            self.scopes.append(no_less_private(self.tail_scope, self.scopes[-1]))
+
+    def copy(self) -> KeyChain:
+        """A chain of its own over the same tokens (another choice of the same prompt)."""
+        return KeyChain(
+            bytearray(self.token_bytes), list(self.scopes), self.tail_scope, list(self.keys)
+        )
 
 
 @dataclass(slots=True, eq=False)
 class CacheSequence:
-    """The manager's record of an admitted request: its tokens, blocks and keys."""
+    """The manager's record of an admitted request: its key chain, blocks and commits."""
 
     request: CacheRequest
-    token_bytes: bytearray
-    scopes: list[CacheScope]
+    chain: KeyChain
     blocks: list[Block] = field(default_factory=list)
-    keys: list[BlockHash] = field(default_factory=list)
     cached_tokens: int = 0
     committed_blocks: int = 0
     # The cached block the next committed block extends (None: the chain's root).
-    chain_parent: Block | None = None
+    commit_parent: Block | None = None
     commit_stopped: bool = False
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.cache.budget import Owner
-from engine.cache.kv_cache_manager import KVCacheManager, OwnerCounters
+from engine.cache.kv_cache_manager import KVCacheManager
+from engine.cache.quotas import OwnerCounters
 
 
 @dataclass(frozen=True, slots=True)

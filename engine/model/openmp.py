@@ -1,25 +1,24 @@
 """How the engine uses torch's OpenMP threads on the CPU.
 
-Three measured rules (2-core Xeon, SmolLM2-135M in bf16, 1,536-token contexts):
-- Idle OpenMP threads spin briefly before they sleep. A decode step runs about 250 parallel
-  regions (eight a layer), and a sleeping thread must be woken for each: with sleeping threads
-  (`OMP_WAIT_POLICY=PASSIVE`) one stream decoded 26 tok/s and sixteen 242; with threads that
-  spin 30,000 pause loops (`GOMP_SPINCOUNT=30000`; a pause took 9 ns on that CPU, so about
-  0.3 ms, and up to about 2 ms on CPUs with slower pauses) 41-46 and 345. `defaults()` sets
-  that spin count unless the environment already chose how threads wait, or this Linux does
-  not report how long a thread waits for a CPU (then threads sleep, as governing needs that
-  number); it must run before torch is first imported, so `engine/__init__.py` calls it.
+Three rules, each measured (figures: docs/performance.md):
+- Idle OpenMP threads spin briefly before they sleep. A decode step runs eight parallel
+  regions a layer, and a sleeping thread must be woken for each: threads that spin 30,000
+  pause loops (`GOMP_SPINCOUNT=30000`) decode much faster than sleeping ones
+  (`OMP_WAIT_POLICY=PASSIVE`). `defaults()` sets that spin count unless the environment
+  already chose how threads wait, or this Linux does not report how long a thread waits for a
+  CPU (then threads sleep, as governing needs that number); it must run before torch is first
+  imported, so `engine/__init__.py` calls it.
   `foreign_environment()` is the environment without it, for a process of another program
   (bench.peers' vLLM), which should wait as its own defaults say.
 - Spinning threads must not share their CPUs. Beside one other busy process the same spinning
-  threads decoded 7 tok/s (each waits at every region's end for a thread the kernel has
-  descheduled); sleeping threads 27, and one thread alone 25-29. `ThreadGovernor` therefore
+  threads decode several times slower than sleeping ones or one thread alone (each waits at
+  every region's end for a thread the kernel has descheduled). `ThreadGovernor` therefore
   watches the steps: when the engine thread waited for a CPU for more than a fifth of a
   quarter second of steps, something else wants the CPUs, and the engine computes with fewer
   threads until a later try with all of them runs without waiting.
 - One thread should do the engine's parallel torch work. libgomp keeps a pool of workers per
   thread that starts parallel regions, and while a second pool lives (the thread that loaded
-  the model, say) every region is slower to start: a decode step took 30 ms instead of 21 ms.
+  the model, say) every region is slower to start, and so is every decode step.
   `on_passing_thread` runs set-up work (loading the model, building the engine) on a thread
   that then ends, taking its pool with it, so the engine thread's pool is the only one.
 """

@@ -149,9 +149,16 @@ class ModelRunner:
         )
         prompt_chunks = torch.tensor([int(chunk.prompt_positions > 0) for chunk in chunks])
         parts = (
-            slots, input_ids, positions, logit_rows, query_starts, torch.tensor(context_lens),
-            share_groups, prompt_chunks, tables.view(-1),
-        )  # fmt: skip
+            slots,
+            input_ids,
+            positions,
+            logit_rows,
+            query_starts,
+            torch.tensor(context_lens),
+            share_groups,
+            prompt_chunks,
+            tables.view(-1),
+        )
         staged = torch.cat(parts)
         if self.device.type == "cuda":
             staged = staged.pin_memory()

@@ -5,12 +5,10 @@ request) into a grammar over the model's vocabulary; its sequence keeps a matche
 step, masks every token that would leave the grammar, and accepts the token sampled. The
 grammar ends with the model's end-of-sequence token, so a finished output always parses.
 
-xgrammar was chosen over llguidance by measurement (`python -m bench.grammar`, 2 CPU cores,
-SmolLM2's 49,152-token vocabulary, two schemas, compact JSON): the per-token mask took 15 and
-2.7 us median, 133 and 24 us at worst with xgrammar; 25 and 35 us, 5.3 ms and 133 us with
-llguidance. Compiling took 11-12 ms per schema with xgrammar, 1.4-9 ms with llguidance, and is
-cached per schema. Both are far below a decode step (20-30 ms); xgrammar's worst case, the one
-that delays a whole batch, is the smaller.
+xgrammar was chosen over llguidance by measurement (`python -m bench.grammar`; figures:
+docs/performance.md): both mask a token and compile a schema (cached per schema) far faster
+than a decode step, and xgrammar's worst case per token, the one that delays a whole batch, is
+the smaller.
 
 What a schema may hold is checked first (engine/structured/schema_checks.py): anything xgrammar
 would not enforce is refused naming it.
@@ -78,9 +76,10 @@ class Grammars:
         with self._lock:
             if self._compiler is None:
                 info = xgr.TokenizerInfo.from_huggingface(
-                    self._tokenizer, vocab_size=self._vocab_size,
+                    self._tokenizer,
+                    vocab_size=self._vocab_size,
                     stop_token_ids=self.stop_token_ids or None,
-                )  # fmt: skip
+                )
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             return self._compiler
 

@@ -22,7 +22,8 @@ from engine.structured.regex_checks import MAX_PATTERNS, PatternRefused, check_p
 MAX_SCHEMA_BYTES = 32 * 1024
 MAX_SCHEMA_DEPTH = 32
 # Keywords that constrain nothing (`nullable`, OpenAPI's, only widens what xgrammar ignores),
-# and the definitions a `$ref` reads.
+# and the definitions a `$ref` reads. (The keyword tables below stay dense, a few names a line,
+# where the formatter would give each name a line of its own.)
 ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "strict",
     "nullable", "$defs", "definitions",

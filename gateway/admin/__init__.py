@@ -1,2 +1,3 @@
-"""Administration shared by the admin API and the console: who is calling, their tokens,
-login throttling, and the audited change every mutating call makes."""
+"""Administration shared by the admin API and the console: who is calling (`callers`, and
+`deps` for the API's routes), the audited change every mutating call makes, and the service
+(`service/`) that does every call, under the API's thin routes (`routes/`)."""

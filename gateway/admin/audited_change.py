@@ -6,7 +6,7 @@ resource), and the resource before and after. A refused change (a tenancy rule, 
 caller may not see) is audited as a failure and answered in the API's error shape. After a
 successful commit this process applies it at once (`TenancySync.poll`: key checks forgotten,
 cache budgets set in the engine, a deleted tenant's blocks purged); other gateways are notified
-by the database as it commits (PostgreSQL; tenancy/changes.py), or see it on their next poll
+by the database as it commits (PostgreSQL; tenancy/change_feed.py), or see it on their next poll
 (`tenancy_poll_s`, 1 s by default).
 """
 

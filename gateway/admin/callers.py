@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from gateway.auth.admin_tokens import InvalidToken
 from gateway.errors import APIError
 from gateway.state import GatewayState
-from tenancy import admins, api_keys, keys, tenants
+from tenancy import admins, api_keys, key_format, tenants
 from tenancy.api_keys import VerifiedKey
 from tenancy.audit_chain import AuditRecord
 from tenancy.models import Tenant
@@ -86,7 +86,7 @@ def authenticate_admin(
     credential = credential.strip()
     if scheme.lower() != "bearer" or not credential:
         raise APIError.admin_unauthorized("this needs an admin token: Authorization: Bearer ...")
-    if credential.startswith(f"{keys.PREFIX}_"):
+    if credential.startswith(f"{key_format.PREFIX}_"):
         return _key_caller(state, credential, source_ip)
     return caller_from_token(state, credential, source_ip)
 

@@ -1,7 +1,7 @@
 """Export slots: how many audit exports are written at once, and by whom.
 
 An export reads up to `MAX_EXPORT_EVENTS` events and writes them out; a few at once are
-cheap, forty at once starve the database for everyone. So at most `MAX_CONCURRENT_EXPORTS`
+cheap, many at once starve the database for everyone. So at most `MAX_CONCURRENT_EXPORTS`
 are written at a time in the process and one per holder, and a caller past that is told at
 once to retry (a 429 `export_busy`), never queued.
 """
@@ -16,7 +16,7 @@ from gateway.admin.callers import AdminCaller
 from gateway.errors import APIError
 
 MAX_CONCURRENT_EXPORTS = 2  # exports being written at once, in this process
-EXPORT_RETRY_AFTER_S = 5  # what a refused export is told to wait: about one large export
+EXPORT_RETRY_AFTER_S = 5  # seconds a refused export is told to wait before it retries
 
 
 def export_holder(caller: AdminCaller) -> str:

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from engine.cache.stats import CacheStats
 from gateway.admin.schemas import (
     Amount,
     CacheUsage,
@@ -20,8 +18,8 @@ from gateway.admin.schemas import (
     WorkerCache,
     unseen_owner,
 )
+from gateway.runtime.serving_engine import EnginePool
 from gateway.state import GatewayState
-from gateway.workers.remote_engine import RemoteEngine
 from policies.templates import system_prompt_tokens
 from tenancy.api_keys import key_state
 from tenancy.models import Admin, ApiKey, PublicPrefix, Tenant, utcnow
@@ -35,42 +33,14 @@ def amount(state: GatewayState, blocks: int) -> Amount:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class EnginePool:
-    """One model's KV pool now: its workers' caches summed, and the workers themselves.
-
-    `stats` is None when none of its workers answers; `workers` is empty for the engine in
-    this process (rows as `RemoteEngine.worker_rows` gives them).
-    """
-
-    model: str
-    served: bool  # a worker of it is in routing (always, in process)
-    stats: CacheStats | None
-    workers: list[dict[str, Any]]
-
-
 def engine_pools(state: GatewayState) -> list[EnginePool]:
     """Every model's pool, by name: the one in this process, or each workers' model's (a model
     whose workers are all down too, while discovery still names them)."""
-    engine = state.engine
-    if not isinstance(engine, RemoteEngine):
-        (model,) = state.models.all()
-        return [EnginePool(model.name, True, engine.cache_stats(), [])]
-    stats = engine.pool_stats()
-    rows = engine.worker_rows()
-    names = sorted(set(stats) | {row["model"] for row in rows if row["model"]})
-    pools = []
-    for name in names:
-        workers = [row for row in rows if row["model"] == name]
-        served = any(row["up"] for row in workers)
-        pools.append(EnginePool(name, served, stats.get(name), workers))
-    return pools
+    return list(state.engine.pools())
 
 
 def workers_without_model(state: GatewayState) -> list[dict[str, Any]]:
     """The workers that have not said which model they serve (none of their polls answered)."""
-    if not isinstance(state.engine, RemoteEngine):
-        return []
     return [row for row in state.engine.worker_rows() if not row["model"]]
 
 
@@ -84,19 +54,18 @@ def cache_usage(state: GatewayState, tenant: Tenant) -> CacheUsage:
     for pool in engine_pools(state):
         own = pool.stats.owners.get(owner) if pool.stats is not None else None
         usage.pools.append(PoolUsage.of(own or unseen_owner(quota, reserved), model=pool.model))
-    if isinstance(state.engine, RemoteEngine):
-        models = {row["url"]: row["model"] for row in state.engine.worker_rows()}
-        for worker, worker_stats in state.engine.worker_stats().items():
-            own = worker_stats.owners.get(owner)
-            usage.workers.append(
-                WorkerCache(
-                    worker=worker,
-                    model=models.get(worker),
-                    active_blocks=own.active_blocks if own else 0,
-                    cached_blocks=own.cached_blocks if own else 0,
-                    quota_blocks=own.quota_blocks if own else quota,
-                )
+    models = {row["url"]: row["model"] for row in state.engine.worker_rows()}
+    for worker, worker_stats in state.engine.worker_stats().items():  # none in process
+        own = worker_stats.owners.get(owner)
+        usage.workers.append(
+            WorkerCache(
+                worker=worker,
+                model=models.get(worker),
+                active_blocks=own.active_blocks if own else 0,
+                cached_blocks=own.cached_blocks if own else 0,
+                quota_blocks=own.quota_blocks if own else quota,
             )
+        )
     return usage
 
 

@@ -11,8 +11,9 @@ import typer
 from gateway.cli.common import fail, open_store, operator
 from tenancy import tenants
 from tenancy.audit_chain import AuditRecord
-from tenancy.audit_export import ExportFilter, export_events, verify_database, verify_file
+from tenancy.audit_export import ExportFilter, export_events
 from tenancy.audit_files import UnreadableAuditFile
+from tenancy.audit_verification import verify_database, verify_file
 from tenancy.errors import TenancyError
 
 audit_app = typer.Typer(

@@ -100,10 +100,12 @@ def load_settings(**overrides: Any) -> Settings:
 def check_engine_settings(settings: Settings, model: Path | None) -> None:
     """Refuse a model option that is not a model directory, or an engine this machine cannot
     run, in one line, before anything loads."""
+    from gateway.runtime.engine_setup import check_engine
+
     if model is not None and not (model / "config.json").is_file():
         fail(f"{model} is not a model directory (no config.json)")
     try:
-        settings.check_engine()
+        check_engine(settings)
     except ValueError as error:
         fail(str(error))
 

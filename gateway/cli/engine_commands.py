@@ -97,11 +97,12 @@ def demo(
     from engine.cache.budget import describe_owner
     from engine.model.loader import ModelLoadError
     from gateway.cli.engine_demo import run_demo
+    from gateway.runtime.engine_setup import check_engine, load_configured_model
 
     settings = load_settings()
     try:
-        settings.check_engine()
-        loaded = settings.load_model(model)
+        check_engine(settings)
+        loaded = load_configured_model(settings, model)
     except (ValueError, ModelLoadError) as error:
         fail(str(error))
     if loaded.tokenizer is None:
@@ -155,13 +156,14 @@ def generate(
     from engine.model.loader import ModelLoadError
     from engine.request import GenerationRequest
     from engine.sampling.sampler import InvalidSampling, SamplingParams
+    from gateway.runtime.engine_setup import check_engine, load_configured_model
     from policies.templates import TemplateRejected, render
 
     settings = load_settings()
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        settings.check_engine()
-        loaded = settings.load_model(model)
+        check_engine(settings)
+        loaded = load_configured_model(settings, model)
     except InvalidSampling as error:
         fail(f"--{error.param.replace('_', '-')}: {error}")
     except (ValueError, ModelLoadError) as error:

@@ -91,8 +91,15 @@ def run_demo(
             assert usage is not None
             messages.append({"role": "assistant", "content": answer})
             turns.append(
-                DemoTurn(tenant, user, question, answer.strip(), usage.prompt_tokens,
-                         usage.cached_tokens, first_token)
-            )  # fmt: skip
+                DemoTurn(
+                    tenant_id=tenant,
+                    user_id=user,
+                    question=question,
+                    answer=answer.strip(),
+                    prompt_tokens=usage.prompt_tokens,
+                    cached_tokens=usage.cached_tokens,
+                    ttft_s=first_token,
+                )
+            )
     engine.stop()
     return turns, engine.cache_stats()

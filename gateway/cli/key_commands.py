@@ -43,8 +43,12 @@ def key_json(key: ApiKey, tenant: Tenant) -> dict[str, Any]:
 
 def created_key_json(created: api_keys.CreatedKey, owner: Tenant, **extra: str) -> dict[str, Any]:
     """A new key for output: the secret (this once), its row, and the owner's id for audit."""
-    return {"key": created.secret, **key_json(created.key, owner), **extra,
-            "tenant_id": str(owner.id)}  # fmt: skip
+    return {
+        "key": created.secret,
+        **key_json(created.key, owner),
+        **extra,
+        "tenant_id": str(owner.id),
+    }
 
 
 @keys_app.command("create")
@@ -65,9 +69,13 @@ def keys_create(
         return created_key_json(created, owner)
 
     result = audited_change(
-        "key.create", "api_key", f"{tenant}/{name}", create, tenant_of=lambda r: r["tenant_id"],
+        action="key.create",
+        resource_type="api_key",
+        resource_id=f"{tenant}/{name}",
+        change=create,
+        tenant_of=lambda r: r["tenant_id"],
         details={"role": role},
-    )  # fmt: skip
+    )
     report(
         result, as_json, f"key id {result['key_id']} for {tenant}; shown only now:\n{result['key']}"
     )
@@ -132,9 +140,13 @@ def keys_rotate(
         return created_key_json(created, owner, rotated_from=key_id)
 
     result = audited_change(
-        "key.rotate", "api_key", key_id, rotate, tenant_of=lambda r: r["tenant_id"],
+        action="key.rotate",
+        resource_type="api_key",
+        resource_id=key_id,
+        change=rotate,
+        tenant_of=lambda r: r["tenant_id"],
         details={"grace": grace},
-    )  # fmt: skip
+    )
     report(
         result,
         as_json,

@@ -73,9 +73,12 @@ def prefixes_add(
         return prefix_json(created)
 
     result = audited_change(
-        "prefix.add", "public_prefix", f"{model}/{namespace}/{name}", add,
+        action="prefix.add",
+        resource_type="public_prefix",
+        resource_id=f"{model}/{namespace}/{name}",
+        change=add,
         details={"characters": len(text)},
-    )  # fmt: skip
+    )
     report(result, as_json, f"registered {namespace}/{name} for {model} ({len(text)} characters)")
 
 

@@ -49,12 +49,16 @@ def serve(
 
     from gateway.app import create_app, prepare_database
     from gateway.http.connections import InvalidTrustedProxy, uvicorn_config
+    from gateway.runtime.engine_setup import check_workers
     from policies.config import PolicyFileError, load_policy
 
     overrides: dict[str, Any] = {
-        "host": host, "port": port, "model_dir": model, "served_model_name": served_model_name,
+        "host": host,
+        "port": port,
+        "model_dir": model,
+        "served_model_name": served_model_name,
         "workers": workers,
-    }  # fmt: skip
+    }
     settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
     try:
         load_policy(settings.policy_file)
@@ -62,7 +66,7 @@ def serve(
         fail(str(error))
     check_engine_settings(settings, model)
     try:
-        settings.check_workers()
+        check_workers(settings)
     except ValueError as error:
         fail(str(error))
     from sqlalchemy.exc import OperationalError
@@ -130,9 +134,15 @@ def _create_demo_admin(state: Any) -> None:
             return
         admins.create_admin(session, DEMO_ADMIN, password)
     store.record(
-        AuditRecord("cli", "admin.create", "success", actor_id="serve --demo",
-                    resource_type="admin", resource_id=DEMO_ADMIN)
-    )  # fmt: skip
+        AuditRecord(
+            actor_type="cli",
+            action="admin.create",
+            outcome="success",
+            actor_id="serve --demo",
+            resource_type="admin",
+            resource_id=DEMO_ADMIN,
+        )
+    )
     console = f"http://{state.settings.host}:{state.settings.port}/admin"
     typer.echo(
         f"console: {console}  user {DEMO_ADMIN}, password (shown only now): {password}\n"
@@ -162,9 +172,16 @@ def _create_demo_tenant(state: Any) -> None:
         tenant = tenants.create_tenant(session, DEMO_TENANT, "Demo tenant")
         created = api_keys.create_key(session, tenant, "demo", store.key_secret)
     store.record(
-        AuditRecord("cli", "tenant.create", "success", actor_id="serve --demo",
-                    tenant_id=str(tenant.id), resource_type="tenant", resource_id=DEMO_TENANT)
-    )  # fmt: skip
+        AuditRecord(
+            actor_type="cli",
+            action="tenant.create",
+            outcome="success",
+            actor_id="serve --demo",
+            tenant_id=str(tenant.id),
+            resource_type="tenant",
+            resource_id=DEMO_TENANT,
+        )
+    )
     url = f"http://{state.settings.host}:{state.settings.port}/v1"
     typer.echo(f"demo tenant created; its API key (shown only now):\n  {created.secret}")
     models = " or ".join(state.models.names())

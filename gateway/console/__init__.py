@@ -4,9 +4,9 @@ Operators log in with their username and password and work through plain HTML fo
 (quota bars, hit ratios, a live usage chart), their keys, limits and cache quotas, public
 prefixes, each model's KV pool (its workers, and who holds its blocks), operator accounts and
 the audit log. The console owns no rules of its own: every read and every change is a call to
-the admin API's route functions (`gateway/admin/routes/`), so validation, audit events and
-effects on the engine have one home, and the console shows their answers and their errors as
-pages.
+the admin service (`gateway/admin/service/`), which the admin API's routes call too, so
+validation, audit events and effects on the engine have one home, and the console shows their
+answers and their errors as pages.
 
 No front-end build and nothing from a CDN: templates and the few static files (a stylesheet,
 the chart's script, the new key's Copy button) ship in this package. `install_console` adds the

@@ -1,11 +1,12 @@
 """The audit log page: filters, pages of events, export downloads and the chain's status.
 
-The filters are the admin API's (`gateway.admin.routes.audit`): tenant, action or action
-prefix (`tenant.*`), outcome and a time range, read here from the page's GET form (times typed
-without a zone are UTC, as the page says). The table pages newest first; the export buttons
-download the admin API's signed export of exactly the filtered events (JSONL or CSV), which
-`prefixgate audit verify` checks; the export is audited. A tenant-admin sees its own tenant's
-events only, and an admin also sees whether the stored hash chain verifies.
+The filters are the admin API's (from `gateway.admin.service.audit_events`): tenant, action
+or action prefix (`tenant.*`), outcome and a time range, read here from the page's GET form
+(times typed without a zone are UTC, as the page says). The table pages newest first; the
+export buttons download the admin API's signed export of exactly the filtered events (JSONL or
+CSV, `gateway.admin.service.audit_downloads`), which `prefixgate audit verify` checks; the
+export is audited. A tenant-admin sees its own tenant's events only, and an admin also sees
+whether the stored hash chain verifies.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from gateway.admin.callers import AdminCaller
-from gateway.admin.routes import audit as audit_api
+from gateway.admin.service import audit_downloads, audit_events
+from gateway.admin.service.audit_events import AuditEventPage
+from gateway.admin.service.chain_status import chain_status
 from gateway.console.pages import CallerDep, ConsoleRoute, FormErrors, render
 from gateway.errors import APIError, validation_to_api_error
 from gateway.http.deps import StateDep
@@ -55,7 +58,7 @@ class AuditQuery(BaseModel):
 
     def selection(self) -> AuditFilter:
         """The admin API's filter for these fields."""
-        return audit_api.audit_filter(
+        return audit_events.audit_selection(
             tenant_id=self.tenant,
             action=self.action,
             outcome=self.outcome,
@@ -78,7 +81,8 @@ def audit_page(
     except APIError as error:
         errors = FormErrors.of(error, {}, FILTER_FIELDS)
         return _render(request, caller, state, filled, errors, None, None, error.status)
-    page = audit_api.search(state, caller, query.selection(), PAGE_SIZE, before_seq=before_seq)
+    selection = query.selection()
+    page = audit_events.search(state, caller, selection, PAGE_SIZE, before_seq=before_seq)
     return _render(request, caller, state, filled, FormErrors(), page, before_seq)
 
 
@@ -91,7 +95,10 @@ def export_audit(
 ) -> Response:
     """Download the signed export of exactly the filtered events (the admin API's download)."""
     selection = _query(_filled(request)).selection()
-    return audit_api.export_audit(caller, state, selection, file_format)
+    download = audit_downloads.export(state, caller, selection, file_format)
+    return StreamingResponse(
+        download.chunks(), media_type=download.media_type, headers=download.headers
+    )
 
 
 def _filled(request: Request) -> dict[str, str]:
@@ -114,7 +121,7 @@ def _render(
     state: GatewayState,
     filled: dict[str, str],
     errors: FormErrors,
-    page: audit_api.AuditEventPage | None,
+    page: AuditEventPage | None,
     before_seq: int | None,
     status: int = 200,
 ) -> Response:
@@ -136,5 +143,5 @@ def _render(
         slugs=slugs,
         tenant_choices=choices,
         outcome_choices=[("", "Any"), *((outcome, outcome) for outcome in OUTCOMES)],
-        verification=audit_api.chain_status(state, caller) if caller.is_admin else None,
+        verification=chain_status(state, caller) if caller.is_admin else None,
     )

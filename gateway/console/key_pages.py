@@ -1,6 +1,6 @@
 """A tenant's API keys on its page: create, revoke, rotate.
 
-These are the admin API's own key functions (`gateway.admin.routes.keys`), so a
+These are the admin service's key functions (`gateway.admin.service.keys`), so a
 tenant-admin manages its own tenant's keys here as it can through the API, and nobody else's.
 A new key's secret (from a creation or a rotation) is rendered into the answer to that POST,
 once: it is not stored, the page is never cached (`Cache-Control: no-store`), and reloading
@@ -19,9 +19,9 @@ from fastapi import APIRouter, Path, Request
 from starlette.responses import Response
 
 from gateway.admin.callers import AdminCaller
-from gateway.admin.routes import keys as keys_api
-from gateway.admin.routes import tenants as tenants_api
 from gateway.admin.schemas import CreatedKeyOut, KeyCreate, KeyRotate
+from gateway.admin.service import keys as key_service
+from gateway.admin.service import tenants as tenant_service
 from gateway.console.form_nonces import (
     NONCE_FIELD,
     FormAlreadyUsed,
@@ -51,7 +51,7 @@ def create_key(
     """Create a key and show its secret on this answer, once; the same form never makes two."""
 
     def make() -> CreatedKeyOut:
-        return keys_api.create_key(tenant_id, form.body(KeyCreate), caller, state)
+        return key_service.create_key(state, caller, tenant_id, form.body(KeyCreate))
 
     def refused(error: APIError) -> FormErrors:
         return FormErrors.of(error, {}, KEY_FIELDS)
@@ -65,7 +65,7 @@ def revoke_key(
     tenant_id: uuid.UUID, key_id: KeyId, caller: CallerDep, form: FormDep, state: StateDep
 ) -> Response:
     """Revoke a key: the next request with it is refused."""
-    keys_api.revoke_key(tenant_id, key_id, caller, state)
+    key_service.revoke_key(state, caller, tenant_id, key_id)
     return redirect(f"/admin/tenants/{tenant_id}", done="key_revoked")
 
 
@@ -81,7 +81,7 @@ def rotate_key(
     """Issue a successor (its secret shown once); the old key works through the grace time."""
 
     def make() -> CreatedKeyOut:
-        return keys_api.rotate_key(tenant_id, key_id, form.body(KeyRotate), caller, state)
+        return key_service.rotate_key(state, caller, tenant_id, key_id, form.body(KeyRotate))
 
     def refused(error: APIError) -> FormErrors:
         return FormErrors(form=f"{key_id}: {error.message}")
@@ -105,7 +105,7 @@ def _make_key_once(
 
     A refusal (or an expired form) shows the `failed` form again with `refused(error)`.
     """
-    tenants_api.show_tenant(tenant_id, caller, state)  # another tenant's is a 404, first
+    tenant_service.show_tenant(state, caller, tenant_id)  # another tenant's is a 404, first
     try:
         with one_time_forms(request).single_use(form.get(NONCE_FIELD), scope) as claim:
             created = make()

@@ -1,10 +1,11 @@
 """Logging in and out of the console, and its front door.
 
-Login posts the username and password to the admin API's own `create_session` (throttled per
-username and address, lockout, audited), and the session token it returns goes into the
-HttpOnly cookie. A refusal (wrong password, locked or disabled account, too many attempts)
-shows the login form again with the reason. Logout is the admin API's `logout`: the session is
-revoked in the database, so the cookie is worthless even if it was copied.
+Login posts the username and password to the admin service's `create_session` (throttled per
+username and address, lockout, audited), as the admin API's login does, and the session token
+it returns goes into the HttpOnly cookie. A refusal (wrong password, locked or disabled
+account, too many attempts) shows the login form again with the reason. Logout is the admin
+service's `end_session`: the session is revoked in the database, so the cookie is worthless
+even if it was copied.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from starlette.responses import Response
 
-from gateway.admin.routes import auth
 from gateway.admin.schemas import LoginBody
+from gateway.admin.service import sessions
 from gateway.console import session
 from gateway.console.pages import (
     CSRF_FIELD,
@@ -76,7 +77,8 @@ def login(
     username = form.get("username").strip()
     try:
         body = form.body(LoginBody)
-        answer = auth.create_session(state, body.username, body.password, client_ip(request.scope))
+        source_ip = client_ip(request.scope)
+        answer = sessions.create_session(state, body.username, body.password, source_ip)
     except APIError as error:
         errors = FormErrors.of(error, {}, {"username", "password"})
         status = error.status if error.status in (401, 403, 429) else 400
@@ -92,7 +94,7 @@ def login(
 @router.post("/logout")
 def logout(request: Request, caller: CallerDep, form: FormDep, state: StateDep) -> Response:
     """End the session (revoked for every gateway) and forget the cookie."""
-    auth.logout(caller, state)
+    sessions.end_session(state, caller)
     response = redirect("/admin/login", done="logged_out")
     session.clear_session_cookie(request, response)
     return response

@@ -4,7 +4,7 @@ An admin creates operators (an `admin`, or a `tenant-admin` bound to one tenant,
 slug), disables and re-enables them and sets their passwords; every operator changes its own
 password on its account page, giving its current one (the admin API's rule: a session left
 open cannot take the account over; a wrong one counts toward the lockout). All of it is the
-admin API's own operator functions (`gateway.admin.routes.operators`): at least one
+admin service's operator functions (`gateway.admin.service.operators`): at least one
 enabled admin always remains, a disabled account's sessions end at once, and no password
 reaches an answer, a page or the audit log.
 """
@@ -17,8 +17,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.admin.callers import AdminCaller
-from gateway.admin.routes import operators as operators_api
 from gateway.admin.schemas import OperatorCreate, OperatorUpdate, PasswordChange
+from gateway.admin.service import operators as operator_service
 from gateway.console.pages import (
     CallerDep,
     ConsoleRoute,
@@ -54,7 +54,7 @@ def create_operator(
     """Create an operator; a tenant-admin names its tenant by slug."""
     try:
         body = _operator_body(form, state)
-        operators_api.create_operator(body, caller, state)
+        operator_service.create_operator(state, caller, body)
     except APIError as error:
         if error.status not in (400, 404, 409):
             raise
@@ -68,7 +68,7 @@ def create_operator(
 def disable_operator(
     operator_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep
 ) -> Response:
-    operators_api.update_operator(operator_id, OperatorUpdate(disabled=True), caller, state)
+    operator_service.update_operator(state, caller, operator_id, OperatorUpdate(disabled=True))
     return redirect("/admin/operators", done="operator_disabled")
 
 
@@ -76,7 +76,7 @@ def disable_operator(
 def enable_operator(
     operator_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep
 ) -> Response:
-    operators_api.update_operator(operator_id, OperatorUpdate(disabled=False), caller, state)
+    operator_service.update_operator(state, caller, operator_id, OperatorUpdate(disabled=False))
     return redirect("/admin/operators", done="operator_enabled")
 
 
@@ -89,7 +89,7 @@ def set_password(
         # This form has no current password: the API would refuse and count a wrong guess.
         return redirect("/admin/account")
     try:
-        operators_api.set_password(operator_id, form.body(PasswordChange), caller, state)
+        operator_service.set_password(state, caller, operator_id, form.body(PasswordChange))
     except APIError as error:
         if error.status != 400:
             raise
@@ -114,7 +114,7 @@ def change_own_password(
     try:
         if form.get("password") != form.get("password_again"):
             raise APIError.invalid("the two passwords differ", "password_again")
-        operators_api.set_password(caller.operator_id, form.body(PasswordChange), caller, state)
+        operator_service.set_password(state, caller, caller.operator_id, form.body(PasswordChange))
     except APIError as error:
         if error.status != 400:
             raise
@@ -147,7 +147,7 @@ def _operators_page(
     status: int = 200,
     failed_password: uuid.UUID | None = None,
 ) -> Response:
-    operators = operators_api.list_operators(caller, state)
+    operators = operator_service.list_operators(state, caller)
     with state.store.transaction() as session:
         slugs = {
             tenant.id: tenant.slug for tenant in tenants.list_tenants(session, include_deleted=True)

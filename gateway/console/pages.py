@@ -2,14 +2,14 @@
 
 Every console route is a `ConsoleRoute`: whatever goes wrong ends as an HTML page, never as the
 admin API's JSON and never as a stack trace. No session (or one that ended) redirects to the
-login page with the reason; an `APIError` (or a `TenancyError`) from the admin API's code
+login page with the reason; an `APIError` (or a `TenancyError`) from the admin service
 becomes an error page with its status (404 for a tenant this operator may not see, 403 for an
 admin-only page); a form without a valid CSRF token is a 403 page and nothing ran; malformed
 path or query parameters are a 404 or 400 page.
 
 Pages are rendered from Jinja2 templates with autoescaping on, so every value shown (a tenant's
 display name, an audit event's details) is text, never markup. Forms are posted, the change is
-made by the admin API's own function, and the browser is redirected (303) to a page that says
+made by the admin service's function, and the browser is redirected (303) to a page that says
 what was done, in a notice styled by its kind (done, for information, or a warning); a refused
 change renders the form again with the message next to its field. A missing value is rendered
 as nothing, never as "None".

@@ -4,7 +4,7 @@ One section per model: whether it is served now, its blocks (free of total), its
 routing or not, requests in flight, load, published keys, last error) and a table of the
 public budget and the tenants holding or having used blocks there, each with active, cached,
 reserved and quota blocks and its hit ratio since the server started. It is the admin API's
-own answer (`gateway.admin.routes.pools.pools_view`), so a tenant-admin who opens it sees
+own answer (`gateway.admin.service.pools.pools_view`), so a tenant-admin who opens it sees
 each pool with its own tenant's row only, and no worker; the main navigation links it for
 admins (a tenant-admin's own tenant page shows its usage per pool).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from gateway.admin.routes import pools as pools_api
+from gateway.admin.service import pools as pool_service
 from gateway.console.pages import CallerDep, ConsoleRoute, render
 from gateway.http.deps import StateDep
 
@@ -28,6 +28,6 @@ def pools_page(request: Request, caller: CallerDep, state: StateDep) -> Response
         request,
         "pools.html",
         title="Pools",
-        listed=pools_api.pools_view(state, caller),
+        listed=pool_service.pools_view(state, caller),
         block_size=state.settings.block_size,
     )

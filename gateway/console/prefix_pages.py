@@ -4,7 +4,7 @@ Each prefix shows what it shares for the served model (tokens and whole KV block
 with the chat template's system turn around the text) and the admin API's warning when it is
 too short to be shared at all. An enabled prefix that is not shared says so in its state, and
 adding or enabling one ends in a warning that says why instead of a plain success. Adding,
-enabling, disabling and deleting are the admin API's own functions (`gateway.admin.routes
+enabling, disabling and deleting are the admin service's functions (`gateway.admin.service
 .prefixes`): the sharing policy is rebuilt and a withdrawn prefix's cached blocks are dropped
 before the page answers.
 Deleting asks for confirmation first.
@@ -18,8 +18,8 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from gateway.admin.callers import AdminCaller
-from gateway.admin.routes import prefixes as prefixes_api
 from gateway.admin.schemas import PrefixCreate, PrefixOut, PrefixUpdate
+from gateway.admin.service import prefixes as prefix_service
 from gateway.console.pages import (
     CallerDep,
     ConsoleRoute,
@@ -48,7 +48,7 @@ def prefixes_page(request: Request, caller: CallerDep, state: StateDep) -> Respo
 def add_prefix(request: Request, caller: CallerDep, form: FormDep, state: StateDep) -> Response:
     """Register a prefix; refused input comes back with the message by its field."""
     try:
-        added = prefixes_api.add_prefix(form.body(PrefixCreate), caller, state)
+        added = prefix_service.add_prefix(state, caller, form.body(PrefixCreate))
     except APIError as error:
         if error.status not in (400, 409):
             raise
@@ -61,7 +61,7 @@ def add_prefix(request: Request, caller: CallerDep, form: FormDep, state: StateD
 def enable_prefix(
     prefix_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep
 ) -> Response:
-    enabled = prefixes_api.update_prefix(prefix_id, PrefixUpdate(enabled=True), caller, state)
+    enabled = prefix_service.update_prefix(state, caller, prefix_id, PrefixUpdate(enabled=True))
     return _done(enabled, state, "prefix_enabled")
 
 
@@ -69,7 +69,7 @@ def enable_prefix(
 def disable_prefix(
     prefix_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep
 ) -> Response:
-    prefixes_api.update_prefix(prefix_id, PrefixUpdate(enabled=False), caller, state)
+    prefix_service.update_prefix(state, caller, prefix_id, PrefixUpdate(enabled=False))
     return redirect("/admin/prefixes", done="prefix_disabled")
 
 
@@ -78,7 +78,7 @@ def confirm_delete(
     request: Request, prefix_id: uuid.UUID, caller: CallerDep, state: StateDep
 ) -> Response:
     """Ask before deleting a prefix."""
-    prefix = prefixes_api.show_prefix(prefix_id, caller, state)
+    prefix = prefix_service.show_prefix(state, caller, prefix_id)
     return render(request, "prefix_delete.html", title=f"Delete {prefix.name}?", prefix=prefix)
 
 
@@ -89,7 +89,7 @@ def delete_prefix(
     """Delete a prefix once confirmed (its cached blocks are dropped)."""
     if form.get("confirmed") != "yes":
         return redirect(f"/admin/prefixes/{prefix_id}/delete")
-    prefixes_api.delete_prefix(prefix_id, caller, state)
+    prefix_service.delete_prefix(state, caller, prefix_id)
     return redirect("/admin/prefixes", done="prefix_deleted")
 
 
@@ -145,7 +145,7 @@ def _prefixes_page(
     submitted: dict[str, str] | None = None,
     status: int = 200,
 ) -> Response:
-    listed = prefixes_api.list_prefixes(caller, state)
+    listed = prefix_service.list_prefixes(state, caller)
     values = {"namespace": "default", "name": "", "text": "", "model": ""}
     if submitted is not None:
         values.update({k: v for k, v in submitted.items() if k in values})

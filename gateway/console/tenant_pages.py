@@ -3,11 +3,11 @@
 The table lists live tenants with a bar of cache blocks held against the quota and the hit
 ratio, searchable and paged. A tenant's page shows its cache now and over the last minutes (a
 chart that `static/chart.js` refreshes from `usage.json` every 2 s), its keys, and the forms
-that change it. Every change is the admin API's own function (`gateway.admin.routes
-.tenants`): the same validation, the same audit event, the same effect on the engine. Suspend,
-resume and delete go through a confirmation page first. A quota saved in tokens comes back in
-tokens. The tenants table's hit ratio and prompt tokens are the last minutes' (the usage window),
-as the tenant's page shows them; "—" where there was no prompt to hit.
+that change it. Every change is the admin service's function (`gateway.admin.service.tenants`)
+that the admin API calls too: the same validation, the same audit event, the same effect on the
+engine. Suspend, resume and delete go through a confirmation page first. A quota saved in tokens
+comes back in tokens. The tenants table's hit ratio and prompt tokens are the last minutes' (the
+usage window), as the tenant's page shows them; "—" where there was no prompt to hit.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from gateway.admin.callers import AdminCaller
-from gateway.admin.routes import keys as keys_api
-from gateway.admin.routes import tenants as tenants_api
-from gateway.admin.routes import usage as usage_api
 from gateway.admin.schemas import CreatedKeyOut, KeyOut, QuotaUpdate, TenantCreate, TenantUpdate
+from gateway.admin.service import keys as key_service
+from gateway.admin.service import tenants as tenant_service
+from gateway.admin.service import usage as usage_service
 from gateway.console.form_nonces import one_time_forms
 from gateway.console.pages import (
     CallerDep,
@@ -93,7 +93,7 @@ def tenants_page(
 def create_tenant(request: Request, caller: CallerDep, form: FormDep, state: StateDep) -> Response:
     """Create a tenant and open its page."""
     try:
-        created = tenants_api.create_tenant(form.body(TenantCreate), caller, state)
+        created = tenant_service.create_tenant(state, caller, form.body(TenantCreate))
     except APIError as error:
         if error.status not in (400, 409):
             raise
@@ -116,7 +116,7 @@ def update_settings(
 ) -> Response:
     """Change the display name, sharing mode, public-prefix use and request limits."""
     try:
-        tenants_api.update_tenant(tenant_id, form.body(TenantUpdate), caller, state)
+        tenant_service.update_tenant(state, caller, tenant_id, form.body(TenantUpdate))
     except APIError as error:
         if error.status not in (400, 409):
             raise
@@ -133,7 +133,7 @@ def set_quota(
 ) -> Response:
     """Set the cache quota and/or reservation, each in blocks or tokens."""
     try:
-        tenants_api.set_quota(tenant_id, quota_body(form), caller, state)
+        tenant_service.set_quota(state, caller, tenant_id, quota_body(form))
     except APIError as error:
         if error.status not in (400, 409):
             raise
@@ -160,7 +160,7 @@ def confirm_page(
 ) -> Response:
     """Ask before suspending, resuming or deleting a tenant."""
     caller.require_admin()
-    tenant = tenants_api.show_tenant(tenant_id, caller, state)
+    tenant = tenant_service.show_tenant(state, caller, tenant_id)
     verb, consequence = STATUS_ACTIONS[action]
     return render(
         request,
@@ -232,9 +232,9 @@ def render_tenant(
     A new key's secret (`new_key`) is shown on this answer only; `repeated` says what a
     single-use key form posted again had already made. Each key form gets a fresh nonce.
     """
-    tenant = tenants_api.show_tenant(tenant_id, caller, state)
-    keys: list[KeyOut] = keys_api.list_keys(tenant_id, caller, state)
-    usage = usage_api.tenant_usage(state, caller, tenant_id, usage_api.DEFAULT_WINDOW_S)
+    tenant = tenant_service.show_tenant(state, caller, tenant_id)
+    keys: list[KeyOut] = key_service.list_keys(state, caller, tenant_id)
+    usage = usage_service.tenant_usage(state, caller, tenant_id, usage_service.DEFAULT_WINDOW_S)
     spec = state.engine.pool.spec
     forms = one_time_forms(request)
     create_nonce = forms.issue(create_key_scope(tenant_id))
@@ -299,12 +299,12 @@ def _confirmed(
     if form.get("confirmed") != "yes":
         return redirect(f"/admin/tenants/{tenant_id}/confirm", action=action)
     if action == "delete":
-        tenants_api.delete_tenant(tenant_id, caller, state)
+        tenant_service.delete_tenant(state, caller, tenant_id)
         return redirect("/admin/tenants", done="tenant_deleted")
     if action == "suspend":
-        tenants_api.suspend_tenant(tenant_id, caller, state)
+        tenant_service.suspend_tenant(state, caller, tenant_id)
     else:
-        tenants_api.resume_tenant(tenant_id, caller, state)
+        tenant_service.resume_tenant(state, caller, tenant_id)
     return redirect(f"/admin/tenants/{tenant_id}", done=f"tenant_{action}d")
 
 
@@ -319,9 +319,11 @@ def _tenants_page(
     status: int = 200,
 ) -> Response:
     offset = (page - 1) * PAGE_SIZE
-    listed = tenants_api.list_tenants(caller, state, q, PAGE_SIZE, offset)
+    listed = tenant_service.list_tenants(state, caller, q, PAGE_SIZE, offset)
     # The same page of tenants, for what each did in the usage window (hit ratio, prompts).
-    usage = usage_api.usage_table(state, caller, usage_api.DEFAULT_WINDOW_S, q, PAGE_SIZE, offset)
+    usage = usage_service.usage_table(
+        state, caller, usage_service.DEFAULT_WINDOW_S, q, PAGE_SIZE, offset
+    )
     windows = {row.tenant_id: row.summary for row in usage.data}
     pages = max(1, math.ceil(listed.total / PAGE_SIZE))
     create = {"slug": "", "display_name": "", "cache_quota_blocks": "", "sharing_mode": "user"}

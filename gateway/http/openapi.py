@@ -13,7 +13,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from gateway.openai.schemas import ErrorResponse
+from gateway.errors import ErrorResponse
 
 
 def error_response(description: str) -> dict[str, Any]:

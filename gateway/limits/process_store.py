@@ -97,7 +97,8 @@ class ProcessLimits:
             if window.total + tokens > limits.tokens_per_minute:
                 wait = self._wait(window, tokens, limits.tokens_per_minute, now)
                 return self._refused(tenant, now, Refusal.TOKENS, wait)
-            window.add(now, tokens, lease_id)
+            if tokens > 0:  # as in Redis: a charge of nothing leaves no entry
+                window.add(now, tokens, lease_id)
             tenant.slots += extra_slots
             return Verdict(self._usage(tenant, now))
 

@@ -11,7 +11,7 @@ A tenant's limits are three:
   held by a gateway that died come back on their own.
 
 Two stores keep these rules: `ProcessLimits` (this process alone) and `RedisLimits` (every
-gateway sharing one Redis). Both are tested against the same contract (tests/limits).
+gateway sharing one Redis). Both are tested against the same contract (tests/gateway/limits).
 """
 
 from __future__ import annotations

@@ -9,18 +9,46 @@ budget, and no tenant's identity or traffic.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.cache.budget import PUBLIC_OWNER, Owner
+from engine.cache.stats import CacheStats
 from engine.model.openmp import ThreadGovernor
 from gateway.limits.limiter import Limiter
-from gateway.workers.remote_engine import RemoteEngine, ServingEngine
 from tenancy.audit_log import AuditLog
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _EngineCounters(Protocol):
+    """The engine's counters the collector shows."""
+
+    @property
+    def preemptions(self) -> int: ...
+
+
+class MeteredEngine(Protocol):
+    """What the collector reads of the engine a gateway serves from, in this process or on
+    workers (gateway/runtime/serving_engine.py's `ServingEngine` has all of it)."""
+
+    @property
+    def metrics(self) -> _EngineCounters: ...
+
+    @property
+    def restarts(self) -> int: ...
+
+    @property
+    def threads(self) -> ThreadGovernor | None: ...
+
+    def cache_stats(self) -> CacheStats: ...
+
+    def queue_depth(self) -> tuple[int, int]: ...
+
+    def worker_rows(self) -> list[dict[str, Any]]: ...
 
 
 class GatewayMetrics:
@@ -28,7 +56,7 @@ class GatewayMetrics:
 
     def __init__(
         self,
-        engine: ServingEngine,
+        engine: MeteredEngine,
         audit: AuditLog,
         tenant_name: Callable[[str], str],
         limiter: Limiter | None = None,
@@ -113,7 +141,7 @@ class _WithoutTenants(Collector):
 class EngineCollector(Collector):
     """Cache blocks per owner vs quota, evictions, zeroing and queue depth, read on scrape."""
 
-    def __init__(self, engine: ServingEngine, tenant_name: Callable[[str], str]) -> None:
+    def __init__(self, engine: MeteredEngine, tenant_name: Callable[[str], str]) -> None:
         self._engine = engine
         self._tenant_name = tenant_name
 
@@ -172,10 +200,11 @@ class EngineCollector(Collector):
             "Times the engine failed outside any one request and restarted its state.",
             value=self._engine.restarts,
         )
-        if isinstance(self._engine, RemoteEngine):
-            yield from _worker_metrics(self._engine)
-        elif self._engine.threads is not None:
+        if self._engine.threads is not None:
             yield from _thread_metrics(self._engine.threads)
+        rows = self._engine.worker_rows()
+        if rows:
+            yield from _worker_metrics(rows)
 
 
 class LimiterCollector(Collector):
@@ -213,7 +242,7 @@ def _thread_metrics(threads: ThreadGovernor) -> Iterator[Metric]:
     )
 
 
-def _worker_metrics(engine: RemoteEngine) -> Iterator[Metric]:
+def _worker_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
     """Each engine worker a routing gateway knows: in routing or not, and its load."""
     up = GaugeMetricFamily(
         "prefixgate_worker_up", "1 while the engine worker is in routing.", labels=["worker"]
@@ -223,7 +252,7 @@ def _worker_metrics(engine: RemoteEngine) -> Iterator[Metric]:
         "This gateway's requests on the engine worker now.",
         labels=["worker"],
     )
-    for row in engine.worker_rows():
+    for row in rows:
         up.add_metric([row["url"]], 1 if row["up"] else 0)
         in_flight.add_metric([row["url"]], row["in_flight"])
     yield up

@@ -1,6 +1,6 @@
 """From an OpenAI request to engine work: template, policy plan, sampling.
 
-The request path: route (api/routes/completions.py) -> preparation (here) -> serving
+The request path: route (gateway/openai/routes.py) -> preparation (here) -> serving
 (serving.py) -> settlement (settlement.py). Here: size caps -> chat template -> token ids +
 message spans -> policy plan (scopes) -> engine request carrying the tenant's budget.
 Everything here runs off the event loop, and its cost is linear in the request's size, which

@@ -67,7 +67,7 @@ async def _serve(
     def parse_and_prepare(context: RequestContext) -> Prepared:
         try:
             # Parse, then validate the Python objects: the message cap is checked before a
-            # single message is (validating straight from JSON costs 7x as much at 1 MB).
+            # single message is (cheaper than validating straight from JSON on a large body).
             data = from_json(raw, allow_inf_nan=False)
         except ValueError:
             try:  # lone surrogates, NaN: Python's parser takes them, validation names the field

@@ -64,19 +64,6 @@ TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
 StopText = Annotated[Text, Field(max_length=1000)]  # held back from streams: keep it short
 
 
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(BaseModel):
-    """Every error a client sees."""
-
-    error: ErrorDetail
-
-
 class StreamOptions(BaseModel):
     model_config = _STRICT
 

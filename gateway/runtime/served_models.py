@@ -2,7 +2,7 @@
 
 A gateway without workers serves one model, with the engine in its own process. A gateway with
 workers serves every model a worker of it is in routing for (gateway/workers/models.py), and
-each request goes only to workers of its own model (gateway/workers/remote_engine.py). Either
+each request goes only to workers of its own model (gateway/workers/dispatch.py). Either
 way a request is prepared against its `ServedModel`: that model's tokenizer and chat template,
 its context length, its grammars, and its own public-prefix registry (a registered prefix is
 registered for one model: the same text is other tokens, other keys, in another).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -21,7 +21,6 @@ from engine.request import GenerationDelta, GenerationRequest
 from engine.structured.grammar import Grammars
 from gateway.runtime.sharing import SharingPolicyHolder
 from gateway.settings import Settings
-from gateway.workers.remote_engine import RemoteEngine
 from policies.config import PolicyConfig
 from tenancy.store import Store
 
@@ -40,6 +39,23 @@ class ModelEngine(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationDelta]: ...
 
     def drop_public_prefix(self, namespace: str, token_ids: Sequence[int]) -> int: ...
+
+
+class WorkersModel(ModelEngine, Protocol):
+    """One model of a routing gateway's workers: its engine, its name and its shape."""
+
+    name: str
+    loaded: LoadedModel  # its tokenizer, chat template and shape, read from a worker
+
+
+class WorkersModels(Protocol):
+    """The models a routing gateway's workers serve (gateway/workers/remote_engine.py)."""
+
+    def models(self) -> Mapping[str, WorkersModel]:
+        """Every model with a worker in routing, by name."""
+
+    def knows(self, fingerprint: str) -> bool:
+        """Whether a worker it knows serves the model of `fingerprint`."""
 
 
 @dataclass
@@ -67,7 +83,7 @@ class ServedModels:
         policy: PolicyConfig,
         store: Store,
         local: ServedModel | None = None,
-        remote: RemoteEngine | None = None,
+        remote: WorkersModels | None = None,
     ) -> None:
         self._settings = settings
         self._policy = policy
@@ -133,9 +149,9 @@ class ServedModels:
         for model in self.all():
             model.sharing.refresh(self._store)
         if self._remote is not None:
-            known = self._remote.catalog
+            remote = self._remote
             with self._lock:  # forget the models no known worker serves any more
-                for identity in [key for key in self._by_identity if known.get(key[1]) is None]:
+                for identity in [key for key in self._by_identity if not remote.knows(key[1])]:
                     del self._by_identity[identity]
 
     def _served(self, name: str, loaded: LoadedModel, engine: ModelEngine) -> ServedModel:

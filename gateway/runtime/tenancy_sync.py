@@ -1,12 +1,12 @@
 """Keeps a running gateway in step with tenancy changes made anywhere (CLI, other replicas).
 
 The gateway reads the database's change counter, one single-row read, whenever PostgreSQL
-notifies it of a committed change (tenancy/changes.py) and every `tenancy_poll_s` (1 s) in any
+notifies it of a committed change (tenancy/change_feed.py) and every `tenancy_poll_s` (1 s) in any
 case. When it moved, cached key checks are dropped (so a revoked key, a suspended tenant or
 changed limits apply to the next request), changed cache quotas go to the engine at once, and
-a deleted tenant's cached KV blocks are purged (dropped and zeroed). A routing gateway also
-hands its workers' keeper (`fleet`) the database's whole view, every budget and every deleted
-tenant, which is what a worker that missed a change is given when it comes back.
+a deleted tenant's cached KV blocks are purged (dropped and zeroed). The engine is also handed
+the database's whole view, every budget and every deleted tenant (`know_tenants`): a routing
+gateway gives it to a worker that missed a change when it comes back.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from dataclasses import dataclass, field
 
 from engine.cache.budget import Owner, TenantBudget
 from gateway.auth.key_auth import KeyAuthenticator
+from gateway.runtime.serving_engine import ServingEngine
 from gateway.runtime.usage_history import UsageHistory
-from gateway.workers.membership import WorkerSet
-from gateway.workers.remote_engine import ServingEngine
-from tenancy import changes
-from tenancy.changes import TenantRow
+from tenancy import change_feed
+from tenancy.change_feed import TenantRow
 from tenancy.store import Store
 
 logger = logging.getLogger(__name__)
@@ -33,7 +32,6 @@ class TenancySync:
     engine: ServingEngine
     auth: KeyAuthenticator
     usage: UsageHistory | None = None  # a deleted tenant's live usage is forgotten too
-    fleet: WorkerSet | None = None  # a routing gateway's workers
     seq: int | None = None
     tenants: dict[str, TenantRow] = field(default_factory=dict)
     # The background poll and an admin call's own poll (after its change) may overlap.
@@ -49,19 +47,18 @@ class TenancySync:
 
     def _poll(self) -> bool:
         with self.store.transaction() as session:
-            seq = changes.current_seq(session)
+            seq = change_feed.current_seq(session)
             if seq == self.seq:
                 return False
-            tenants = changes.tenant_budgets(session)
+            tenants = change_feed.tenant_budgets(session)
         first, self.seq = self.seq is None, seq
         previous, self.tenants = self.tenants, tenants
         self.auth.forget_all()
-        if self.fleet is not None:
-            budgets: dict[Owner, TenantBudget] = {
-                row.tenant_id: _budget(row) for row in tenants.values() if row.status != "deleted"
-            }
-            deleted = frozenset(t for t, row in tenants.items() if row.status == "deleted")
-            self.fleet.know_tenants(budgets, deleted)
+        budgets: dict[Owner, TenantBudget] = {
+            row.tenant_id: _budget(row) for row in tenants.values() if row.status != "deleted"
+        }
+        deleted = frozenset(t for t, row in tenants.items() if row.status == "deleted")
+        self.engine.know_tenants(budgets, deleted)
         if first:  # the engine learns budgets from requests until something changes
             return True
         for tenant_id, row in tenants.items():

@@ -1,9 +1,9 @@
 """The workers a gateway routes to: who they are, what they serve, whether they answer, what
 they hold.
 
-A thread polls every worker each `worker_poll_s`: it re-resolves `dns://` names (a headless
-Service lists one address per ready pod), reads each worker's model, load, cache statistics
-and the changes to its cached keys. A worker of a model this gateway has not met yet is first
+A thread polls every worker each `worker_poll_s`: it re-resolves `dns://` names (addresses.py),
+reads each worker's model, load, cache statistics and the changes to its cached keys, and keeps
+what it learnt of each (worker.py). A worker of a model this gateway has not met yet is first
 introduced to it (models.py). A worker that fails a poll or a connection is out of routing at
 once, and back after its next good poll, which first gives it what it missed.
 
@@ -20,27 +20,22 @@ longer be matched by anyone (no plan marks that text public any more) and age ou
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
 from engine.cache.budget import Owner, TenantBudget
-from engine.cache.stats import CacheStats
 from gateway.workers import wire
+from gateway.workers.addresses import parse_worker_spec, resolve
 from gateway.workers.models import ModelCatalog
+from gateway.workers.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-# How long keys of a request just sent to a worker count as held there (it publishes them
-# with its next poll, once the prefill has run).
-PENDING_KEYS_S = 30.0
 # A worker that discovery stopped naming is kept this long (with the changes it missed).
 FORGET_UNLISTED_S = 3600.0
 # Workers polled at once (more than this wait for a free poller within the round).
@@ -49,98 +44,6 @@ _POLLERS = 16
 
 class WorkerRefused(ValueError):
     """A worker refused an admin change itself (a reservation its pool cannot hold)."""
-
-
-class WorkerSpecError(ValueError):
-    """A `workers` entry that is neither http(s)://host:port nor dns://name:port."""
-
-
-def parse_worker_spec(spec: str) -> tuple[str, str, int]:
-    """(scheme, host, port) of one `workers` entry."""
-    parts = urlsplit(spec)
-    if parts.scheme not in ("http", "https", "dns") or not parts.hostname:
-        raise WorkerSpecError(f"{spec!r}: expected http://host:port or dns://name:port")
-    try:
-        port = parts.port
-    except ValueError as error:
-        raise WorkerSpecError(f"{spec!r}: {error}") from None
-    if port is None:
-        raise WorkerSpecError(f"{spec!r}: the port is missing")
-    if parts.path not in ("", "/"):
-        raise WorkerSpecError(f"{spec!r}: a worker address has no path")
-    return parts.scheme, parts.hostname, port
-
-
-def resolve(spec: str) -> list[str] | None:
-    """Base URLs of the workers `spec` names now: itself, or every address a dns:// name
-    resolves to (None when the resolver fails: the caller keeps what it had)."""
-    scheme, host, port = parse_worker_spec(spec)
-    if scheme != "dns":
-        return [f"{scheme}://{host}:{port}"]
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as error:
-        if error.errno == socket.EAI_NONAME:
-            return []  # the name has no address: no ready worker behind it
-        return None
-    except OSError:
-        return None
-    urls = []
-    for address in sorted({str(info[4][0]) for info in infos}):
-        shown = f"[{address}]" if ":" in address else address
-        urls.append(f"http://{shown}:{port}")
-    return urls
-
-
-@dataclass
-class Worker:
-    """What the gateway knows of one worker (guarded by the `WorkerSet`'s lock)."""
-
-    url: str
-    up: bool = False  # in routing: answering, caught up, ready and listed
-    lost: bool = True  # its last poll or admin call failed (or none has succeeded yet)
-    silent: bool = False  # ... because it answered nothing in time: a hung machine
-    epoch: str | None = None
-    model: str = ""  # the name clients ask for, as the worker announces it
-    fingerprint: str = ""  # its weights, tokenizer and config (engine/model/loader.py)
-    seq: int = 0
-    keys: set[str] = field(default_factory=set)
-    pending: dict[str, float] = field(default_factory=dict)  # key -> when it stops counting
-    in_flight: int = 0  # this gateway's requests there now
-    reported_load: int = 0  # sequences in flight there at the last poll (every gateway's)
-    own_at_poll: int = 0  # how many of those were this gateway's
-    free_blocks: int = 0
-    stats: CacheStats | None = None
-    state: dict[str, Any] = field(default_factory=dict)
-    missed: list[tuple[str, dict[str, Any]]] = field(default_factory=list)  # withdrawn prefixes
-    resync: bool = True  # budgets must be pushed before it is routable
-    last_error: str = ""  # why it was last taken out of routing
-    unlisted_since: float | None = None  # when discovery stopped naming it
-
-    @property
-    def load(self) -> int:
-        """Requests there now: this gateway's exactly, other gateways' as last polled."""
-        return self.in_flight + max(0, self.reported_load - self.own_at_poll)
-
-    def held(self, now: float) -> Held:
-        """Keys it holds or will soon: published ones and those of requests just sent."""
-        return Held(self.keys, self.pending, now)
-
-    def forget_pending(self, now: float) -> None:
-        """Drop pending keys that it never published in time."""
-        self.pending = {key: until for key, until in self.pending.items() if until > now}
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """Membership in a worker's keys, read in place (no copy per request)."""
-
-    keys: set[str]
-    pending: dict[str, float]
-    now: float
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.keys or self.pending.get(key, 0.0) > self.now  # type: ignore[call-overload]
 
 
 class WorkerSet:
@@ -389,7 +292,7 @@ class WorkerSet:
 
     # -- admin actions, on every worker -------------------------------------------------------
 
-    def know_tenants(self, budgets: dict[Owner, TenantBudget], deleted: frozenset[str]) -> None:
+    def know_tenants(self, budgets: Mapping[Owner, TenantBudget], deleted: frozenset[str]) -> None:
         """What every worker must hold, as the database says now (called by the gateway's
         tenancy sync whenever tenancy changed, and once at start). The first time, every
         worker is given it at its next poll (it stays in routing meanwhile: each request

@@ -1,55 +1,41 @@
-"""The engine a routing gateway serves from: its workers, behind the in-process engine's face.
+"""The engine a routing gateway serves from: its workers, with the face a gateway reads of
+what it serves (gateway/runtime/serving_engine.py's `ServingEngine`).
 
-The gateway calls it as it calls `engine.engine.Engine` (generate, budgets, purges, cache
-statistics, queue depth, describe), so nothing above it knows whether the engine is in this
-process or on other machines.
-
-A request goes to the best worker `routing.rank` finds. If that worker cannot take it (it is
-unreachable, draining, overloaded or restarting) or its stream ends before the first delta,
-the request goes to the next one: nothing had been streamed, so nothing is lost or repeated. A
-worker that fails after the first delta fails that request cleanly. A worker whose polls get no
-answer (a hung machine) ends the streams still waiting on it within a second, so no request
-hangs on it; one that only drains or leaves DNS finishes its streams.
+The gateway reads and administers it as it does the engine in its own process (budgets,
+purges, cache statistics, queue depth, describe, each model's `generate`), and reads what only
+workers have to show (each one's cache and load, each model's pool) through the same face,
+which the engine in a process answers as having no workers: nothing above it knows which it
+has. A request is streamed by the dispatcher (dispatch.py), which picks the worker and fails
+over.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import itertools
-import json
-import sys
 import threading
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
-import httpx
-
-from engine import errors
 from engine.cache.budget import Owner, TenantBudget
-from engine.cache.kv_cache_manager import OwnerCounters
+from engine.cache.quotas import OwnerCounters
 from engine.cache.stats import CacheStats, OwnerStats
-from engine.engine import Engine
 from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest
-from gateway.workers import routing, wire
-from gateway.workers.membership import PENDING_KEYS_S, Worker, WorkerSet
+from gateway.workers.dispatch import Dispatcher
+from gateway.workers.membership import WorkerSet
 from gateway.workers.models import ModelCatalog
 from gateway.workers.remote_model import RemoteModel, RemotePool
+from gateway.workers.routing import RoutingConfig
 
-# How often a stream waiting on a worker checks that the worker still answers its polls.
-_LIVENESS_CHECK_S = 1.0
-T = TypeVar("T")
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingConfig:
-    mode: str  # "cache_aware" or "round_robin"
-    load_tokens: int
-    max_imbalance: int
+# The engine's choices each worker reports, shown once in `describe` (or "mixed").
+_AGREED_CHOICES = (
+    "device",
+    "dtype",
+    "kv_dtype",
+    "logits_dtype",
+    "attention_backend",
+    "linear_kernel",
+)
 
 
 class NoWorker(Exception):
@@ -67,8 +53,22 @@ class _Counters:
         return sum(self._workers.snapshot(lambda w: int(w.state.get("preemptions", 0))))
 
 
+@dataclass(frozen=True, slots=True)
+class WorkersPool:
+    """One model's KV pool now: its workers' caches summed (None when none of them answers),
+    whether one of them is in routing, and each worker as `RemoteEngine.worker_rows` shows it."""
+
+    model: str
+    served: bool
+    stats: CacheStats | None
+    workers: list[dict[str, Any]]
+
+
 class RemoteEngine:
     """Generation and administration over a set of engine workers, of one model or several."""
+
+    # No CPU threads of this process compute: the workers govern their own.
+    threads = None
 
     def __init__(self, workers: WorkerSet, config: RoutingConfig) -> None:
         assert workers.models is not None  # a routing gateway learns its models from workers
@@ -77,12 +77,11 @@ class RemoteEngine:
         self.config = config
         self.pool = RemotePool(self)
         self.metrics = _Counters(workers)
+        self._dispatcher = Dispatcher(workers, config)
         self._models: dict[tuple[str, str], RemoteModel] = {}  # by name and fingerprint
         self._models_lock = threading.Lock()  # read by requests and admin calls, on threads
         self._summed_at: tuple[int, tuple[CacheStats, dict[str, CacheStats]]] | None = None
         self._summed_lock = threading.Lock()
-        self._turns = itertools.count()
-        self._client: httpx.AsyncClient | None = None
 
     def start(self, wait_s: float) -> RemoteEngine:
         """Start polling, and wait up to `wait_s` for a worker (`NoWorker` if none answers)."""
@@ -103,9 +102,13 @@ class RemoteEngine:
 
     async def close_connections(self) -> None:
         """Close the connections to the workers (on the event loop that opened them)."""
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        await self._dispatcher.close()
+
+    def generate(
+        self, request: GenerationRequest, fingerprint: str
+    ) -> AsyncIterator[GenerationDelta]:
+        """Stream the request's deltas from the best worker of its model that takes it."""
+        return self._dispatcher.generate(request, fingerprint)
 
     # -- models -------------------------------------------------------------------------------
 
@@ -154,166 +157,15 @@ class RemoteEngine:
         )
         return [(self.catalog.get(fp), state) for fp, state in (row for row in rows if row)]
 
+    def knows(self, fingerprint: str) -> bool:
+        """Whether a worker this gateway knows serves the model of `fingerprint`."""
+        return self.catalog.get(fingerprint) is not None
+
     def known_models(self, fingerprint: str | None = None) -> list[LoadedModel]:
         """Models this gateway has loaded (of one fingerprint, if given)."""
         fingerprints = {fp for fp in self.workers.snapshot(lambda w: w.fingerprint) if fp}
         found = [self.catalog.get(fp) for fp in sorted(fingerprints)]
         return [m for m in found if m and fingerprint in (None, m.fingerprint)]
-
-    # -- generation ---------------------------------------------------------------------------
-
-    async def generate(
-        self, request: GenerationRequest, fingerprint: str
-    ) -> AsyncIterator[GenerationDelta]:
-        """Stream the request's deltas from the best worker of its model that takes it."""
-        body = await asyncio.to_thread(wire.request_json, request)
-        tried: set[str] = set()
-        while True:
-            worker = self._pick(request, tried, fingerprint)
-            tried.add(worker.url)
-            stream = self._attempt(worker, body, request.n)
-            try:
-                first = await anext(stream)
-            except _TryElsewhere:
-                continue
-            except StopAsyncIteration:  # pragma: no cover - a worker always ends with usage
-                raise errors.EngineError("the worker sent no output") from None
-            try:
-                yield first
-                async for delta in stream:
-                    yield delta
-            finally:  # shielded: a stream response's task group cancels every later await
-                with anyio.CancelScope(shield=True):
-                    await stream.aclose()  # type: ignore[attr-defined]
-            return
-
-    def _pick(self, request: GenerationRequest, tried: set[str], fingerprint: str) -> Worker:
-        """The best worker of the model not yet tried; the request's choices count as in
-        flight there from now, and its keys as held there (until the worker publishes them or
-        `PENDING_KEYS_S`). Workers of other models are never considered."""
-        cache_aware = self.config.mode == "cache_aware"
-        chains: dict[tuple[str, int], list[str]] = {}
-        if cache_aware:  # hashed outside the lock: workers of one model share one chain
-            ours = self.workers.snapshot(
-                lambda w: _chain_of(w) if w.fingerprint == fingerprint else None
-            )
-            for chain in set(ours):
-                if chain is not None:
-                    root, block_size = chain
-                    keys = routing.request_keys(request, bytes.fromhex(root), block_size)
-                    chains[chain] = keys
-        now = time.monotonic()
-        with self.workers.lock:
-            up = [
-                w
-                for w in self.workers.workers.values()
-                if w.up and w.url not in tried and w.fingerprint == fingerprint
-            ]
-            if not up:
-                raise errors.EngineOverloaded("no engine worker can take the request now")
-            if not cache_aware:
-                plain = [routing.Candidate(w.url, (), w.load, w.free_blocks) for w in up]
-                ranked = routing.rotate(plain, next(self._turns))
-            else:
-                candidates = [
-                    routing.Candidate(
-                        w.url, w.held(now), w.load, w.free_blocks,
-                        chains.get(_chain_of(w) or ("", 0), []),
-                    )
-                    for w in up
-                ]  # fmt: skip
-                block_size = int(up[0].state["block_size"])
-                first = candidates[0].request_keys
-                sticky = first[0] if first else request.tenant_id
-                ranked = routing.rank(
-                    candidates,
-                    len(request.prompt_token_ids),
-                    block_size,
-                    self.config.load_tokens,
-                    self.config.max_imbalance,
-                    sticky,
-                )
-            worker = self.workers.workers[ranked[0].name]
-            worker.in_flight += request.n  # sequences, as the worker counts them
-            keys = chains.get(_chain_of(worker) or ("", 0), [])
-            worker.pending.update(dict.fromkeys(keys, now + PENDING_KEYS_S))
-        return worker
-
-    async def _attempt(
-        self, worker: Worker, body: dict[str, Any], sequences: int
-    ) -> AsyncIterator[GenerationDelta]:
-        """One worker's stream. Raises `_TryElsewhere` where nothing was streamed and another
-        worker may serve the request; an engine error where no worker could."""
-        client = self._http()
-        streamed = False
-        try:
-            request = client.build_request(
-                "POST", f"{worker.url}/internal/v1/generate", json=body,
-                headers=self.workers.headers,
-            )  # fmt: skip
-            try:  # a hung worker accepts the connection (the kernel does) and never answers
-                sending = client.send(request, stream=True)
-                response = await _unless_silent(worker, sending, discard=_close_response)
-            except (httpx.HTTPError, _WorkerLost) as error:
-                self.workers.mark_down(worker, f"request failed: {error!r}")
-                raise _TryElsewhere from None
-            try:
-                if response.status_code != 200:
-                    raise self._refusal(worker, response.status_code, await response.aread())
-                lines = response.aiter_lines()
-                while True:
-                    try:
-                        line = await _unless_silent(worker, anext(lines))
-                    except StopAsyncIteration:
-                        if streamed:
-                            return
-                        raise _TryElsewhere from None
-                    except (httpx.HTTPError, _WorkerLost) as error:
-                        self.workers.mark_down(worker, f"stream broke: {error}")
-                        if streamed:
-                            raise errors.RequestFailed(  # this request alone: 500, retryable
-                                "the engine worker serving this request stopped answering"
-                            ) from None
-                        raise _TryElsewhere from None
-                    if not line:
-                        continue
-                    try:
-                        message = json.loads(line)
-                        delta = None if "error" in message else wire.read_delta(message["delta"])
-                    except (ValueError, KeyError, TypeError):  # another version's worker
-                        raise errors.RequestFailed(
-                            "the engine worker sent a malformed answer"
-                        ) from None
-                    if delta is None:
-                        raise wire.read_error(message["error"])
-                    streamed = True
-                    yield delta
-            finally:  # closing the connection is what cancels the request on the worker
-                with anyio.CancelScope(shield=True):
-                    await response.aclose()
-        finally:
-            with self.workers.lock:
-                worker.in_flight -= sequences
-
-    def _refusal(self, worker: Worker, status: int, body: bytes) -> Exception:
-        """A worker's refusal before anything streamed: try elsewhere, or the engine error."""
-        try:
-            error = wire.read_error(json.loads(body)["error"])
-        except (ValueError, KeyError, TypeError):
-            error = errors.EngineError(f"the worker answered {status}")
-        if status == 503:
-            return _TryElsewhere()  # draining, overloaded or restarting: another may take it
-        if status == 401:
-            self.workers.mark_down(worker, "it refused the worker secret")
-            return _TryElsewhere()
-        return error
-
-    def _http(self) -> httpx.AsyncClient:
-        if self._client is None:
-            timeout = httpx.Timeout(None, connect=self.workers.timeout_s)
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
-        return self._client
 
     # -- administration -----------------------------------------------------------------------
 
@@ -327,6 +179,11 @@ class RemoteEngine:
         self, namespace: str, token_ids: Any, fingerprint: str | None = None
     ) -> int:
         return self.workers.drop_public_prefix(namespace, list(token_ids), fingerprint)
+
+    def know_tenants(self, budgets: Mapping[Owner, TenantBudget], deleted: frozenset[str]) -> None:
+        """The database's whole view of tenants, which a worker that missed a change is given
+        when it comes back (membership.py)."""
+        self.workers.know_tenants(budgets, deleted)
 
     # -- what the gateway reads ---------------------------------------------------------------
 
@@ -398,9 +255,18 @@ class RemoteEngine:
         )
         return [row for row in rows if row is not None]
 
-    def pool_stats(self) -> dict[str, CacheStats]:
-        """Each model's pool: its workers' caches summed (those that answer, draining too)."""
-        return self._summed()[1]
+    def pools(self) -> list[WorkersPool]:
+        """Every model's pool, by name: each model a worker answers for, or one that discovery
+        still names a worker of (whose workers may all be down)."""
+        stats = self._summed()[1]  # those that answer, draining too
+        rows = self.worker_rows()
+        names = sorted(set(stats) | {row["model"] for row in rows if row["model"]})
+        pools = []
+        for name in names:
+            workers = [row for row in rows if row["model"] == name]
+            served = any(row["up"] for row in workers)
+            pools.append(WorkersPool(name, served, stats.get(name), workers))
+        return pools
 
     def describe(self) -> dict[str, Any]:
         """What serves, for /readyz and the start-up log: counts, not the workers' addresses
@@ -411,14 +277,12 @@ class RemoteEngine:
         described: list[dict[str, Any]] = [
             w.state.get("describe", {}) for w in self.workers.routable()
         ]
-        choices = ("device", "dtype", "kv_dtype", "logits_dtype", "attention_backend",
-                   "linear_kernel")  # fmt: skip
         return {
             "models": sorted(self.models()),
             "routing": self.config.mode,
             "workers": len(rows),
             "workers_up": sum(1 for row in rows if row["up"]),
-            **{key: _agreed(d.get(key) for d in described) for key in choices},
+            **{key: _agreed(d.get(key) for d in described) for key in _AGREED_CHOICES},
             "kv_blocks": self.pool.num_blocks or None,
         }
 
@@ -468,59 +332,3 @@ def _add_owner(a: OwnerStats, b: OwnerStats) -> OwnerStats:
         quota_blocks=a.quota_blocks + b.quota_blocks,
         counters=counters,
     )
-
-
-async def _unless_silent(
-    worker: Worker,
-    work: Awaitable[T],
-    discard: Callable[[T], Awaitable[None]] | None = None,
-) -> T:
-    """`work`'s result, unless the worker goes silent first (`_WorkerLost`): polls found it
-    answering nothing, as a hung machine. A worker that only drains or leaves DNS keeps its
-    streams. `discard` cleans up a result that arrives after the caller gave up."""
-    task = asyncio.ensure_future(work)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=_LIVENESS_CHECK_S)
-            if done:
-                return task.result()
-            if worker.silent:
-                raise _WorkerLost(f"{worker.url} stopped answering")
-    finally:
-        # Shielded: the task must finish its own cleanup (httpcore closes the connection
-        # there) before the caller goes on; a cancelled caller would otherwise leave it
-        # pending, unreferenced, and the connection to the worker open.
-        with anyio.CancelScope(shield=True):
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-            elif discard is not None and sys.exc_info()[0] is not None and _succeeded(task):
-                await discard(task.result())
-
-
-def _succeeded(task: asyncio.Future[Any]) -> bool:
-    return not task.cancelled() and task.exception() is None
-
-
-async def _close_response(response: httpx.Response) -> None:
-    await response.aclose()
-
-
-def _chain_of(worker: Worker) -> tuple[str, int] | None:
-    """What a worker's keys chain from: its root key and block size (None before a poll)."""
-    if not worker.state:
-        return None
-    return str(worker.state["root"]), int(worker.state["block_size"])
-
-
-# What a gateway serves from: the engine in this process, or its workers.
-ServingEngine = Engine | RemoteEngine
-
-
-class _TryElsewhere(Exception):
-    """This worker did not take the request and streamed nothing of it."""
-
-
-class _WorkerLost(Exception):
-    """The worker left routing while a stream waited on it."""

@@ -3,23 +3,38 @@ as the gateway reads it (`RemotePool`).
 
 A `RemoteModel` has the face the gateway's request path uses of an in-process engine
 (`generate`, `max_model_len`, `grammars`, `pool`, `drop_public_prefix`), over the workers of
-one model of a `RemoteEngine` (remote_engine.py, which routes and fails over among them).
+one model of a `RemoteEngine` (remote_engine.py; dispatch.py routes and fails over among them).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from engine.cache.kv_spec import KVSpec
 from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest
 from engine.structured.grammar import Grammars
 
-if TYPE_CHECKING:  # it builds these; they only call back into it
-    from gateway.workers.remote_engine import RemoteEngine
-
 _KV_DTYPES = frozenset({"bfloat16", "float32", "float16"})
+
+
+class Workers(Protocol):
+    """What models and pools call back into: the `RemoteEngine` that builds them."""
+
+    def routable_states(
+        self, fingerprint: str | None = None
+    ) -> list[tuple[LoadedModel | None, dict[str, Any]]]: ...
+
+    def known_models(self, fingerprint: str | None = None) -> list[LoadedModel]: ...
+
+    def generate(
+        self, request: GenerationRequest, fingerprint: str
+    ) -> AsyncIterator[GenerationDelta]: ...
+
+    def drop_public_prefix(
+        self, namespace: str, token_ids: Any, fingerprint: str | None = None
+    ) -> int: ...
 
 
 class RemotePool:
@@ -30,7 +45,7 @@ class RemotePool:
     Across models the layout is the one with the largest blocks (the most a block can weigh).
     """
 
-    def __init__(self, engine: RemoteEngine, fingerprint: str | None = None) -> None:
+    def __init__(self, engine: Workers, fingerprint: str | None = None) -> None:
         self._engine = engine
         self._fingerprint = fingerprint
 
@@ -81,7 +96,7 @@ class RemoteModel:
     serves it.
     """
 
-    def __init__(self, engine: RemoteEngine, loaded: LoadedModel) -> None:
+    def __init__(self, engine: Workers, loaded: LoadedModel) -> None:
         self._engine = engine
         self.loaded = loaded
         self.name = loaded.name

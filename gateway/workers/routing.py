@@ -50,6 +50,15 @@ def request_keys(request: GenerationRequest, root: bytes, block_size: int) -> li
 
 
 @dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    """How a gateway picks among workers (its `routing*` settings)."""
+
+    mode: str  # "cache_aware" or "round_robin"
+    load_tokens: int  # what one request in flight costs, in prompt tokens to compute
+    max_imbalance: int  # the least loaded wins once the cheapest has this many more in flight
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
     """A worker as routing sees it."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from engine import errors
 from engine.cache.budget import PUBLIC_OWNER, Owner, TenantBudget
-from engine.cache.kv_cache_manager import OwnerCounters
+from engine.cache.quotas import OwnerCounters
 from engine.cache.scope import NO_CACHE, CacheScope, NoCache, Public, Segment, Tenant, User
 from engine.cache.stats import CacheStats, OwnerStats
 from engine.request import GenerationDelta, GenerationRequest, Timings, Usage

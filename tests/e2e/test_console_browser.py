@@ -41,7 +41,7 @@ from gateway.console.form_urls import LANDINGS
 from gateway.console.headers import CONTENT_SECURITY_POLICY
 from gateway.console.pages import format_bytes
 from gateway.console.session import set_session_cookie
-from tenancy import keys
+from tenancy import key_format
 from tenancy.tenants import TenantLimits
 from tests.support.admin import admin_client
 from tests.support.browser import ConsoleSession, csrf_of, form_value, launch_chromium
@@ -191,7 +191,7 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     page.get_by_label("Name", exact=True).fill("booking service")
     page.get_by_role("button", name="Create key").click()
     secret = page.locator("#new-key-secret").input_value()
-    assert secret.startswith(f"{keys.PREFIX}_")
+    assert secret.startswith(f"{key_format.PREFIX}_")
     # Copy puts the secret on the clipboard; the address is the tenant's page again, not the
     # form's POST, so a reload posts nothing (and the secret is gone: shown once).
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])

@@ -28,7 +28,8 @@ from bench.local_server import tiny_chat_model
 from bench.local_workers import LocalWorker, worker_process
 from bench.served_gateway import GatewayProcess, gateway_process
 from gateway.workers.membership import WorkerSet
-from gateway.workers.remote_engine import RemoteEngine, RoutingConfig
+from gateway.workers.remote_engine import RemoteEngine
+from gateway.workers.routing import RoutingConfig
 from tenancy import api_keys, tenants
 from tenancy.store import Store
 from tenancy.tenants import TenantLimits

@@ -1,4 +1,4 @@
-"""One real gateway (uvicorn on a localhost port) over PostgreSQL, for tests/api and tests/e2e.
+"""One real gateway (uvicorn on a localhost port) over PostgreSQL, for tests/gateway and tests/e2e.
 
 The session fixture `gateway` (in tests/conftest.py, so that both folders share one) starts it
 with `start_gateway`; tests that need other settings start their own.

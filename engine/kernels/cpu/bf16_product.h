@@ -19,8 +19,7 @@
 // A product can also bring other memory into L2 while it runs (`Fetch`, cpu_vector.h): the next
 // weight tile of a linear layer, the K/V that decodes read after a shared prefix. A block
 // fetches its share of the lines spread evenly over its pairs of depth, at most kFetchPerPair a
-// pair: more (4 a pair) stalled the products on the core's miss buffers, and the 16-decode
-// attention of paged_attention.cpp took 0.98x the time instead of 0.93x (Zen 4, 2026-12-05).
+// pair: more (4 a pair) stalled the products on the core's miss buffers and measured slower.
 // The AMX and FMA products fetch nothing (not measured there).
 //
 // With AVX2, a bf16 is the high half of the fp32 of the same value: a pair's high element is the
@@ -29,7 +28,7 @@
 // product of two bf16 is exact in fp32, so each FMA rounds once, as each of its adds does;
 // subnormals, which vdpbf16ps flushes to zero, are kept here). A block of 6 rows x 2 vectors
 // (16 columns) keeps its 12 sums in registers: 12 chains of FMAs, enough to hide their latency
-// (with 8, the products ran at 80% of torch's fp32 ones).
+// (8 were not).
 #pragma once
 
 #include <ATen/native/CPUBlas.h>
@@ -148,9 +147,8 @@ inline __m256 low_halves(__m256i words) {
 // every row's low ones: B's high and low halves take turns in 2 registers, beside 12 sums and
 // a broadcast of A. Blocks of 1 or 2 rows (decode) are wider, 8 or 4 vectors, and go vector
 // by vector, both halves at once: a one-row block reads per pair all 64 columns of a weight's
-// packed tile (256 bytes) in one pass, a two-row block half of them. One row through
-// SmolLM2's 30 layers of projections, their weights streaming from memory: 20.6 ms in 2-vector
-// blocks, 11.0 ms so (torch's bf16 product 12.8 ms, fp32 32 ms).
+// packed tile (256 bytes) in one pass, a two-row block half of them, which measured much
+// faster than 2-vector blocks for weights streaming from memory.
 template <int Rows, int Vectors>
 inline void product_block(int64_t pairs, const float* a, int64_t lda, const uint32_t* b,
                           int64_t ldb, float* c, int64_t ldc, bool accumulate) {
@@ -288,7 +286,7 @@ inline void dot_product(int64_t rows, int64_t cols, int64_t depth, int64_t lda, 
 
 #endif
 
-// What a bf16 product says where this CPU has none (cpu_linear.py's NO_PRODUCTS matches it).
+// What a bf16 product says where this CPU has none (linear.py's NO_PRODUCTS matches it).
 constexpr const char* kNoBf16Products = "this CPU has no bf16 matrix micro-kernels";
 
 // The loops this build has where AMX is not taken: "vdpbf16ps", "fma" (AVX2), or none ("").

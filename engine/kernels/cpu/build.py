@@ -5,9 +5,9 @@
 The extension is compiled with `torch.utils.cpp_extension` for the CPU it runs on
 (`-march=native`; its threads are torch's own pool; tuning constants measured per CPU,
 `compile_flags`) into a directory keyed by the sources, torch's version, the CPU's flags and
-those constants, so a second start loads it in well under a second.
+those constants, so a second start only loads it.
 `make run` / `make test` build it at install time (`python -m engine.kernels.cpu.build`); a
-start that finds no build compiles it then (about 10 s), once, under a lock.
+start that finds no build compiles it then, once, under a lock.
 """
 
 from __future__ import annotations
@@ -47,13 +47,11 @@ FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
 
 
 def prefetch_ahead(info: Mapping[str, str]) -> int:
-    """How many chunks ahead the attention kernels prefetch K/V (`kAhead` in
-    paged_attention.cpp) on the CPU /proc/cpuinfo describes: the count measured best there.
-    On an AMD EPYC of CPU family 25 with AVX-512 (Zen 4; 2026-12-04, 30 layers, the two builds
-    alternating in one process), two against four: 16 decodes over 1,024 shared and 520 own
-    keys 0.97-0.99x the time, over 520 or 1,544 own keys 0.91-0.99x, one decode 0.91-0.96x. On
-    a Zen 5 (family 26) four took 0.90-0.95x the time of two. Elsewhere four, as measured
-    there and kept before (Intel Xeons were not measured against two)."""
+    """How far ahead, in runs of 16 key positions, the attention kernels prefetch K/V
+    (`kAhead` in paged_attention.cpp) on the CPU /proc/cpuinfo describes: the distance measured
+    best there. Two on an AMD EPYC of CPU family 25 with AVX-512 (Zen 4), where it measured
+    faster than four; elsewhere four, which measured faster than two on a Zen 5 (family 26)
+    (Intel Xeons were not measured against two)."""
     zen4 = (
         info.get("vendor_id") == "AuthenticAMD"
         and info.get("cpu family") == "25"

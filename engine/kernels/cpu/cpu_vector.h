@@ -26,13 +26,11 @@ constexpr float kMasked = -1e30f;  // finite, so no infinity arithmetic is ever 
 
 // The cache line at `address`, into L2 ahead of use. An asm statement: GCC deletes a loop whose
 // body only calls __builtin_prefetch (a C++ loop without side effects may be removed), and so
-// every prefetch loop of these kernels was missing from the binary until 2026-12-04. Into L2
-// (prefetcht1), not L1: on an AMD EPYC VM, decode attention over 30 layers' K/V from memory
-// took 0.56x the time (16 sequences) and 0.41x (one) with prefetcht1, and prefetcht0 measured
-// the same as no prefetch at all (L1's few miss buffers fill). The address goes in a register,
-// not as a memory operand: with one, GCC stored every accumulator of a product's loop to the
-// stack before each prefetch in it (bf16_product.h: 16 rows of SmolLM2's projections in cache
-// took 1.4x the time).
+// every prefetch loop of these kernels was once missing from the binary. Into L2
+// (prefetcht1), not L1: prefetcht1 made decode attention from memory much faster, and
+// prefetcht0 measured the same as no prefetch at all (L1's few miss buffers fill). The address
+// goes in a register, not as a memory operand: with one, GCC stored every accumulator of a
+// product's loop to the stack before each prefetch in it (bf16_product.h's products slowed).
 inline void prefetch_l2(const void* address) {
 #if defined(__x86_64__) || defined(__i386__)
   asm volatile("prefetcht1 (%0)" : : "r"(address));
@@ -353,8 +351,7 @@ inline void store(c10::BFloat16* target, vfloat value) {
 }
 
 // The value as the dtype would hold it: bf16 rounds (to nearest even), fp32 stays. With
-// AVX512_BF16 in registers (convert, widen, shift): through memory, rotary_ over 1,536 rows
-// took 0.200 ms instead of 0.154.
+// AVX512_BF16 in registers (convert, widen, shift), which measured faster than through memory.
 inline vfloat round_to(vfloat value, float*) { return value; }
 inline vfloat round_to(vfloat value, c10::BFloat16*) {
 #if defined(__AVX512BF16__)
@@ -368,7 +365,7 @@ inline vfloat round_to(vfloat value, c10::BFloat16*) {
 }
 
 // silu(x) = x * sigmoid(x), from e = exp(-|x|) <= 1 so that exp never overflows (vexp2_scaled:
-// 11% faster than vexp here); one division: sigmoid is e / (1 + e) below zero, 1 / (1 + e)
+// faster than vexp here); one division: sigmoid is e / (1 + e) below zero, 1 / (1 + e)
 // from zero up.
 inline vfloat silu(vfloat x) {
   const vmask negative = x < 0.0f;

@@ -13,13 +13,11 @@
 // Register blocks, as for bf16_product.h's FMA loops: 6 rows x 2 vectors (one group) keep 12
 // chains of FMAs in flight, enough to hide their latency; one and two rows (decode) take 8 and
 // 4 vectors (4 and 2 groups at once). A group's rows are contiguous so that a block reads B as
-// a stream, which the CPU's own prefetchers follow from memory: with rows of 64 columns (of
-// which a 6 x 16 block reads one cache line in four), 16 rows through SmolLM2's 30 layers of
-// projections took 63 ms with the weights streaming from memory; in groups, 41 ms (28 with the
-// weights in cache). Measured on an AMD EPYC with AVX2 only (2 vCPUs, 2026-12-04).
+// a stream, which the CPU's own prefetchers follow from memory; rows of 64 columns, of which
+// a 6 x 16 block reads one cache line in four, measured much slower.
 //
 // Built for AVX2 CPUs without AVX-512, where it was measured; elsewhere fp32 linear layers stay
-// on torch's products (cpu_linear.py).
+// on torch's products (linear.py).
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -105,7 +103,7 @@ inline void fp32_product(int64_t rows, int64_t cols, int64_t depth, const float*
 
 #endif
 
-// What an fp32 product says where this build has none (cpu_linear.py's NO_PRODUCTS matches it).
+// What an fp32 product says where this build has none (linear.py's NO_PRODUCTS matches it).
 constexpr const char* kNoFp32Products = "this build has no fp32 matrix products";
 
 // Whether this build has the fp32 products above.

@@ -2,10 +2,10 @@
 
 transformers' `LlamaRMSNorm` runs six torch ops (to fp32, pow, mean, add, rsqrt, mul, to dtype,
 mul) and its MLP a separate SiLU and multiply; each op is a pass over the data and, in decode,
-a few microseconds of dispatch. The swaps here keep the modules' parameters (same tensors, same
-names), so `state_dict` and copies of the model see what was loaded. Only the RMSNorm classes
-whose forward is exactly Llama's are swapped (Gemma's, with `1 + weight`, is not), and only MLPs
-whose activation is SiLU.
+a dispatch that costs more than its arithmetic. The swaps here keep the modules' parameters
+(same tensors, same names), so `state_dict` and copies of the model see what was loaded. Only
+the RMSNorm classes whose forward is exactly Llama's are swapped (Gemma's, with `1 + weight`,
+is not), and only MLPs whose activation is SiLU.
 """
 
 from __future__ import annotations

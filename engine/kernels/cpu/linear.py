@@ -11,40 +11,27 @@ tokens, or beside other tenants' tokens in a step. oneDNN's matmul and torch's `
 rows than in a 1,536-row call; oneDNN's packed matmul, for the 1,536-input down projection, at
 130-300 rows than alone), which made a request's greedy tokens depend at near-ties on what
 shared its steps, and on whether its prefix came from the cache. No timing decides anything
-here, so two processes on one machine compute the same bits. SmolLM2's 30 layers of
-projections against the paths measured below, side by side: one row 13.0 -> 10.4 ms, 16 rows
-13.6 -> 11.0 ms, 512 rows equal, 1,536 rows 133-146 -> 146-166 ms. On an AMD EPYC with
-AVX512_BF16 and no AMX (vdpbf16ps products), against oneDNN's packed matmul, call by call: one
-row 1.2-1.4x as fast, 16 rows 0.9-1.25x, 512-1,536 rows 0.93-1.02x. On an AMD EPYC with AVX2
-only (fp32 FMA products), where torch's bf16 products convert at about 20 GFLOP/s: 1,536 rows
-7.5-8x as fast as those, 0.93-1.0x torch's fp32 ones; one row 2.9x as fast as fp32.
+here, so two processes on one machine compute the same bits. Against the torch paths below it
+measured faster at few rows, as fast at hundreds and somewhat slower at the most (figures:
+docs/performance.md).
 
 **fp32 with AVX2 (no AVX-512): `MatrixLinear` too** (`fp32_product.h`): FMA chains in one
-order, as above, so an fp32 model's projections are the same bits at any row count as well. On
-an AMD EPYC with AVX2 only (2 vCPUs, 2026-12-04), SmolLM2's 30 layers of projections against
-`PackedLinear` (its plan measured there) and torch's plain `linear`, interleaved in one
-process: one row with the weights streaming from memory 12.4 ms against 28.8 and 36.2; 16 rows
-40.6 against 58.0 and 80.9 (in cache 27.7 against 58.5); 512 rows 652 ms against 822; 1,536
-rows 1.92 s against 2.33 (170 GFLOP/s against 140).
+order, as above, so an fp32 model's projections are the same bits at any row count as well;
+it measured faster than both `PackedLinear` and torch's plain `linear` at every row count.
 
 **Everything else: `PackedLinear`.** torch's plain `linear` hands the weight over row-major on
 every call; oneDNN can instead read a copy packed once in its own blocked layout. Which is
-faster depends on the CPU and on how many rows a call has, and not a little:
-- On an AMD EPYC (AVX-512, AVX512_BF16): packed was faster everywhere. SmolLM2's 30 layers of
-  projections, bf16 (before `MatrixLinear` ran there), one row 11.2 -> 8.6 ms; fp32, one row
-  26 -> 17 ms, 16 rows 46 -> 18 ms, 1,536 rows 2.2x faster.
-- On an Intel Xeon with AVX-512 but no bf16 (2026-11-30), fp32: packed was 1.5-5x *slower* at
-  one row (576 x 576: 51 us plain, 179 us packed), 2.5-4x faster at 16 rows, and 5-10% slower
-  at 512.
+faster depends on the CPU and on how many rows a call has, and not a little: on one CPU packed
+was faster everywhere, on another much slower at one row and faster at 16.
 
 So `pack_linears` measures, at start, both paths for each weight shape of the model at 1, 16,
-64 and 1,024 rows, interleaved (one to a few seconds for the embedded model), and each
-`PackedLinear` takes, per call, the path that won for its row class. A weight of more than
-`LARGE_ROWS_MAX_WEIGHT` elements (an LM head, which seldom sees more than one row per sequence)
-is not timed at 1,024 rows, which would take seconds; it keeps its 64-row choice there. A shape
-whose packed path never wins keeps no packed copy. Results are equal up to summation order
-either way; which path a row count takes varies with the machine's load at start, so
-these layers' bits can differ between processes and between row counts.
+64 and 1,024 rows, interleaved, and each `PackedLinear` takes, per call, the path that won for
+its row class. A weight of more than `LARGE_ROWS_MAX_WEIGHT` elements (an LM head, which
+seldom sees more than one row per sequence) is not timed at 1,024 rows, which would take long;
+it keeps its 64-row choice there. A shape whose packed path never wins keeps no packed copy.
+Results are equal up to summation order either way; which path a row count takes varies with
+the machine's load at start, so these layers' bits can differ between processes and between
+row counts.
 """
 
 from __future__ import annotations

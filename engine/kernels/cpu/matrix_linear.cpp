@@ -23,24 +23,15 @@
 // silu(gate) * up, the way elementwise.cpp's gated_silu computes it from the unfused product's
 // output (the same bits), without writing and reading back the product.
 //
-// Single calls on warm caches, two Xeon cores with AMX, against oneDNN's packed matmul for
-// SmolLM2's shapes: 1 to 86 rows up to 4x faster (no primitive to run), 512 to 1,536 rows from
-// 5% faster to 13% slower (the fused gate-and-up projection). Blockings of 16-256 rows a call,
-// 128-768 rows an item and 4-16 tiles a chunk measured no better. On vdpbf16ps (two AMD EPYC
-// cores with AVX512_BF16, interleaved 20-200 times): one row 1.2-1.4x as fast as oneDNN's packed
-// matmul (the LM head 2.4 ms against 3.1), 16 rows 0.9-1.25x, 512-1,536 rows 0.93-1.02x. On
-// AVX2's FMA (two AMD EPYC cores without AVX-512, interleaved), where torch's bf16 products
-// convert at 19-21 GFLOP/s: 1,536 rows 157-176 GFLOP/s (torch's fp32 ones 168-181), 16 rows
-// 118-169 (fp32 82-92), one row through 30 layers' weights from memory 11.0 ms (fp32 32).
+// Against oneDNN's packed matmul and torch's products, these run few rows faster (no primitive
+// to run) and many rows at about the same speed; other blockings measured no better.
+// (Measurements: docs/performance.md.)
 //
 // A row group of kFetchMinRows or more rows brings the next tile its thread takes into L2 while
 // it multiplies the current one (bf16_product.h's `Fetch`; vdpbf16ps only). There a tile's
 // products take longer than reading it, and without the fetch each tile's first row block
 // waited on memory while the others ran from L2: a layer took about the sum of its reads and
-// its arithmetic. SmolLM2's 30 layers of projections and its LM head, the weights in 2 MB pages
-// streaming from memory (two Zen 4 EPYC cores, 2026-12-05, builds interleaved in one process,
-// same bits): 12 rows 0.92x the time, 16 rows 0.90-0.94x, 24 rows 0.96x, 64 rows 0.98x. At 8
-// rows fetching took 1.07-1.15x the time and at one row 1.03-1.23x: there the products keep up
+// its arithmetic. Below kFetchMinRows fetching measured slower: there the products keep up
 // with memory, and a second stream only competes with the first.
 
 #include <ATen/Parallel.h>
@@ -230,8 +221,7 @@ at::Tensor matrix_linear(const at::Tensor& input, const at::Tensor& packed,
       tiles, std::max<int64_t>((tiles + kChunkTiles - 1) / kChunkTiles,
                                (threads + groups - 1) / groups));
   // Whole rounds of items for the threads where the tiles allow, so that no thread waits for
-  // another's extra chunk: the gate-and-up projection's 24 tiles in 3 chunks on 2 threads took
-  // 184 us at 16 rows, in 4 chunks 142 us (one row: 38 -> 34 us).
+  // another's extra chunk.
   while (chunks < tiles && (groups * chunks) % threads != 0) ++chunks;
   // Rows [row, row + count) times column tile `tile` (of the packed weight) into `sums`.
   const int64_t tile_lines = features * kColumns * 2 / 64;  // of a packed bf16 tile

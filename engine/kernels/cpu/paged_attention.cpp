@@ -22,12 +22,10 @@
 //
 // Sequences with 16 or more query tokens over a bf16 pool go to paged_attention_matrix.cpp
 // instead, where the CPU has bf16 matrix products (bf16_product.h: AMX, AVX512_BF16, or AVX2's
-// FMA): there a 1,536-token prefill of SmolLM2's layer took 8 ms instead of 61 ms with the
-// vector path on AMX, 11 ms instead of 25 with vdpbf16ps products on an AMD EPYC (with AVX2's
-// FMA 35 ms against 33, the same bits cached or not being the gain). There, too, decode
-// sequences whose tables begin with the same blocks attend over those blocks together ("shared
-// prefixes" below): 16 sequences over 1,024 shared keys took 0.23 ms instead of 0.72 (AVX2:
-// 1.13 instead of 1.62).
+// FMA), which prefill faster on AMX and vdpbf16ps (on AVX2's FMA the gain is the same bits
+// whether a prompt's beginning came from the cache or not). There, too, decode sequences whose
+// tables begin with the same blocks attend over those blocks together ("shared prefixes"
+// below), reading them once for all. (Measurements: docs/performance.md.)
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -60,7 +58,7 @@ constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxGroup = 16;     // query heads per KV head
 // From this many rows on, a chunk is packed first (attend_direct's switch takes fewer).
 constexpr int64_t kPackRows = 8;
-// Chunks prefetched ahead (each again nearer: `prefetch`): 4, or what cpu_build.py measured
+// Chunks prefetched ahead (each again nearer: `prefetch`): 4, or what build.py measured
 // best on this CPU (Zen 4: 2).
 #ifndef PREFIXGATE_PREFETCH_AHEAD
 #define PREFIXGATE_PREFETCH_AHEAD 4
@@ -171,17 +169,9 @@ struct Chunk {
 // Every cache line of a chunk's K and V rows (`row_bytes` each), into the cache ahead of use.
 // attend_keys and attend_decode_segment prefetch each chunk kAhead times, kAhead chunks ahead,
 // then again at every distance down to one (a range's first chunks fewer times), as some
-// requests are lost. On an AMD EPYC VM of earlier days, two prefetches (2 and 1 ahead) took 30
-// layers of decode from memory 0.81x the time of one a chunk ahead in bf16 (0.86x with a shared
-// prefix; fp32, 16 sequences: 0.87x), where a second request at the same distance took 0.91x
-// and one three chunks ahead 0.85x. On a Zen 5 EPYC VM, against those two: four (4 to 1 ahead)
-// 0.91x for 16 sequences' own keys (fp32 0.91x), 0.95x with a shared prefix, 0.90x for one
-// sequence, and the same for a 1,536-token fp32 prefill on the vector kernel (1.00x); three
-// 0.93-0.96x; six no better than four; a single prefetch 1.06-1.09x and none 1.79x. On an AMD
-// EPYC with AVX2 only (Zen 2), against four: in fp32, 16 sequences, two 0.94x, a single one 4
-// or 8 ahead 0.92-0.94x, none 0.91x (one sequence: none the same); in bf16 none 1.16x. Four is
-// the default, the one measured best where prefetching matters most; on a Zen 4 EPYC two
-// measured better, and the build takes two there (cpu_build.prefetch_ahead says by how much).
+// requests are lost. Four is the default, the distance measured best where prefetching matters
+// most; on a Zen 4 EPYC two measured better, and the build takes two there
+// (cpu_build.prefetch_ahead). (Measurements: docs/performance.md.)
 // (The matrix path's tiles prefetch on their own.)
 template <typename scalar_t>
 void prefetch(const Chunk<scalar_t>& chunk, int64_t row_bytes) {
@@ -212,9 +202,6 @@ inline __m256 transpose_sum8(const __m256* parts) {
 // 8-lane registers: a row takes 8 keys at a time, their 8 partial sums in 8 registers, and K is
 // widened to fp32 once for all rows. The 16-lane form below keeps 16 partial vectors per row, a
 // pair of registers each here: they lived on the stack, a load and a store around every FMA.
-// Measured on an AMD EPYC with AVX2 (SmolLM2's heads, 16 decodes over 1,536 keys, one layer):
-// fp32 5.96 -> 4.38 ms, bf16 3.87 -> 3.73 ms (there widening K and the rest of the step weigh
-// more).
 template <typename scalar_t>
 void chunk_scores(const Rows& rows, const Chunk<scalar_t>& chunk, vfloat* scores) {
   const int64_t dim = rows.dim;
@@ -255,9 +242,7 @@ void chunk_scores(const Rows& rows, const Chunk<scalar_t>& chunk, vfloat* scores
 // for all R rows of the item (the query heads of one KV head). R is a template argument so
 // that P x V keeps its R accumulators in registers and takes each probability as one broadcast
 // from a small array; with R known only at run time, GCC kept the accumulators on the stack (a
-// store and a load around every FMA, in one dependent chain per row). On an AMD EPYC with AVX2
-// only (2 vCPUs, 2026-12-04; 16 decodes over 1,024 shared and 520 own keys, 30 layers, the two
-// builds alternating in one process): fp32 0.88x the time, bf16 0.91-0.93x; one decode 0.93x.
+// store and a load around every FMA, in one dependent chain per row).
 template <int R, typename scalar_t>
 void attend_direct_rows(Rows& rows, const Chunk<scalar_t>& chunk, int64_t context_len,
                         int64_t window) {
@@ -490,7 +475,7 @@ void attend_direct_bf16(Rows& rows, const uint32_t* query_pairs,
 //      (transpose_sum's tree, one level per pair of keys), masked where a row cannot see a key.
 //   2. One online-softmax update per row for the whole segment: one max, one sum and one
 //      rescale of the accumulators, where updating every 16 keys made each chunk wait on the
-//      last (the whole decode attention 6-18% slower, measured).
+//      last (measured slower).
 //   3. P x V, V rows of two keys paired with two unpacks for vdpbf16ps, every row's
 //      accumulators for 32 dims in registers across the segment.
 // The accumulators hold dims in decode_slot order; attend_item puts them back.
@@ -840,10 +825,8 @@ SharedPrefixes find_shared_prefixes(const Geometry& g, bool matrix, int64_t sequ
     }
     first = end;
   }
-  // Kept by the calling thread from call to call, up to kKeptStateFloats (4 MB): a new zeroed
-  // vector of 16 decodes' states (150 KB) each call took 14 us of every layer's call while the
-  // other threads waited, 0.4 ms of a 30-layer step (Zen 4 EPYC, 2026-12-05; kept, 16 decodes
-  // over 1,024 shared and 528 own keys took 0.97-0.98x the attention's time, one decode 1.00x).
+  // Kept by the calling thread from call to call, up to kKeptStateFloats (4 MB): zeroing a new
+  // vector of the decodes' states at each call kept the other threads waiting.
   constexpr int64_t kKeptStateFloats = int64_t{1} << 20;
   thread_local std::vector<float> kept;
   if (state > kKeptStateFloats) {
@@ -1002,13 +985,10 @@ void run_items(const Geometry& g, SharedPrefixes& shared,
           // While the pieces' products run, the K/V blocks that the lane's decodes read next
           // come in from memory (own_blocks), spread over the products: otherwise the pieces
           // compute with memory idle, then the decodes wait on memory with little to compute.
-          // What leaves L2 before they read it stays in L3. 16 decodes over 1,024 shared and
-          // 513 own keys, 30 layers from memory (two Zen 4 EPYC cores, 2026-12-05, builds
-          // interleaved, same bits): fetching a quarter, half, three quarters or all of those
-          // blocks took 0.96x, 0.93x, 0.92x and 0.98x the time; all of them (4 lines a pair of
-          // depth) stalled the pieces on memory (their phase 4.8 -> 6.4 ms, the decodes'
-          // 7.0 -> 5.0). kFetchPerPair (bf16_product.h) caps it at 2 lines a pair: in that
-          // shape (48 query rows a KV head, head_dim 64) about half of the blocks.
+          // What leaves L2 before they read it stays in L3. Fetching all of those blocks
+          // stalled the pieces on memory, so kFetchPerPair (bf16_product.h) caps it at 2 lines
+          // a pair: in SmolLM2's shape (48 query rows a KV head, head_dim 64) about half of the
+          // blocks, which measured faster than none (docs/performance.md).
           // The fetch helps only where lane i of both phases runs on one core: balance() deals
           // each phase at most one lane a thread, and at::parallel_for (OpenMP's static split)
           // gives thread i lane i of both wherever both have a lane for every thread.
@@ -1110,15 +1090,11 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   // KV head of their sequence in one item, one head after another on one thread, where the batch
   // has enough decoding sequences for the threads. Each head prefetches its own rows as items of
   // one head do (perhaps what helps: the lines the hardware fetches beside them hold the
-  // sequence's other heads, which the same core reads next). On a Zen 5 EPYC (2 vCPUs,
-  // 2026-12-04; 30 layers from memory, builds alternating in one process, the same bits), against
-  // items of one head: 16 decodes over 1,024 shared + 520 own keys 0.89x the attention's time,
-  // over 1,544 or 512 own keys 0.90x, 8 decodes over 3,000 own keys 0.97x, 4 decodes 0.96x, 16 in
-  // cache 0.92x. Prefetching the whole token rows of every head in the first head's pass (once,
-  // four chunks ahead; the others then prefetching their own rows once) measured 0.89x on an
-  // Intel Xeon with AMX that day but 1.20x on the Zen 5 (1.41-1.49x over own keys alone) and was
-  // taken out (why, not found: whole rows four chunks ahead are 48 KB in flight a thread, three
-  // times what items of one head ask for, and prefetcht1 fills L2, not L1). With fewer decodes
+  // sequence's other heads, which the same core reads next); it measured faster than items of
+  // one head. Prefetching the whole token rows of every head in the first head's pass measured
+  // faster on an Intel Xeon with AMX but slower on a Zen 5 EPYC, and was taken out (why, not
+  // found: whole rows four chunks ahead are 48 KB in flight a thread, three times what items
+  // of one head ask for, and prefetcht1 fills L2, not L1). With fewer decodes
   // than two a thread, or one decode longer than a thread's share of them all, items of one head
   // keep every thread busy (one decode's three heads on two threads).
   const bool every_head_possible = kNativeBf16 && dtype == at::kBFloat16 && dim % 32 == 0 &&

@@ -48,8 +48,7 @@ namespace {
 
 constexpr int64_t kKeyTile = kMatrixKeyTile;
 // Query rows (tokens x group) per work item, at most: each of an item's products then spans
-// more rows for the same key tile. Against 96, side by side, 192 took a 1,536-token prefill's
-// attention 3% less time and four 512-token extends over 1,536 keys 6% less; 288 no better.
+// more rows for the same key tile. 192 measured faster than 96, and 288 no better.
 constexpr int64_t kRowTarget = 192;
 // A tile's products and softmax stop at a multiple of this: 8 widths a tile, so few shapes of
 // micro-kernel (torch compiles one per shape and thread and keeps it).
@@ -239,9 +238,8 @@ int64_t visible_keys(int64_t first_key, int64_t last_position) {
 // The first `keys` scores of N rows from `first` -> bf16 probabilities, with each row's running
 // max and sum updated and its accumulator rescaled; keys outside [lowest, position] are masked.
 // The rows are independent: taken N at a time, one row's reductions (a max and a sum across
-// lanes, each a chain of shuffles) overlap another's. Two at a time took the attention of a
-// 1,536-token prefill 0.97x the time, of a 512-token one 0.94x (Xeon with AMX, 2026-12-04,
-// the same bits); four no better.
+// lanes, each a chain of shuffles) overlap another's. Two at a time measured faster than one,
+// four no better.
 template <int N>
 void softmax_rows(Scratch& s, int64_t first, int64_t dim, int64_t first_key, int64_t keys,
                   float scale, int64_t window) {

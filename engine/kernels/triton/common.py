@@ -27,8 +27,9 @@ def dot(a, b, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
 
 
 @triton.jit
-def load_positions(base, table, positions, valid, dim_mask, stride_block, stride_slot,
-                   BLOCK_SIZE: tl.constexpr):  # fmt: skip
+def load_positions(
+    base, table, positions, valid, dim_mask, stride_block, stride_slot, BLOCK_SIZE: tl.constexpr
+):
     """K or V rows `[positions, dims]` of one KV head, each position's block looked up in the
     sequence's block table (`base` already points at the head and the dims)."""
     blocks = tl.load(table + positions // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)

@@ -1,8 +1,7 @@
 """POST /admin/api/login, POST /admin/api/logout, GET /admin/api/me.
 
-Login is throttled per username and per client address (429 with Retry-After) before any
-password is hashed, and every attempt is audited whatever its outcome. A locked account says
-until when. Logout revokes the session at once, in every gateway (they read it per call).
+Login is throttled and audited, logout revokes the session in every gateway at once
+(gateway/admin/service/sessions.py).
 """
 
 from __future__ import annotations
@@ -11,17 +10,12 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Request
 
-from gateway.admin.outputs import operator_out
+from gateway.admin.deps import AdminDep
 from gateway.admin.schemas import CallerOut, LoginBody, LoginOut
-from gateway.auth.login_throttle import PasswordChecksBusy
-from gateway.errors import APIError
-from gateway.http.deps import AdminDep, StateDep
+from gateway.admin.service import sessions
+from gateway.http.deps import StateDep
 from gateway.http.middleware import client_ip
 from gateway.http.openapi import ADMIN_RESPONSES, error_response
-from gateway.state import GatewayState
-from tenancy import admins
-from tenancy.admins import LoginRefused
-from tenancy.audit_chain import AuditRecord
 
 router = APIRouter(prefix="/admin/api", tags=["admin: sessions"], responses=ADMIN_RESPONSES)
 
@@ -37,88 +31,16 @@ _LOGIN_RESPONSES: dict[int | str, dict[str, Any]] = {
 def login(body: Annotated[LoginBody, Body()], request: Request, state: StateDep) -> LoginOut:
     """Trade an operator's username and password for a short-lived session token."""
     source_ip = client_ip(request.scope)
-    return create_session(state, body.username, body.password, source_ip)
-
-
-def create_session(
-    state: GatewayState, username: str, password: str, source_ip: str | None
-) -> LoginOut:
-    """Check the credentials (throttled, audited) and open a session: what login answers.
-
-    The console's login form calls this too. Blocking: run it in a worker thread.
-    """
-
-    def audit(outcome: str, reason: str | None = None) -> None:
-        state.store.record(
-            AuditRecord(
-                actor_type="operator",
-                actor_id=username,
-                action="admin.login",
-                outcome=outcome,
-                source_ip=source_ip,
-                details={} if reason is None else {"reason": reason},
-            )
-        )
-
-    wait = state.login_throttle.admit(username, source_ip)
-    if wait is not None:
-        audit("failure", "throttled")
-        raise APIError.rate_limited(
-            "too many login attempts; try again later", wait, code="too_many_login_attempts"
-        )
-    lockout = state.settings.admin_lockout()
-    try:
-        with state.login_throttle.password_check(), state.store.transaction() as session:
-            result = admins.login(session, username, password, lockout)
-            if result.admin is not None:
-                issued = state.admin_tokens.issue(str(result.admin.id))
-                admins.open_session(session, result.admin, issued.jti, issued.expires_at)
-                answer = LoginOut(
-                    token=issued.token,
-                    expires_at=issued.expires_at,
-                    operator=operator_out(result.admin),
-                )
-    except PasswordChecksBusy as busy:
-        audit("failure", "busy")
-        raise APIError.overloaded("too many logins at once; retry shortly", 2) from busy
-    if result.refused is LoginRefused.LOCKED:
-        assert result.locked_until is not None
-        audit("failure", "locked")
-        raise APIError.account_locked(result.locked_until.isoformat(timespec="seconds"))
-    if result.refused is LoginRefused.DISABLED:
-        audit("failure", "disabled")
-        raise APIError.forbidden("this operator account is disabled")
-    if result.refused is not None:
-        audit("failure", result.refused.value)
-        raise APIError.admin_unauthorized("wrong username or password")
-    audit("success")
-    return answer
+    return sessions.create_session(state, body.username, body.password, source_ip)
 
 
 @router.post("/logout", status_code=204)
 def logout(caller: AdminDep, state: StateDep) -> None:
     """End this session: its token stops working at once."""
-    if caller.session_id is None:
-        raise APIError.invalid("an API key has no session to end; revoke the key instead")
-    with state.store.transaction() as session:
-        admins.revoke_session(session, caller.session_id)
-    state.store.record(
-        AuditRecord(
-            actor_type=caller.actor_type,
-            actor_id=caller.actor_id,
-            action="admin.logout",
-            outcome="success",
-            source_ip=caller.source_ip,
-        )
-    )
+    sessions.end_session(state, caller)
 
 
 @router.get("/me")
 def me(caller: AdminDep) -> CallerOut:
     """Who this token or key speaks for: role and, for a tenant-admin, its tenant."""
-    return CallerOut(
-        role=caller.role,
-        tenant_id=caller.tenant_id,
-        actor_type=caller.actor_type,
-        actor_id=caller.actor_id,
-    )
+    return sessions.describe_caller(caller)

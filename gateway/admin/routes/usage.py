@@ -1,110 +1,28 @@
 """Cache usage under /admin/api: each tenant now and over the recent window, and request totals
-over longer ranges from the audit log.
-
-Three sources, each for what it knows: the engine's cache stats are the blocks *now* (active,
-cached, reserved, quota); the gateway's in-memory `UsageHistory` ring (a sample every
-`usage_sample_s`, kept for `usage_window_s`) is the recent past, for charts and the hit ratio
-of the last minutes; the audit log holds every request ever made, for totals over days (summed
-in SQL, at most 90 days at a time). The ring is per process and starts empty at a restart; the
-audit log is the record.
-
-A tenant-admin sees its own tenant only: another tenant's id is the same 404 as a missing one.
-The route functions' work is in plain functions (`tenant_usage`, `usage_table`,
-`usage_totals`) that the console calls too.
+over longer ranges from the audit log (gateway/admin/service/usage.py says where each comes
+from). A tenant-admin sees its own tenant only: another tenant's id is the same 404 as a
+missing one.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
-from datetime import UTC, datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Query
-from pydantic import BaseModel, Field
 
-from gateway.admin.callers import AdminCaller, visible_tenant, visible_tenants
-from gateway.admin.outputs import cache_usage
-from gateway.admin.schemas import CacheUsage, IsoTime
-from gateway.errors import APIError, from_tenancy_error
-from gateway.http.deps import AdminDep, StateDep
+from gateway.admin.deps import AdminDep
+from gateway.admin.schemas import IsoTime
+from gateway.admin.service import usage
+from gateway.admin.service.usage import DEFAULT_WINDOW_S, TenantUsage, UsagePage, UsageTotals
+from gateway.http.deps import StateDep
 from gateway.http.openapi import ADMIN_RESPONSES
-from gateway.runtime.usage_history import UsageSample, UsageSummary
-from gateway.state import GatewayState
-from tenancy import audit_search
-from tenancy.errors import TenancyError
 
 router = APIRouter(prefix="/admin/api", tags=["admin: usage"], responses=ADMIN_RESPONSES)
 
-DEFAULT_WINDOW_S = 900
-DEFAULT_TOTALS_RANGE = timedelta(days=30)
 WindowQuery = Annotated[
     int, Query(ge=1, le=86_400, description="Seconds of recent history (what the gateway keeps)")
 ]
-
-
-class UsagePoint(BaseModel):
-    """One sample of the ring: the tenant's blocks at `time`, and its recent hit ratio."""
-
-    time: datetime
-    active_blocks: int
-    cached_blocks: int
-    reserved_blocks: int
-    quota_blocks: int
-    hit_ratio: float | None = Field(
-        description="Cached over prompt tokens since the previous point; null without prompts"
-    )
-
-
-class UsageSummaryOut(BaseModel):
-    """What the tenant did during the window."""
-
-    prompt_tokens: int
-    prefill_tokens_saved: int
-    hit_ratio: float
-    evicted_own_blocks: int
-    evicted_pressure_blocks: int
-    requests: int
-    errors: int
-
-
-class TenantUsage(BaseModel):
-    tenant_id: uuid.UUID
-    slug: str
-    window_s: int
-    interval_s: float = Field(description="Seconds between samples")
-    cache: CacheUsage = Field(description="The tenant's blocks in the engine now")
-    samples: list[UsagePoint] = Field(description="Oldest first")
-    summary: UsageSummaryOut
-
-
-class UsageRow(BaseModel):
-    tenant_id: uuid.UUID
-    slug: str
-    display_name: str
-    status: str
-    cache: CacheUsage = Field(description="The tenant's blocks in the engine now")
-    summary: UsageSummaryOut = Field(description="Over the window")
-
-
-class UsagePage(BaseModel):
-    data: list[UsageRow]
-    total: int
-    limit: int
-    offset: int
-    window_s: int
-
-
-class UsageTotals(BaseModel):
-    tenant_id: uuid.UUID
-    since: datetime
-    until: datetime
-    requests: int
-    errors: int = Field(description="Requests whose outcome was not success")
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    hit_ratio: float
 
 
 @router.get("/tenants/{tenant_id}/usage")
@@ -115,7 +33,7 @@ def show_tenant_usage(
     window_s: WindowQuery = DEFAULT_WINDOW_S,
 ) -> TenantUsage:
     """One tenant's blocks now, its samples over the window (for a chart) and their summary."""
-    return tenant_usage(state, caller, tenant_id, window_s)
+    return usage.tenant_usage(state, caller, tenant_id, window_s)
 
 
 @router.get("/usage")
@@ -128,7 +46,7 @@ def list_usage(
     offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
 ) -> UsagePage:
     """One row per live tenant (by slug): blocks now vs quota and the window's activity."""
-    return usage_table(state, caller, window_s, q, limit, offset)
+    return usage.usage_table(state, caller, window_s, q, limit, offset)
 
 
 @router.get("/tenants/{tenant_id}/usage/totals")
@@ -142,114 +60,4 @@ def show_usage_totals(
     until: Annotated[IsoTime | None, Query(description="Exclusive; default: now")] = None,
 ) -> UsageTotals:
     """The tenant's /v1 requests over a range of at most 90 days, from the audit log."""
-    return usage_totals(state, caller, tenant_id, since, until)
-
-
-# -- what the routes do (the console calls these too) ------------------------------------------
-
-
-def tenant_usage(
-    state: GatewayState, caller: AdminCaller, tenant_id: uuid.UUID, window_s: int
-) -> TenantUsage:
-    """The tenant's usage now and over the last `window_s` seconds (blocking: database)."""
-    with state.store.transaction() as session:
-        tenant = visible_tenant(session, caller, tenant_id)
-        cache = cache_usage(state, tenant)
-        slug = tenant.slug
-    window = state.usage.window(str(tenant_id), window_s)
-    return TenantUsage(
-        tenant_id=tenant_id,
-        slug=slug,
-        window_s=window_s,
-        interval_s=state.usage.interval_s,
-        cache=cache,
-        samples=_points(window.samples),
-        summary=_summary_out(window.summary),
-    )
-
-
-def usage_table(
-    state: GatewayState,
-    caller: AdminCaller,
-    window_s: int,
-    q: str = "",
-    limit: int = 50,
-    offset: int = 0,
-) -> UsagePage:
-    """One page of live tenants (a tenant-admin: its own) with their usage (blocking)."""
-    with state.store.transaction() as session:
-        rows, total = visible_tenants(session, caller, q, limit, offset)
-        data = [
-            UsageRow(
-                tenant_id=tenant.id,
-                slug=tenant.slug,
-                display_name=tenant.display_name,
-                status=tenant.status,
-                cache=cache_usage(state, tenant),
-                summary=_summary_out(state.usage.window(str(tenant.id), window_s).summary),
-            )
-            for tenant in rows
-        ]
-    return UsagePage(data=data, total=total, limit=limit, offset=offset, window_s=window_s)
-
-
-def usage_totals(
-    state: GatewayState,
-    caller: AdminCaller,
-    tenant_id: uuid.UUID,
-    since: datetime | None = None,
-    until: datetime | None = None,
-) -> UsageTotals:
-    """The tenant's request totals from the audit log (default: the last 30 days; blocking).
-
-    A 400 naming the bound when the default range cannot be computed from `until`.
-    """
-    end = until or datetime.now(UTC)
-    try:
-        start = since or end - DEFAULT_TOTALS_RANGE
-    except OverflowError:  # until within 30 days of the year 1: no default start exists
-        raise APIError.invalid(
-            f"until is too early for the default range of {DEFAULT_TOTALS_RANGE.days} days; "
-            "give since",
-            "until",
-        ) from None
-    with state.store.transaction() as session:
-        visible_tenant(session, caller, tenant_id)
-        try:
-            totals = audit_search.request_totals(session, str(tenant_id), start, end)
-        except TenancyError as error:
-            raise from_tenancy_error(error) from error
-    return UsageTotals(
-        tenant_id=tenant_id,
-        since=start,
-        until=end,
-        hit_ratio=totals.hit_ratio,
-        **dataclasses.asdict(totals),
-    )
-
-
-def _points(samples: list[UsageSample]) -> list[UsagePoint]:
-    """Chart points; each one's hit ratio covers the requests since the sample before it."""
-    points = []
-    previous: UsageSample | None = None
-    for sample in samples:
-        hit_ratio = None
-        if previous is not None and sample.prompt_tokens > previous.prompt_tokens:
-            saved = max(0, sample.cached_tokens - previous.cached_tokens)
-            hit_ratio = saved / (sample.prompt_tokens - previous.prompt_tokens)
-        points.append(
-            UsagePoint(
-                time=datetime.fromtimestamp(sample.t, UTC),
-                active_blocks=sample.active_blocks,
-                cached_blocks=sample.cached_blocks,
-                reserved_blocks=sample.reserved_blocks,
-                quota_blocks=sample.quota_blocks,
-                hit_ratio=hit_ratio,
-            )
-        )
-        previous = sample
-    return points
-
-
-def _summary_out(summary: UsageSummary) -> UsageSummaryOut:
-    return UsageSummaryOut.model_validate(summary, from_attributes=True)
+    return usage.usage_totals(state, caller, tenant_id, since, until)

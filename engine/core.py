@@ -1,0 +1,385 @@
+"""The engine's core: each step schedules, runs the model, samples and streams deltas.
+
+Everything here runs on the engine thread (see `inbox.py`), one step at a time: the requests in
+flight, the cache manager, the scheduler and the model runner are touched nowhere else. A
+request ends in one place, `_settle`, whether it finished, failed or was cancelled. Choices 1..n
+of a request for n choices wait for choice 0's prompt, then fork off its computed KV and sample
+their first tokens from its logits, in the same step.
+
+A step that raises outside any one request's part (a bug, not a request's input) may leave the
+cache's bookkeeping half-updated, so none of it is trusted afterwards: every request in flight
+fails with a clean error and the engine restarts its state (`_restart`) on the same thread and
+the same KV memory, all of it zeroed and free.
+
+`engine.py` builds the face callers use on this core: submitting, streaming, cancelling and
+the admin actions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+
+from engine.attention.paged import AttentionBackend
+from engine.attention.selection import make_backend
+from engine.cache.block_hash import BlockHash, BlockHasher
+from engine.cache.block_pool import BlockPool
+from engine.cache.kv_cache_manager import KVCacheManager
+from engine.cache.kv_spec import KVSpec, dtype_name
+from engine.cache.stats import snapshot
+from engine.config import EngineConfig
+from engine.errors import EngineError, EngineRestarted, RequestFailed
+from engine.fault_isolation import run_isolated
+from engine.inbox import Inbox
+from engine.metrics import EngineMetrics
+from engine.model.gpu_memory import kv_cache_budget, largest_step_bytes
+from engine.model.loader import LoadedModel
+from engine.model.openmp import ThreadGovernor
+from engine.model.runner import Chunk, ModelRunner
+from engine.request import GenerationDelta
+from engine.sampling.sampler import TokenLogprobs
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from engine.sequence import Sequence, Status
+from engine.step_sampling import sample_next, take_prompt_logprobs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # on a CPU
+
+
+class EngineCore:
+    """Steps one model's requests on a paged, prefix-cached KV pool."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.loaded = loaded
+        model = loaded.model
+        self.device = next(model.parameters()).device
+        kv_dtype = config.kv_dtype or model.dtype
+        spec = KVSpec(
+            loaded.num_layers, loaded.num_kv_heads, loaded.head_dim, kv_dtype, config.block_size
+        )
+        self.max_model_len = config.max_model_len or loaded.max_model_len
+        backend = make_backend(config.attention_backend, self.device, loaded.head_dim)
+        num_blocks = config.num_blocks or max(
+            1, self._kv_cache_bytes(spec, backend) // spec.bytes_per_block
+        )
+        # Restarts after a crashed step (see `_restart`), and the wall-clock time of the last.
+        self.restarts = 0
+        self.last_restart_at: float | None = None
+        self._restarting = False
+        self._install(BlockPool(spec, num_blocks, self.device, backend.zero_blocks))
+        self.runner = ModelRunner(model, self.pool.kv, backend)
+        # Fewer CPU threads while something else wants the CPUs (None: nothing to govern).
+        self.threads = ThreadGovernor.for_device(self.device)
+        logger.info("engine: %s", self.describe())
+        self.metrics = EngineMetrics()
+        self._inbox = Inbox()
+        # Every request in flight, from `submit` until `_settle`, guarded by the inbox's lock.
+        self._requests: dict[str, Sequence] = {}
+        self._cache_stats = snapshot(self.cache)
+        # The prefix cache's keys for `cached_keys`, copied at a step's end when asked for.
+        self._keys_snapshot: list[BlockHash] = []
+        self._keys_wanted = False
+
+    def _install(self, pool: BlockPool) -> None:
+        """Serve from `pool` with a new cache manager and scheduler: nothing cached, nobody
+        scheduled, the configured public and default budgets, tenants' budgets to come with
+        their requests."""
+        config = self.config
+        hasher = BlockHasher(config.block_size)
+        kv_dtype = dtype_name(pool.spec.dtype)
+        self.pool = pool
+        self.cache = KVCacheManager(
+            pool,
+            hasher,
+            hasher.root(self.loaded.fingerprint, config.adapter_id, kv_dtype),
+            public_budget=config.public_budget,
+            default_budget=config.default_budget,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(
+            self.cache,
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                queue_timeout_s=config.queue_timeout_s,
+            ),
+        )
+
+    def _kv_cache_bytes(self, spec: KVSpec, backend: AttentionBackend) -> int:
+        """The pool's size when no block count is configured (see `EngineConfig`)."""
+        config = self.config
+        if config.kv_cache_bytes is not None:
+            return config.kv_cache_bytes
+        if self.device.type != "cuda":
+            return DEFAULT_KV_CACHE_BYTES
+        # The sampler's logits and probabilities for a full batch, in fp32.
+        logits = 2 * 4 * config.max_num_seqs * self.loaded.vocab_size
+        activations = largest_step_bytes(
+            self.loaded.model, spec, backend, config.max_num_batched_tokens, self.max_model_len
+        )
+        return kv_cache_budget(self.device, config.gpu_memory_fraction, activations + logits)
+
+    def describe(self) -> dict[str, str | int | float | None]:
+        """What serves (model, device, dtypes, attention backend, pool size), and how often its
+        state restarted after a crashed step (`last_restart_at`: Unix time, or None)."""
+        return {
+            "model": self.loaded.name,
+            "device": str(self.device),
+            "dtype": dtype_name(self.loaded.model.dtype),
+            "kv_dtype": dtype_name(self.pool.spec.dtype),
+            "logits_dtype": "float32"
+            if self.runner.fp32_logits
+            else dtype_name(self.loaded.model.dtype),
+            "attention_backend": self.runner.backend.name,
+            # "matrix": every projection and the LM head in one order of arithmetic
+            # (cpu_linear.MatrixLinear); "library": some or all on oneDNN's or torch's
+            # products, whose order depends on the row count.
+            "linear_kernel": "matrix" if self.runner.matrix_linears else "library",
+            "kv_blocks": self.pool.num_blocks,
+            "restarts": self.restarts,
+            "last_restart_at": self.last_restart_at,
+        }
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Run one scheduling step on the calling thread; returns whether there was work."""
+        self._inbox.drain()
+        if not self.scheduler.has_work():
+            # The drain may have ended the last requests (a cancel, a purge): with nothing left
+            # to step, this is the last chance to report the empty queue before the thread sleeps.
+            self._record_queue_and_cache()
+            return False
+        started = time.perf_counter()
+        output = self.scheduler.schedule()
+        for sequence, error in output.failed:
+            self._settle(sequence, error)
+        tokens = sum(chunk.num_tokens for chunk in output.chunks)
+        if output.chunks:
+            with self.threads.step(tokens) if self.threads else contextlib.nullcontext():
+                self._execute(output)
+        self.cache.end_step()
+        self._cache_stats = snapshot(self.cache)
+        if self._keys_wanted:
+            self._keys_wanted = False
+            self._keys_snapshot = self.cache.prefix_cache.keys()
+        self.metrics.record_step(
+            time.perf_counter() - started,
+            tokens,
+            output.preempted,
+            len(self.scheduler.waiting),
+            len(self.scheduler.running),
+        )
+        return True
+
+    def _execute(self, output: SchedulerOutput) -> None:
+        """Run the step's chunks; a request whose part fails is settled alone, the rest go on."""
+        scheduled = output.chunks
+        chunks = [self._chunk(item) for item in scheduled]
+        step = run_isolated(self.runner.run, chunks)
+        failures: dict[Sequence, EngineError] = {}
+        for index, error in step.failed.items():
+            logger.warning("request failed its step alone", exc_info=error)
+            failures[scheduled[index].sequence] = RequestFailed(
+                "the model failed on this request's input"
+            )
+        sampled = [
+            item.sequence
+            for index, (item, chunk) in enumerate(zip(scheduled, chunks, strict=True))
+            if chunk.needs_logits and index not in step.failed
+        ]
+        logits = step.logits()
+        if any(chunk.all_logits for chunk in chunks):
+            logits = take_prompt_logprobs(scheduled, chunks, step.failed, logits)
+        # Rows for the choices that fork off a prompt computed in this step, copied before
+        # sampling changes the logits in place.
+        forks = [(parent, child) for parent in sampled for child in parent.forks]
+        fork_rows = [row for row, parent in enumerate(sampled) for _ in parent.forks]
+        fork_logits = logits[fork_rows] if logits is not None and fork_rows else None
+        tokens, logprobs = sample_next(logits, sampled)
+        for sequence, token in zip(sampled, tokens, strict=True):
+            if isinstance(token, EngineError):
+                failures[sequence] = token
+        for sequence, error in failures.items():
+            self._settle(sequence, error)  # before commit: its blocks are never cached
+        for item in scheduled:
+            if item.sequence not in failures:
+                item.sequence.num_computed += item.num_tokens
+                self.cache.commit(item.sequence.request_id, item.sequence.num_computed)
+        forked, fork_tokens, fork_logprobs = self._fork(forks, fork_logits)
+        for sequence, token in zip(forked, fork_tokens, strict=True):
+            if isinstance(token, EngineError):
+                self._settle(sequence, token)
+        for sequence, token, token_logprobs in zip(
+            sampled + forked, tokens + fork_tokens, logprobs + fork_logprobs, strict=True
+        ):
+            if isinstance(token, int):
+                try:
+                    self._append(sequence, token, token_logprobs)
+                except Exception:  # handling one request's output fails that request only
+                    logger.exception("handling a request's output failed")
+                    self._settle(sequence, RequestFailed("handling this request's output failed"))
+
+    def _fork(
+        self, forks: list[tuple[Sequence, Sequence]], logits: torch.Tensor | None
+    ) -> tuple[list[Sequence], list[int | RequestFailed], list[TokenLogprobs | None]]:
+        """Start each (parent, child) choice on the prompt its parent computed in this step,
+        sharing its blocks, and sample its first token from the parent's logits (`logits`
+        has one row per pair).
+
+        Returns the children that run now; one that cannot fork now waits as a request of
+        its own. Children of a parent that failed were settled with it.
+        """
+        forked: list[Sequence] = []
+        rows: list[int] = []
+        for row, (parent, child) in enumerate(forks):
+            parent.forks = []
+            runs = parent.status is Status.RUNNING and child.status is Status.WAITING
+            if runs and self.scheduler.fork(parent, child):
+                forked.append(child)
+                rows.append(row)
+        if logits is None or not forked:
+            return [], [], []
+        tokens, logprobs = sample_next(logits[rows], forked)
+        return forked, tokens, logprobs
+
+    def _chunk(self, scheduled: ScheduledChunk) -> Chunk:
+        sequence, start = scheduled.sequence, scheduled.sequence.num_computed
+        end = start + scheduled.num_tokens
+        return Chunk(
+            request_id=sequence.request_id,
+            token_ids=sequence.token_ids[start:end],
+            start=start,
+            block_ids=self.cache.block_ids(sequence.request_id),
+            prompt_positions=max(0, min(end, sequence.prompt_len) - start),
+            needs_logits=end == sequence.num_tokens,
+            all_logits=sequence.wants_prompt_logits,
+            share_group=sequence.request.tenant_id,  # never another tenant's: see Chunk
+        )
+
+    def _append(
+        self, sequence: Sequence, token: int, logprobs: TokenLogprobs | None = None
+    ) -> None:
+        first = sequence.first_token_at is None
+        if sequence.grammar is not None and not sequence.grammar.accept(token):
+            raise RuntimeError(f"token {token} is outside the request's grammar")
+        delta = sequence.append(token, self.loaded.eos_token_ids, self.max_model_len, logprobs)
+        if sequence.output_counts is not None:
+            sequence.output_counts[token] += 1
+        self.cache.append_tokens(sequence.request_id, [token])
+        if first and sequence.first_token_at is not None:
+            self.metrics.record_ttft(sequence.first_token_at - sequence.arrival)
+        if delta.finish_reason is None:
+            sequence.sink(delta)
+        else:
+            self._settle(sequence, delta)
+
+    def _record_queue_and_cache(self) -> None:
+        """Record the queue depth and cache stats as they are now, for a step that ran no
+        work or an admin action: otherwise `queue_depth` and `cache_stats` tell of the past."""
+        self._cache_stats = snapshot(self.cache)
+        self.metrics.waiting = len(self.scheduler.waiting)
+        self.metrics.running = len(self.scheduler.running)
+
+    # -- requests coming and going ------------------------------------------------------------
+
+    def _add(self, sequence: Sequence) -> None:
+        """Hand a new request to the scheduler; its other choices wait for its prompt."""
+        with self._inbox.lock:
+            if self._requests.get(sequence.request_id) is not sequence:
+                return  # a restart failed it while it waited in the inbox
+        self.scheduler.add(sequence)
+        for fork in sequence.forks:
+            fork.status = Status.WAITING
+
+    def _cancel(self, request_id: str) -> None:
+        with self._inbox.lock:
+            sequence = self._requests.get(request_id)
+        # One still in the inbox was submitted after this cancel was queued: not the one meant.
+        if sequence is not None and sequence.status is not Status.SUBMITTED:
+            for choice in sequence.choices or [sequence]:
+                self._settle(choice, None)
+
+    def _scheduled(self) -> list[Sequence]:
+        """The requests in flight that the scheduler has taken.
+
+        Those still in the inbox are left out: they were submitted after the action now running
+        was queued, and their turn comes after it.
+        """
+        with self._inbox.lock:
+            in_flight = list(self._requests.values())
+        return [sequence for sequence in in_flight if sequence.status is not Status.SUBMITTED]
+
+    def _settle(self, sequence: Sequence, outcome: GenerationDelta | EngineError | None) -> None:
+        """End a request once: free its blocks, unregister it, send its last delta or error.
+
+        `outcome` is the last delta (finished), an error (failed) or None (cancelled: nobody is
+        listening).
+        """
+        with self._inbox.lock:
+            if self._requests.get(sequence.request_id) is not sequence:
+                return  # already settled
+            del self._requests[sequence.request_id]
+        # Choices still waiting for this one's prompt share its end (it never ends normally
+        # before they fork: they fork where it samples its first token).
+        pending, sequence.forks = sequence.forks, []
+        for fork in pending:
+            self._settle(fork, outcome if isinstance(outcome, EngineError) else None)
+        # A failed request's KV may be what failed it: none of it stays cached.
+        self.scheduler.remove(sequence, keep_computed=not isinstance(outcome, EngineError))
+        computed_prompt_positions = self.runner.pop_computed_prompt_positions(sequence.request_id)
+        if outcome is None:
+            self.metrics.cancelled += 1
+            return
+        if isinstance(outcome, GenerationDelta):
+            usage = sequence.usage(computed_prompt_positions)
+            self.metrics.record_finish(usage)
+            outcome = sequence.final_delta(outcome, usage)
+        try:
+            sequence.sink(outcome)
+        except Exception:  # the request is over either way; the engine must go on
+            logger.exception("a request's sink raised on its last item")
+
+    # -- restarting after a crashed step ------------------------------------------------------
+
+    def _step_or_restart(self) -> None:
+        """A step on the engine thread; a failure outside any one request's part restarts."""
+        try:
+            self.step()
+        except Exception:  # the last resort
+            logger.exception("engine step failed; failing all in-flight requests and restarting")
+            self._restart()
+
+    def _restart(self) -> None:
+        """Serve from a fresh cache manager and scheduler over the same KV memory, all of it
+        zeroed and free (after a crashed step the cache's bookkeeping, and so every cached
+        prefix, is untrusted), then fail every request that was in flight.
+
+        The requests learn of their failure only once the engine serves again.
+        """
+        with self._inbox.lock:
+            in_flight, self._requests = list(self._requests.values()), {}
+        self._restarting = True
+        try:
+            self._install(self.pool.fresh())  # the same memory, never held twice
+            self._record_queue_and_cache()
+            self.restarts += 1
+            self.last_restart_at = time.time()
+            logger.warning("engine state restarted (%d restarts so far)", self.restarts)
+        finally:
+            self._restarting = False
+            self._fail(in_flight, EngineRestarted("the engine failed and restarted; retry"))
+
+    def _fail(self, sequences: list[Sequence], error: EngineError) -> None:
+        """Send `error` to requests already unregistered, touching neither cache nor scheduler."""
+        for sequence in sequences:
+            self.runner.pop_computed_prompt_positions(sequence.request_id)
+            try:
+                sequence.sink(error)
+            except Exception:  # the request is over either way; the restart must go on
+                logger.exception("a request's sink raised on its last item")
