@@ -1,7 +1,9 @@
 """The engine's core: each step schedules, runs the model, samples and streams deltas.
 
-Everything here runs on the engine thread (see `inbox.py`), one step at a time: the requests in
-flight, the cache manager, the scheduler and the model runner are touched nowhere else. A
+Everything here runs on the engine thread (see `inbox.py`), one step at a time: only this thread
+changes the cache manager, the scheduler and the model runner. Callers' threads (engine.py) add
+to the requests in flight under the inbox's lock, and read what does not change once the engine
+is built (the block size, budgets, whether the scheduler has work). A
 request ends in one place, `_settle`, whether it finished, failed or was cancelled. Choices 1..n
 of a request for n choices wait for choice 0's prompt, then fork off its computed KV and sample
 their first tokens from its logits, in the same step.
@@ -137,8 +139,8 @@ class EngineCore:
             else dtype_name(self.loaded.model.dtype),
             "attention_backend": self.runner.backend.name,
             # "matrix": every projection and the LM head in one order of arithmetic
-            # (cpu_linear.MatrixLinear); "library": some or all on oneDNN's or torch's
-            # products, whose order depends on the row count.
+            # (engine.kernels.cpu.linear.MatrixLinear); "library": some or all on oneDNN's or
+            # torch's products, whose order depends on the row count.
             "linear_kernel": "matrix" if self.runner.matrix_linears else "library",
             "kv_blocks": self.pool.num_blocks,
             "restarts": self.restarts,

@@ -107,7 +107,8 @@ class KVCacheManager:
     def admit(self, hit: PrefixMatch, num_new_tokens: int) -> Refusal | None:
         """Start a request: reference its cached prefix and allocate for `num_new_tokens` more.
 
-        Atomic: a refusal leaves the pool, the cache and the request untouched.
+        Atomic: a refusal leaves the pool and the cache untouched. The request's key chain may
+        have gained keys and block scopes, which hold for the request's whole life.
         """
         sequence = hit._record
         request = sequence.request

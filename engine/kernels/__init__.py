@@ -1,5 +1,6 @@
-"""Attention kernels behind the backend seam in `engine/attention/paged.py`: the C++ CPU kernel
-(`cpu_*`) and the Triton kernels for CUDA (`triton_*`)."""
+"""PrefixGate's kernels: the C++ CPU kernels and their build (`cpu/`: attention, KV writes,
+linear layers, fused element-wise steps, logits rows) and the Triton kernels for CUDA
+(`triton/`: paged decode and prefill attention, KV writes, block zeroing)."""
 
 
 class KernelUnavailable(RuntimeError):

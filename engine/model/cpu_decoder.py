@@ -16,7 +16,7 @@ from the model's own rotary module, so RoPE scaling variants stay the model's. A
 through the same backend as before.
 
 Only plain Llama models are taken (`model_type` "llama", SiLU, every norm and MLP already
-fused by `cpu_fused`); everything else keeps transformers' forward.
+fused by `engine.kernels.cpu.fused`); everything else keeps transformers' forward.
 """
 
 from __future__ import annotations

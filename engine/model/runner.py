@@ -63,7 +63,7 @@ class ModelRunner:
         pack_linears(forward)
         gather_packed_weights(forward)
         # Whether every projection, the LM head too, sums in one order whatever else is in
-        # the step (cpu_linear).
+        # the step (engine/kernels/cpu/linear.py).
         kinds = {type(module) for module in forward.modules()}
         self.matrix_linears = MatrixLinear in kinds and not kinds & {torch.nn.Linear, PackedLinear}
         self.model = model.eval()  # type: ignore[no-untyped-call]

@@ -41,7 +41,7 @@ def engine_pools(state: GatewayState) -> list[EnginePool]:
 
 def workers_without_model(state: GatewayState) -> list[dict[str, Any]]:
     """The workers that have not said which model they serve (none of their polls answered)."""
-    return [row for row in state.engine.worker_rows() if not row["model"]]
+    return [row for row in state.engine.worker_rows() or [] if not row["model"]]
 
 
 def cache_usage(state: GatewayState, tenant: Tenant) -> CacheUsage:
@@ -54,7 +54,7 @@ def cache_usage(state: GatewayState, tenant: Tenant) -> CacheUsage:
     for pool in engine_pools(state):
         own = pool.stats.owners.get(owner) if pool.stats is not None else None
         usage.pools.append(PoolUsage.of(own or unseen_owner(quota, reserved), model=pool.model))
-    models = {row["url"]: row["model"] for row in state.engine.worker_rows()}
+    models = {row["url"]: row["model"] for row in state.engine.worker_rows() or []}
     for worker, worker_stats in state.engine.worker_stats().items():  # none in process
         own = worker_stats.owners.get(owner)
         usage.workers.append(

@@ -48,7 +48,7 @@ class MeteredEngine(Protocol):
 
     def queue_depth(self) -> tuple[int, int]: ...
 
-    def worker_rows(self) -> list[dict[str, Any]]: ...
+    def worker_rows(self) -> list[dict[str, Any]] | None: ...
 
 
 class GatewayMetrics:
@@ -203,7 +203,7 @@ class EngineCollector(Collector):
         if self._engine.threads is not None:
             yield from _thread_metrics(self._engine.threads)
         rows = self._engine.worker_rows()
-        if rows:
+        if rows is not None:  # a routing gateway: its workers' families, even with none named
             yield from _worker_metrics(rows)
 
 

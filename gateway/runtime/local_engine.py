@@ -46,8 +46,8 @@ class LocalEngine(Engine):
     def pools(self) -> list[LocalPool]:
         return [LocalPool(self.served_name, self.cache_stats())]
 
-    def worker_rows(self) -> list[dict[str, Any]]:
-        return []
+    def worker_rows(self) -> None:
+        return None
 
     def worker_stats(self) -> dict[str, CacheStats]:
         return {}

@@ -102,9 +102,9 @@ class ServingEngine(Protocol):
     def pools(self) -> Sequence[EnginePool]:
         """Every model's pool, by name."""
 
-    def worker_rows(self) -> list[dict[str, Any]]:
+    def worker_rows(self) -> list[dict[str, Any]] | None:
         """Each engine worker that discovery names: address, model, whether it is in routing,
-        load (none in process)."""
+        load; None for an engine in this process, which has no workers to name."""
 
     def worker_stats(self) -> dict[str, CacheStats]:
         """Each engine worker's cache statistics, by address (none in process)."""

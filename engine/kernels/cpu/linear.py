@@ -112,7 +112,7 @@ class PackedLinear(torch.nn.Module):
 class MatrixLinear(torch.nn.Module):
     """A bf16 or fp32 `nn.Linear` on `matrix_linear.cpp`: one order of arithmetic for every row
     count and thread count. `fp32_out`: a bf16 layer's sums are returned in fp32, not rounded
-    to bf16 (an LM head's logits, see `cpu_logits`); an fp32 layer's always are.
+    to bf16 (an LM head's logits, see `engine.kernels.cpu.logits`); an fp32 layer's always are.
 
     The weight is packed once, here: a second copy, in the micro-kernel's layout (the model's
     weights are frozen while it serves). The original `weight` stays a parameter, so

@@ -4,7 +4,7 @@ and the sampler's pass over them.
 A bf16 LM head rounds its logits to bf16: near 25 that is steps of 0.125, so near-ties between
 the top tokens are decided by rounding, and greedy decoding follows whichever way it fell. The
 head keeps its weight in bf16 (read once per step, as before) and sums and returns the logits
-in fp32 (`MatrixLinear` with `fp32_out`, in `cpu_linear`).
+in fp32 (`MatrixLinear` with `fp32_out`, in `engine.kernels.cpu.linear`).
 
 `argmax_finite` gives the sampler each row's argmax and whether the row is finite in one pass
 (`logits_rows.cpp`) where the CPU kernels are loaded, instead of torch's six passes.

@@ -171,7 +171,7 @@ struct Chunk {
 // then again at every distance down to one (a range's first chunks fewer times), as some
 // requests are lost. Four is the default, the distance measured best where prefetching matters
 // most; on a Zen 4 EPYC two measured better, and the build takes two there
-// (cpu_build.prefetch_ahead). (Measurements: docs/performance.md.)
+// (build.py, prefetch_ahead). (Measurements: docs/performance.md.)
 // (The matrix path's tiles prefetch on their own.)
 template <typename scalar_t>
 void prefetch(const Chunk<scalar_t>& chunk, int64_t row_bytes) {

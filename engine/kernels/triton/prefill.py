@@ -130,7 +130,7 @@ def prefill_attention(
 ) -> None:
     """Attend every sequence of the batch that has more than one query token this step.
 
-    Shapes as `triton_decode.decode_attention`; `longest_query` is the batch's longest
+    Shapes as `decode.decode_attention`; `longest_query` is the batch's longest
     query_len (known on the host, so the grid needs no device read).
     """
     sequences = block_tables.shape[0]
