@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache.budget import TenantBudget
+from engine.step_cost import StepCost
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,3 +34,13 @@ class EngineConfig:
     adapter_id: str = ""
     public_budget: TenantBudget | None = None
     default_budget: TenantBudget | None = None
+    # "fair": service counted per tenant over time and steps kept short while another
+    # tenant's light work waits on them (engine/fairness.py); "per_step": the budget of each
+    # step split equally between the tenants with work, nothing remembered between steps and
+    # no step-time cap (the scheduling before fairness over time, kept for comparison).
+    scheduling: str = "fair"
+    # The step-time target of a step that carries another tenant's light work, in ms; None:
+    # from the cost model calibrated at start (engine/step_cost.py).
+    step_target_ms: float | None = None
+    # The cost model steps are predicted with; None: calibrated at start.
+    step_cost: StepCost | None = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ from engine.request import GenerationDelta
 from engine.sampling.sampler import TokenLogprobs
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, Status
+from engine.step_cost import ObservedScale, StepCost, calibrate
 from engine.step_sampling import sample_next, take_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -73,10 +75,16 @@ class EngineCore:
         self.restarts = 0
         self.last_restart_at: float | None = None
         self._restarting = False
-        self._install(BlockPool(spec, num_blocks, self.device, backend.zero_blocks))
-        self.runner = ModelRunner(model, self.pool.kv, backend)
+        pool = BlockPool(spec, num_blocks, self.device, backend.zero_blocks)
+        self.runner = ModelRunner(model, pool.kv, backend)
         # Fewer CPU threads while something else wants the CPUs (None: nothing to govern).
         self.threads = ThreadGovernor.for_device(self.device)
+        self.step_cost = config.step_cost or self._calibrate(pool, kv_dtype)
+        self.step_target_ms = config.step_target_ms or self.step_cost.default_target_ms()
+        # Observed step time over predicted, followed while the machine's speed moves (the
+        # model was timed on the forward pass alone, once): a given cost model is used as is.
+        self.cost_scale = ObservedScale(fixed=config.step_cost is not None)
+        self._install(pool)
         logger.info("engine: %s", self.describe())
         self.metrics = EngineMetrics()
         self._inbox = Inbox()
@@ -109,8 +117,30 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_num_seqs=config.max_num_seqs,
                 queue_timeout_s=config.queue_timeout_s,
+                fair=config.scheduling == "fair",
+                step_target_ms=self.step_target_ms,
             ),
         )
+
+    def _calibrate(self, pool: BlockPool, kv_dtype: torch.dtype) -> StepCost:
+        """The cost model of this model on this machine (engine/step_cost.py), timed now on
+        the empty pool unless this process already timed the same set-up."""
+        threads = self.threads.all_threads if self.threads else torch.get_num_threads()
+        key = (
+            self.loaded.fingerprint,
+            str(self.device),
+            self.loaded.model.dtype,
+            kv_dtype,
+            self.runner.backend.name,
+            self.runner.matrix_linears,
+            pool.spec.block_size,
+            threads,
+        )
+        return calibrate(self.runner, pool.kv, key, threads)
+
+    def _computing_threads(self) -> int:
+        """The CPU threads the next step computes with (the governor's count where it governs)."""
+        return self.threads.threads if self.threads else self.step_cost.threads
 
     def _kv_cache_bytes(self, spec: KVSpec, backend: AttentionBackend) -> int:
         """The pool's size when no block count is configured (see `EngineConfig`)."""
@@ -126,7 +156,7 @@ class EngineCore:
         )
         return kv_cache_budget(self.device, config.gpu_memory_fraction, activations + logits)
 
-    def describe(self) -> dict[str, str | int | float | None]:
+    def describe(self) -> dict[str, Any]:
         """What serves (model, device, dtypes, attention backend, pool size), and how often its
         state restarted after a crashed step (`last_restart_at`: Unix time, or None)."""
         return {
@@ -145,6 +175,13 @@ class EngineCore:
             "kv_blocks": self.pool.num_blocks,
             "restarts": self.restarts,
             "last_restart_at": self.last_restart_at,
+            "scheduling": self.config.scheduling,
+            "step_cost": {
+                **self.step_cost.describe(),
+                "target_ms": round(self.step_target_ms, 3),
+                "threads": self._computing_threads(),
+                "observed_scale": round(self.cost_scale.value, 3),
+            },
         }
 
     # -- the step -----------------------------------------------------------------------------
@@ -158,7 +195,9 @@ class EngineCore:
             self._record_queue_and_cache()
             return False
         started = time.perf_counter()
-        output = self.scheduler.schedule()
+        output = self.scheduler.schedule(
+            self._computing_threads(), self.step_cost.scaled(self.cost_scale.value)
+        )
         for sequence, error in output.failed:
             self._settle(sequence, error)
         tokens = sum(chunk.num_tokens for chunk in output.chunks)
@@ -170,13 +209,23 @@ class EngineCore:
         if self._keys_wanted:
             self._keys_wanted = False
             self._keys_snapshot = self.cache.prefix_cache.keys()
+        elapsed = time.perf_counter() - started
+        self.cost_scale.observe(elapsed * 1000.0, output.predicted_ms)
         self.metrics.record_step(
-            time.perf_counter() - started,
+            elapsed,
             tokens,
             output.preempted,
             len(self.scheduler.waiting),
             len(self.scheduler.running),
         )
+        self.metrics.record_service(
+            (
+                (chunk.sequence.request.tenant_id, chunk.num_tokens, chunk.decode, chunk.service)
+                for chunk in output.chunks
+            ),
+            output.capped,
+        )
+        self.metrics.tenant_sequences = self.scheduler.tenant_sequences()
         return True
 
     def _execute(self, output: SchedulerOutput) -> None:
@@ -287,6 +336,7 @@ class EngineCore:
         self._cache_stats = snapshot(self.cache)
         self.metrics.waiting = len(self.scheduler.waiting)
         self.metrics.running = len(self.scheduler.running)
+        self.metrics.tenant_sequences = self.scheduler.tenant_sequences()
 
     # -- requests coming and going ------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from engine.cache.stats import CacheStats
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import EngineError, EngineOverloaded, EngineStopped, InvalidRequest
+from engine.metrics import TenantService
 from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest
 from engine.sequence import Sequence, Sink
@@ -138,6 +139,14 @@ class Engine(EngineCore):
     def queue_depth(self) -> tuple[int, int]:
         """(waiting, running) sequences as of the last step."""
         return self.metrics.waiting, self.metrics.running
+
+    def service_stats(self) -> dict[str, TenantService]:
+        """Each tenant's service since start, as of the last step (safe from any thread)."""
+        return self.metrics.service
+
+    def tenant_sequences(self) -> dict[str, int]:
+        """Sequences waiting or running per tenant, as of the last step."""
+        return self.metrics.tenant_sequences
 
     # -- administration -----------------------------------------------------------------------
 

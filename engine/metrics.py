@@ -4,11 +4,26 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.request import Usage
 
 _WINDOW = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class TenantService:
+    """One tenant's service from an engine since it started: prompt positions computed (cached
+    ones cost nothing), tokens decoded, and their cost in prefill-token units (decodes weighted
+    by the measured cost ratio; before dividing by the tenant's weight)."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    service: float = 0.0
+
+
+_NO_SERVICE = TenantService()
 
 
 @dataclass
@@ -28,6 +43,11 @@ class EngineMetrics:
     running: int = 0
     ttft_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))
+    # Per tenant, replaced whole by the engine thread (readers hold a consistent dict):
+    # service since start, and sequences waiting or running after the last step.
+    service: dict[str, TenantService] = field(default_factory=dict)
+    tenant_sequences: dict[str, int] = field(default_factory=dict)
+    capped_steps: int = 0  # steps cut to the step-time target for another tenant's light work
 
     def record_step(
         self, seconds: float, tokens: int, preempted: int, waiting: int, running: int
@@ -38,6 +58,21 @@ class EngineMetrics:
         self.scheduled_tokens += tokens
         self.preemptions += preempted
         self.waiting, self.running = waiting, running
+
+    def record_service(self, served: Iterable[tuple[str, int, bool, float]], capped: bool) -> None:
+        """Add a step's chunks, each (tenant, tokens, whether a decode, service), to their
+        tenants' service (in a new dict: readers keep the one they hold)."""
+        self.capped_steps += capped
+        service = dict(self.service)
+        for tenant, tokens, decode, cost in served:
+            before = service.get(tenant, _NO_SERVICE)
+            decoded = tokens if decode else 0
+            service[tenant] = TenantService(
+                before.prefill_tokens + tokens - decoded,
+                before.decode_tokens + decoded,
+                before.service + cost,
+            )
+        self.service = service
 
     def record_ttft(self, seconds: float) -> None:
         self.ttft_seconds.append(seconds)

@@ -26,6 +26,9 @@ class GenerationRequest:
     segments: abc.Sequence[Segment] = ()
     tail_scope: CacheScope = NO_CACHE
     budget: TenantBudget | None = None
+    # The tenant's scheduling weight: against other tenants with work, its share of the
+    # engine's service is in proportion to it (engine/fairness.py).
+    weight: float = 1.0
     # The compiled grammar the output must follow (`Engine.grammars.compile`), or None.
     grammar: Any = None
     # How many choices to generate from the prompt; they share its KV (computed once).

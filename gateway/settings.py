@@ -120,6 +120,14 @@ class Settings(BaseSettings):
     """Most tokens computed in one engine step (the chunked-prefill budget)."""
     queue_timeout_s: float = Field(default=30.0, gt=0)
     """How long a request may wait for KV blocks before it fails."""
+    scheduling: Literal["fair", "per_step"] = "fair"
+    """fair: each tenant's service counted over time (weighted by its scheduling weight) and
+    steps kept short while another tenant's light work waits on them; per_step: each step's
+    budget split equally between the tenants with work, nothing remembered between steps (the
+    earlier scheduling, for comparison)."""
+    step_target_ms: float | None = Field(default=None, gt=0, le=60_000)
+    """Longest predicted time of a step that carries another tenant's light work (fair
+    scheduling); default: from the cost model calibrated at start (shown in /readyz)."""
     public_cache_blocks: int | None = None
     """Quota of the public budget, in blocks; default: the whole pool."""
     enable_prefix_caching: bool = True

@@ -78,6 +78,8 @@ def engine_config(settings: Settings) -> EngineConfig:
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         queue_timeout_s=settings.queue_timeout_s,
+        scheduling=settings.scheduling,
+        step_target_ms=settings.step_target_ms,
         enable_prefix_caching=settings.enable_prefix_caching,
         attention_backend=settings.attention_backend,
         public_budget=public_budget,

@@ -10,6 +10,7 @@ from engine.cache.stats import CacheStats
 from engine.engine import Engine
 from engine.errors import EngineError
 from engine.scheduler import SchedulerOutput
+from engine.step_cost import StepCost
 from tests.engine.prompts import tokens
 from tests.support.models import Collector, engine_for, make_request
 
@@ -69,12 +70,14 @@ def test_a_step_that_fails_everyone_reports_an_empty_queue() -> None:
     schedule = engine.scheduler.schedule
     steps = 0
 
-    def failing_on_the_third_step() -> SchedulerOutput:  # a bug outside any one request
+    def failing_on_the_third_step(
+        threads: int, cost: StepCost | None
+    ) -> SchedulerOutput:  # a bug outside any one request
         nonlocal steps
         steps += 1
         if steps == 3:
             raise RuntimeError("injected")
-        return schedule()
+        return schedule(threads, cost)
 
     engine.scheduler.schedule = failing_on_the_third_step  # type: ignore[method-assign]
     collector = Collector()

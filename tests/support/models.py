@@ -22,6 +22,7 @@ from engine.engine import Engine
 from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest, Usage
 from engine.sampling.sampler import SamplingParams
+from engine.step_cost import StepCost
 
 VOCAB = 512
 _COMMON = {
@@ -79,11 +80,17 @@ def loaded(model: PreTrainedModel, name: str = "tiny") -> LoadedModel:
     return LoadedModel(model, None, name, f"fingerprint-{name}", (), 2048)
 
 
+# A cost model under which no step of these tests' sizes reaches the step-time target: their
+# steps are as the token budget and the tenants' shares make them, the same on every machine
+# (tests of the time cap give their own).
+FLAT_COST = StepCost(fixed_ms=1.0, per_token_ms=0.001, per_context_ms=0.0)
+
+
 def engine_for(
     architecture: str, seed: int = 0, device: torch.device | str = "cpu", **config: object
 ) -> Engine:
     """An engine (not started: tests drive `step()`) over a fresh tiny model on `device`."""
-    options: dict[str, object] = {"block_size": 16, "num_blocks": 256}
+    options: dict[str, object] = {"block_size": 16, "num_blocks": 256, "step_cost": FLAT_COST}
     options.update(config)
     model = tiny_model(architecture, seed).to(device)  # type: ignore[arg-type]
     return Engine(loaded(model, architecture), EngineConfig(**options))  # type: ignore[arg-type]

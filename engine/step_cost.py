@@ -1,0 +1,233 @@
+"""How long a step will take: a cost model of this model on this machine, calibrated at start.
+
+A step's time is predicted from what it computes:
+
+    ms = (fixed + per_token x tokens + per_context x attended pairs) x threads factor
+
+`tokens` are every position the step computes (prompt chunks and decodes alike: they go through
+the same projections), `attended pairs` the (token, earlier position) pairs its attention reads
+(a chunk of n tokens from position s attends n x s + n(n+1)/2 of them), and the threads factor
+follows the CPU threads the step computes with now (Amdahl's law: a `serial_share` of the work
+does not speed up with threads). `fixed` is what a step costs whatever it carries (reading the
+weights, launching every layer).
+
+`calibrate` fits the coefficients by timing a few steps of synthetic tokens on the engine's own
+runner and pool before it serves (a decode, a prompt chunk at position 0, the same chunk further
+in, and that chunk again on one thread), taking the fastest of three runs of each after a
+warm-up. Fits are kept per model, device, dtype, backend and thread count for the life of the
+process, so engines built again (a restart, the tests) do not time the model again.
+
+The fit times the forward pass alone, once; a step also samples and streams, and the machine's
+speed moves with what else runs on it, so the engine scales the model by how long steps really
+take against their prediction (`ObservedScale`), unless the cost model was given.
+
+The scheduler uses it twice (engine/scheduler.py): to keep a step short while another tenant's
+light work waits on it (`target_ms`), and to weigh each tenant's service (engine/fairness.py)
+by what its tokens cost (`service`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.runner import Chunk, ModelRunner
+
+# The default step-time target, in predicted decode steps of one sequence: a step that carries
+# another tenant's light work spends at least three quarters of its time on tokens.
+TARGET_DECODE_STEPS = 4.0
+# Tokens of the calibration's prompt chunks, and the position of the later one (both cut to
+# the pool where it is smaller).
+CALIBRATION_TOKENS = 256
+CALIBRATION_OFFSET = 768
+_REPEATS = 3
+
+
+def attended_pairs(start: int, tokens: int) -> int:
+    """(token, position) pairs the attention of `tokens` tokens from position `start` reads."""
+    return tokens * start + tokens * (tokens + 1) // 2
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """Predicted step time in milliseconds; see the module docstring for the model."""
+
+    fixed_ms: float
+    per_token_ms: float
+    per_context_ms: float
+    threads: int = 1  # the threads the coefficients were timed with
+    serial_share: float = 1.0  # of the work, that does not speed up with more threads
+
+    def __post_init__(self) -> None:
+        if min(self.fixed_ms, self.per_context_ms) < 0 or self.per_token_ms <= 0:
+            raise ValueError("step cost coefficients must be positive")
+        if self.threads < 1 or not 0.0 <= self.serial_share <= 1.0:
+            raise ValueError("threads must be positive and serial_share within [0, 1]")
+
+    def thread_factor(self, threads: int) -> float:
+        """How much longer a step takes on `threads` threads than on the calibrated count."""
+        if threads >= self.threads:
+            return 1.0
+        share = self.serial_share
+        return (share + (1.0 - share) / threads) / (share + (1.0 - share) / self.threads)
+
+    def tokens_ms(self, tokens: int, pairs: int) -> float:
+        """The part of a step's time that `tokens` tokens attending `pairs` pairs add, on the
+        calibrated threads."""
+        return self.per_token_ms * tokens + self.per_context_ms * pairs
+
+    def predict_ms(self, tokens: int, pairs: int, threads: int) -> float:
+        """A whole step's time: its fixed cost and its tokens, on `threads` threads."""
+        return (self.fixed_ms + self.tokens_ms(tokens, pairs)) * self.thread_factor(threads)
+
+    def fitting_tokens(self, budget_ms: float, start: int, threads: int, most: int) -> int:
+        """Most tokens (up to `most`) of a chunk from position `start` that add at most
+        `budget_ms` to a step on `threads` threads."""
+        per_token = (self.per_token_ms + self.per_context_ms * (start + most)) * self.thread_factor(
+            threads
+        )
+        if budget_ms <= 0:
+            return 0
+        return min(most, int(budget_ms / per_token))
+
+    def service(self, start: int, tokens: int) -> float:
+        """What a chunk costs, in tokens of a prompt chunk at position 0 (the unit of tenants'
+        service counters): one for each such token, more for tokens that attend further."""
+        return self.tokens_ms(tokens, attended_pairs(start, tokens)) / self.per_token_ms
+
+    def default_target_ms(self) -> float:
+        """`TARGET_DECODE_STEPS` predicted decode steps of one sequence, on the calibrated
+        threads."""
+        return TARGET_DECODE_STEPS * self.predict_ms(1, 1, self.threads)
+
+    def scaled(self, factor: float) -> StepCost:
+        """The same model on a machine `factor` times slower."""
+        if factor == 1.0:
+            return self
+        return StepCost(
+            self.fixed_ms * factor,
+            self.per_token_ms * factor,
+            self.per_context_ms * factor,
+            self.threads,
+            self.serial_share,
+        )
+
+    def describe(self) -> dict[str, float | int]:
+        return {
+            "fixed_ms": round(self.fixed_ms, 3),
+            "per_token_ms": round(self.per_token_ms, 5),
+            "per_context_ms": round(self.per_context_ms, 9),
+            "calibrated_threads": self.threads,
+            "serial_share": round(self.serial_share, 3),
+        }
+
+
+class ObservedScale:
+    """How much longer steps take than the model predicts, followed step by step (an
+    exponentially weighted mean of observed over predicted, within `LIMITS`); always 1.0 when
+    `fixed`."""
+
+    WEIGHT = 0.1  # of each new step
+    LIMITS = (0.25, 8.0)
+
+    def __init__(self, fixed: bool = False) -> None:
+        self.fixed = fixed
+        self.value = 1.0
+
+    def observe(self, observed_ms: float, predicted_ms: float) -> None:
+        """A step took `observed_ms` where the scaled model predicted `predicted_ms`."""
+        if self.fixed or predicted_ms <= 0:
+            return
+        ratio = self.value * observed_ms / predicted_ms  # against the unscaled model
+        low, high = self.LIMITS
+        self.value = min(high, max(low, (1 - self.WEIGHT) * self.value + self.WEIGHT * ratio))
+
+
+_fits: dict[tuple[object, ...], StepCost] = {}
+_fits_lock = threading.Lock()
+
+
+def calibrate(
+    runner: ModelRunner, kv: torch.Tensor, key: tuple[object, ...], threads: int
+) -> StepCost:
+    """The cost model of `runner` (see the module docstring), timed with synthetic tokens in
+    the first blocks of `kv` (zeroed afterwards) unless a fit under `key` is already known.
+
+    Call it before the engine serves: it writes into the pool and runs the model.
+    """
+    with _fits_lock:
+        known = _fits.get(key)
+        if known is None:
+            known = _fits[key] = _Calibration(runner, kv, threads).fit()
+        return known
+
+
+class _Calibration:
+    def __init__(self, runner: ModelRunner, kv: torch.Tensor, threads: int) -> None:
+        self.runner, self.kv, self.threads = runner, kv, threads
+        block_size = int(kv.shape[3])
+        capacity = int(kv.shape[2]) * block_size
+        self.tokens = max(2, min(CALIBRATION_TOKENS, capacity // 2))
+        self.offset = max(0, min(CALIBRATION_OFFSET, capacity - self.tokens))
+        self.blocks = list(range(-(-(self.offset + self.tokens) // block_size)))
+
+    def fit(self) -> StepCost:
+        computed = self.runner.computed_tokens
+        try:
+            self._time(1, 0)  # warm-up: first runs allocate
+            self._time(self.tokens, 0)
+            decode = self._fastest(1, 0)
+            near = self._fastest(self.tokens, 0)
+            far = self._fastest(self.tokens, self.offset)
+            alone = self._fastest(self.tokens, 0, threads=1) if self.threads > 1 else near
+        finally:
+            self.runner.computed_tokens = computed
+            self.kv.index_fill_(2, torch.tensor(self.blocks, device=self.kv.device), 0)
+        n = self.tokens
+        extra_pairs = attended_pairs(self.offset, n) - attended_pairs(0, n)
+        per_context = max(0.0, (far - near) / extra_pairs) if extra_pairs else 0.0
+        pairs_grown = attended_pairs(0, n) - attended_pairs(0, 1)
+        per_token = max(1e-6, (near - decode - per_context * pairs_grown) / (n - 1))
+        fixed = max(0.0, decode - per_token - per_context)
+        return StepCost(fixed, per_token, per_context, self.threads, self._serial(near, alone))
+
+    def _serial(self, all_threads_ms: float, one_thread_ms: float) -> float:
+        """Amdahl's serial share from a step's time on all threads and on one."""
+        if self.threads <= 1 or all_threads_ms <= 0:
+            return 1.0
+        inverse = 1.0 / self.threads
+        share = (all_threads_ms / one_thread_ms - inverse) / (1.0 - inverse)
+        return min(1.0, max(0.0, share))
+
+    def _fastest(self, tokens: int, start: int, threads: int | None = None) -> float:
+        return min(self._time(tokens, start, threads) for _ in range(_REPEATS))
+
+    def _time(self, tokens: int, start: int, threads: int | None = None) -> float:
+        """Milliseconds of one step computing `tokens` synthetic tokens from `start`."""
+        chunk = Chunk(
+            request_id="calibration",
+            token_ids=[0] * tokens,
+            start=start,
+            block_ids=self.blocks,
+            prompt_positions=0,
+            needs_logits=True,
+        )
+        before = torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            _synchronize(self.kv.device)
+            started = time.perf_counter()
+            self.runner.run([chunk])
+            _synchronize(self.kv.device)
+            return (time.perf_counter() - started) * 1000.0
+        finally:
+            torch.set_num_threads(before)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
