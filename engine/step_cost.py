@@ -13,8 +13,8 @@ weights, launching every layer).
 
 `calibrate` fits the coefficients by timing a few steps of synthetic tokens on the engine's own
 runner and pool before it serves (a decode, a prompt chunk at position 0, the same chunk further
-in, and that chunk again on one thread), taking the fastest of three runs of each after a
-warm-up. Fits are kept per model, device, dtype, backend and thread count for the life of the
+in, and that chunk again on one thread), taking the fastest of five runs of each after a
+warm-up (the fastest is the one least disturbed by whatever else ran). Fits are kept per model, device, dtype, backend and thread count for the life of the
 process, so engines built again (a restart, the tests) do not time the model again.
 
 The fit times the forward pass alone, once; a step also samples and streams, and the machine's
@@ -41,9 +41,9 @@ from engine.model.runner import Chunk, ModelRunner
 TARGET_DECODE_STEPS = 4.0
 # Tokens of the calibration's prompt chunks, and the position of the later one (both cut to
 # the pool where it is smaller).
-CALIBRATION_TOKENS = 256
+CALIBRATION_TOKENS = 128
 CALIBRATION_OFFSET = 768
-_REPEATS = 3
+_REPEATS = 5
 
 
 def attended_pairs(start: int, tokens: int) -> int:
