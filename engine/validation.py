@@ -8,6 +8,7 @@ left to wait for a queue timeout that retrying could not avoid.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -43,6 +44,8 @@ def validate(
         raise InvalidRequest("the prompt is empty", param="prompt")
     if not 1 <= request.n <= MAX_CHOICES:
         raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}", param="n")
+    if not (math.isfinite(request.weight) and request.weight > 0):
+        raise InvalidRequest("the scheduling weight must be a positive number", param="weight")
     if request.prompt_logprobs is not None and not 0 <= request.prompt_logprobs <= MAX_TOP_LOGPROBS:
         message = f"prompt logprobs must be between 0 and {MAX_TOP_LOGPROBS}"
         raise InvalidRequest(message, param="logprobs")

@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+import pytest
+
 from engine.engine import Engine
+from engine.errors import InvalidRequest
 from engine.request import GenerationDelta
 from engine.scheduler import SchedulerOutput
 from engine.step_cost import StepCost
@@ -175,3 +178,11 @@ def test_per_step_scheduling_remembers_nothing_and_never_caps_a_step() -> None:
         output = time.step()
         assert not output.capped and sum(c.num_tokens for c in output.chunks) == 512
         assert not any(engine.scheduler.fair.counters.values())  # every step starts level
+
+
+@pytest.mark.parametrize("weight", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_weight_that_is_not_a_positive_number_is_refused_at_once(weight: float) -> None:
+    engine = engine_for("llama")
+    request = dataclasses.replace(make_request("bad", [5] * 10), weight=weight)
+    with pytest.raises(InvalidRequest, match="weight"):
+        engine.submit(request, Collector())
