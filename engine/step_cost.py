@@ -14,8 +14,9 @@ weights, launching every layer).
 `calibrate` fits the coefficients by timing a few steps of synthetic tokens on the engine's own
 runner and pool before it serves (a decode, a prompt chunk at position 0, the same chunk further
 in, and that chunk again on one thread), taking the fastest of five runs of each after a
-warm-up (the fastest is the one least disturbed by whatever else ran). Fits are kept per model, device, dtype, backend and thread count for the life of the
-process, so engines built again (a restart, the tests) do not time the model again.
+warm-up (the fastest is the one least disturbed by whatever else ran). Fits are kept per
+model, device, dtype, backend and thread count for the life of the process, so engines built
+again (a restart, the tests) do not time the model again.
 
 The fit times the forward pass alone, once; a step also samples and streams, and the machine's
 speed moves with what else runs on it, so the engine scales the model by how long steps really
