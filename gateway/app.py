@@ -249,7 +249,7 @@ def shutdown_state(state: GatewayState) -> None:
 
 
 def _sample_usage(state: GatewayState) -> None:
-    state.usage.sample(state.engine.cache_stats())
+    state.usage.sample(state.engine.cache_stats(), state.engine.service_stats())
 
 
 async def _every(seconds: float, work: Callable[[], object], what: str) -> None:

@@ -21,6 +21,7 @@ from sqlalchemy import (
     CheckConstraint,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
     Integer,
     MetaData,
@@ -48,6 +49,9 @@ TENANT_STATUSES = ("active", "suspended", "deleted")
 SHARING_MODES = ("user", "tenant")
 KEY_ROLES = ("inference", "tenant-admin")
 OPERATOR_ROLES = ("admin", "tenant-admin")
+# A tenant's scheduling weight, lowest and highest: against other tenants with work, its share
+# of the engine's service is in proportion to it.
+SCHEDULING_WEIGHT_RANGE = (0.01, 100.0)
 
 
 def utcnow() -> datetime:
@@ -96,6 +100,10 @@ class Tenant(Base):
             "requests_per_minute >= 0 AND tokens_per_minute >= 0 AND max_concurrent >= 0",
             name="limits_not_negative",
         ),
+        CheckConstraint(
+            "scheduling_weight >= {} AND scheduling_weight <= {}".format(*SCHEDULING_WEIGHT_RANGE),
+            name="scheduling_weight_range",
+        ),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
@@ -109,6 +117,7 @@ class Tenant(Base):
     requests_per_minute: Mapped[int] = mapped_column(Integer, default=600)
     tokens_per_minute: Mapped[int] = mapped_column(Integer, default=1_000_000)
     max_concurrent: Mapped[int] = mapped_column(Integer, default=16)
+    scheduling_weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1.0")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 

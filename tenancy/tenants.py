@@ -1,4 +1,4 @@
-"""Tenants: create, look up, change quotas and sharing, suspend, delete."""
+"""Tenants: create, look up, change quotas, sharing and scheduling weight, suspend, delete."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from tenancy.deployment import Pool, recorded_pool
 from tenancy.errors import Conflict, InvalidInput, NotFound
-from tenancy.models import SHARING_MODES, ApiKey, Tenant, utcnow
+from tenancy.models import SCHEDULING_WEIGHT_RANGE, SHARING_MODES, ApiKey, Tenant, utcnow
 
 DEFAULT_QUOTA_BLOCKS = 1024
 _SLUG = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
@@ -28,6 +28,20 @@ class TenantLimits:
     requests_per_minute: int = 600
     tokens_per_minute: int = 1_000_000
     max_concurrent: int = 16
+    # Against other tenants with work, the tenant's share of the engine's service is in
+    # proportion to it; equal weights share equally.
+    scheduling_weight: float = 1.0
+
+
+def check_scheduling_weight(weight: float) -> float:
+    """`weight` if it is a scheduling weight a tenant may have, else `InvalidInput`."""
+    low, high = SCHEDULING_WEIGHT_RANGE
+    if not low <= weight <= high:  # NaN fails too
+        raise InvalidInput(
+            f"scheduling weight must be between {low:g} and {high:g} (got {weight:g})",
+            "scheduling_weight",
+        )
+    return weight
 
 
 def check_quota(
@@ -108,6 +122,7 @@ def create_tenant(
     for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
         if getattr(limits, name) < 0:
             raise InvalidInput(f"{name.replace('_', ' ')} must not be negative", name)
+    check_scheduling_weight(limits.scheduling_weight)
     if session.scalar(select(Tenant.id).where(Tenant.slug == slug)) is not None:
         raise Conflict(f"a tenant with slug {slug!r} already exists")
     tenant = Tenant(
@@ -120,6 +135,7 @@ def create_tenant(
         requests_per_minute=limits.requests_per_minute,
         tokens_per_minute=limits.tokens_per_minute,
         max_concurrent=limits.max_concurrent,
+        scheduling_weight=limits.scheduling_weight,
     )
     session.add(tenant)
     try:
@@ -143,6 +159,7 @@ def tenant_settings(row: Tenant) -> dict[str, object]:
         "requests_per_minute": row.requests_per_minute,
         "tokens_per_minute": row.tokens_per_minute,
         "max_concurrent": row.max_concurrent,
+        "scheduling_weight": row.scheduling_weight,
     }
 
 
@@ -195,10 +212,12 @@ class TenantChanges:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
+    scheduling_weight: float | None = None
 
 
 def update_tenant(session: Session, slug: str, changes: TenantChanges) -> Tenant:
-    """Change a tenant's display name, sharing mode, public-prefix use or request limits."""
+    """Change a tenant's display name, sharing mode, public-prefix use, request limits or
+    scheduling weight."""
     tenant = get_tenant(session, slug)
     if changes.display_name is not None:
         if not changes.display_name.strip():
@@ -219,8 +238,15 @@ def update_tenant(session: Session, slug: str, changes: TenantChanges) -> Tenant
         if value < 0:
             raise InvalidInput(f"{name.replace('_', ' ')} must not be negative", name)
         setattr(tenant, name, value)
+    if changes.scheduling_weight is not None:
+        tenant.scheduling_weight = check_scheduling_weight(changes.scheduling_weight)
     session.flush()
     return tenant
+
+
+def set_scheduling_weight(session: Session, slug: str, weight: float) -> Tenant:
+    """Change a tenant's scheduling weight; its next request carries it to the engine."""
+    return update_tenant(session, slug, TenantChanges(scheduling_weight=weight))
 
 
 def set_quota(

@@ -80,6 +80,7 @@ def tenant_out(state: GatewayState, tenant: Tenant) -> TenantOut:
         requests_per_minute=tenant.requests_per_minute,
         tokens_per_minute=tenant.tokens_per_minute,
         max_concurrent=tenant.max_concurrent,
+        scheduling_weight=tenant.scheduling_weight,
         created_at=tenant.created_at,
         quota=amount(state, tenant.cache_quota_blocks),
         reservation=amount(state, tenant.cache_reservation_blocks),

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from engine.cache.stats import OwnerStats
+from tenancy.models import SCHEDULING_WEIGHT_RANGE
 
 _ISO_DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[T ]")
 
@@ -48,6 +49,16 @@ IsoTime = Annotated[AwareDatetime, BeforeValidator(_iso_only), AfterValidator(_i
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Limit = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Blocks = Annotated[int, Field(ge=0, le=2**31 - 1)]
+SchedulingWeight = Annotated[
+    float,
+    Field(
+        ge=SCHEDULING_WEIGHT_RANGE[0],
+        le=SCHEDULING_WEIGHT_RANGE[1],
+        allow_inf_nan=False,
+        description="Against other tenants with work, the tenant's share of the engine's "
+        "service is in proportion to it; equal weights share equally",
+    ),
+]
 
 
 class Body(BaseModel):
@@ -72,6 +83,7 @@ class TenantCreate(Body):
     requests_per_minute: Limit = 600
     tokens_per_minute: Limit = 1_000_000
     max_concurrent: Limit = 16
+    scheduling_weight: SchedulingWeight = 1.0
 
 
 class TenantUpdate(Body):
@@ -81,6 +93,7 @@ class TenantUpdate(Body):
     requests_per_minute: Limit | None = None
     tokens_per_minute: Limit | None = None
     max_concurrent: Limit | None = None
+    scheduling_weight: SchedulingWeight | None = None
 
 
 class QuotaUpdate(Body):
@@ -239,6 +252,7 @@ class TenantOut(BaseModel):
     requests_per_minute: int
     tokens_per_minute: int
     max_concurrent: int
+    scheduling_weight: SchedulingWeight
     created_at: datetime
     quota: Amount
     reservation: Amount

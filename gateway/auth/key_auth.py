@@ -32,6 +32,7 @@ class TenantSnapshot:
     requests_per_minute: int
     tokens_per_minute: int
     max_concurrent: int
+    scheduling_weight: float = 1.0  # its share of the engine's service against other tenants
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,7 @@ class KeyAuthenticator:
                 requests_per_minute=tenant.requests_per_minute,
                 tokens_per_minute=tenant.tokens_per_minute,
                 max_concurrent=tenant.max_concurrent,
+                scheduling_weight=tenant.scheduling_weight,
             )
             return Caller(
                 str(result.tenant_id), result.tenant_slug, result.key_id, snapshot, result.role

@@ -1,4 +1,4 @@
-"""Tenant commands: `tenants create|list|show|set-quota|set-sharing|suspend|delete`.
+"""Tenant commands: `tenants create|list|show|set-quota|set-sharing|set-weight|suspend|delete`.
 
 Every change runs in one transaction and is audited, whatever its outcome (`audited_change`).
 """
@@ -24,6 +24,10 @@ from tenancy.errors import TenancyError
 from tenancy.models import Tenant
 
 tenants_app = typer.Typer(help="Create and manage tenants.", no_args_is_help=True)
+WEIGHT_HELP = (
+    "Scheduling weight, 0.01 to 100: against other tenants with work, the tenant's share of "
+    "the engine's service is in proportion to it (equal weights share equally)."
+)
 
 
 def tenant_json(tenant: Tenant) -> dict[str, Any]:
@@ -67,13 +71,14 @@ def tenants_create(
     rpm: Annotated[int, typer.Option(help="Requests per minute.")] = 600,
     tpm: Annotated[int, typer.Option(help="Tokens per minute.")] = 1_000_000,
     concurrent: Annotated[int, typer.Option(help="Concurrent requests.")] = 16,
+    scheduling_weight: Annotated[float, typer.Option(help=WEIGHT_HELP)] = 1.0,
     no_public_prefixes: Annotated[
         bool, typer.Option("--no-public-prefixes", help="Never use shared public prefixes.")
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Create a tenant."""
-    limits = tenants.TenantLimits(quota, reservation, rpm, tpm, concurrent)
+    limits = tenants.TenantLimits(quota, reservation, rpm, tpm, concurrent, scheduling_weight)
     tenant = audited_change(
         "tenant.create",
         "tenant",
@@ -82,7 +87,12 @@ def tenants_create(
             s, tenants.create_tenant(s, slug, name, sharing, limits, not no_public_prefixes)
         ),
         tenant_of=lambda t: t["id"],
-        details={"sharing": sharing, "quota": quota, "reservation": reservation},
+        details={
+            "sharing": sharing,
+            "quota": quota,
+            "reservation": reservation,
+            "scheduling_weight": scheduling_weight,
+        },
     )
     report(tenant, as_json, f"created tenant {slug} ({tenant['id']}){pool_note(tenant)}")
 
@@ -101,7 +111,8 @@ def tenants_list(
 def _tenant_line(row: dict[str, Any]) -> str:
     return (
         f"{row['slug']:<24} {row['status']:<10} sharing={row['sharing_mode']:<7} "
-        f"quota={row['cache_quota_blocks']} reserved={row['cache_reservation_blocks']}"
+        f"quota={row['cache_quota_blocks']} reserved={row['cache_reservation_blocks']} "
+        f"weight={row['scheduling_weight']:g}"
     )
 
 
@@ -158,6 +169,24 @@ def tenants_set_sharing(
         details={"sharing": mode},
     )
     report(tenant, as_json, f"{slug}: sharing {mode}")
+
+
+@tenants_app.command("set-weight")
+def tenants_set_weight(
+    slug: str,
+    weight: Annotated[float, typer.Argument(help=WEIGHT_HELP)],
+    as_json: JsonOption = False,
+) -> None:
+    """Change a tenant's scheduling weight (its next request carries it)."""
+    tenant = audited_change(
+        "tenant.set_weight",
+        "tenant",
+        slug,
+        lambda s, _: tenant_json(tenants.set_scheduling_weight(s, slug, weight)),
+        tenant_of=lambda t: t["id"],
+        details={"scheduling_weight": weight},
+    )
+    report(tenant, as_json, f"{slug}: scheduling weight {tenant['scheduling_weight']:g}")
 
 
 @tenants_app.command("suspend")

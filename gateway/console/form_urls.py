@@ -24,6 +24,7 @@ router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=
 LANDINGS = {
     "/logout": "/admin",
     "/tenants/{tenant_id}/settings": "/admin/tenants/{tenant_id}",
+    "/tenants/{tenant_id}/scheduling": "/admin/tenants/{tenant_id}",
     "/tenants/{tenant_id}/quota": "/admin/tenants/{tenant_id}",
     "/tenants/{tenant_id}/suspend": "/admin/tenants/{tenant_id}/confirm?action=suspend",
     "/tenants/{tenant_id}/resume": "/admin/tenants/{tenant_id}/confirm?action=resume",

@@ -75,6 +75,7 @@ NOTICES = {
     "tenant_created": Notice("Tenant created."),
     "tenant_updated": Notice("Limits and sharing saved."),
     "quota_set": Notice("Cache quota saved and applied to the engine."),
+    "weight_set": Notice("Scheduling weight saved: the tenant's next request carries it."),
     "tenant_suspended": Notice("Tenant suspended: its keys stop working."),
     "tenant_resumed": Notice("Tenant resumed."),
     "tenant_deleted": Notice("Tenant deleted; its cached blocks were purged."),

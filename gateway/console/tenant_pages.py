@@ -1,8 +1,10 @@
-"""The tenants table and a tenant's page: usage, limits and sharing, cache quota, status.
+"""The tenants table and a tenant's page: usage, limits and sharing, scheduling weight, cache
+quota, status.
 
 The table lists live tenants with a bar of cache blocks held against the quota and the hit
 ratio, searchable and paged. A tenant's page shows its cache now and over the last minutes (a
-chart that `static/chart.js` refreshes from `usage.json` every 2 s), its keys, and the forms
+chart that `static/chart.js` refreshes from `usage.json` every 2 s), its scheduling weight
+beside the share of the engine's service it got over those minutes, its keys, and the forms
 that change it. Every change is the admin service's function (`gateway.admin.service.tenants`)
 that the admin API calls too: the same validation, the same audit event, the same effect on the
 engine. Suspend, resume and delete go through a confirmation page first. A quota saved in tokens
@@ -49,6 +51,13 @@ SETTINGS_FIELDS = {
     "requests_per_minute",
     "tokens_per_minute",
     "max_concurrent",
+}
+SCHEDULING_FIELDS = {"scheduling_weight"}
+# The forms that change a tenant's settings (the API's update): their fields, and what each
+# says it did.
+UPDATE_FORMS = {
+    "settings": (SETTINGS_FIELDS, "tenant_updated"),
+    "scheduling": (SCHEDULING_FIELDS, "weight_set"),
 }
 QUOTA_FIELDS = {"quota", "quota_unit", "reservation", "reservation_unit"}
 # The admin API's names for the quota form's two amounts (the API's `param`s).
@@ -115,16 +124,16 @@ def update_settings(
     request: Request, tenant_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep
 ) -> Response:
     """Change the display name, sharing mode, public-prefix use and request limits."""
-    try:
-        tenant_service.update_tenant(state, caller, tenant_id, form.body(TenantUpdate))
-    except APIError as error:
-        if error.status not in (400, 409):
-            raise
-        errors = FormErrors.of(error, {}, SETTINGS_FIELDS)
-        return render_tenant(
-            request, caller, state, tenant_id, "settings", errors, form.values, None, error.status
-        )
-    return redirect(f"/admin/tenants/{tenant_id}", done="tenant_updated")
+    return _update_tenant(request, tenant_id, caller, form, state, "settings")
+
+
+@router.post("/tenants/{tenant_id}/scheduling")
+def set_scheduling_weight(
+    request: Request, tenant_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateDep
+) -> Response:
+    """Change the scheduling weight (the tenant's next request carries it)."""
+    weight = Form({"scheduling_weight": form.get("scheduling_weight")})
+    return _update_tenant(request, tenant_id, caller, weight, state, "scheduling")
 
 
 @router.post("/tenants/{tenant_id}/quota")
@@ -254,6 +263,7 @@ def render_tenant(
             "tokens_per_minute": tenant.tokens_per_minute,
             "max_concurrent": tenant.max_concurrent,
         },
+        "scheduling": {"scheduling_weight": f"{tenant.scheduling_weight:g}"},
         "quota": {
             "quota": getattr(tenant.quota, quota_unit),
             "quota_unit": quota_unit,
@@ -290,6 +300,28 @@ def render_tenant(
 def _unit(asked: str | None) -> str:
     """A unit named in the page's address (after a save in tokens), else blocks."""
     return asked if asked in UNITS else "blocks"
+
+
+def _update_tenant(
+    request: Request,
+    tenant_id: uuid.UUID,
+    caller: AdminCaller,
+    form: Form,
+    state: GatewayState,
+    name: str,
+) -> Response:
+    """Apply the form `name` (the admin API's tenant update); a refusal shows it again."""
+    fields, done = UPDATE_FORMS[name]
+    try:
+        tenant_service.update_tenant(state, caller, tenant_id, form.body(TenantUpdate))
+    except APIError as error:
+        if error.status not in (400, 409):
+            raise
+        errors = FormErrors.of(error, {}, fields)
+        return render_tenant(
+            request, caller, state, tenant_id, name, errors, form.values, None, error.status
+        )
+    return redirect(f"/admin/tenants/{tenant_id}", done=done)
 
 
 def _confirmed(

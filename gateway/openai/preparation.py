@@ -2,10 +2,10 @@
 
 The request path: route (gateway/openai/routes.py) -> preparation (here) -> serving
 (serving.py) -> settlement (settlement.py). Here: size caps -> chat template -> token ids +
-message spans -> policy plan (scopes) -> engine request carrying the tenant's budget.
-Everything here runs off the event loop, and its cost is linear in the request's size, which
-is capped before the template runs. What the audit event keeps about the plan goes to the
-request's `Settlement`.
+message spans -> policy plan (scopes) -> engine request carrying the tenant's budget and
+scheduling weight. Everything here runs off the event loop, and its cost is linear in the
+request's size, which is capped before the template runs. What the audit event keeps about the
+plan goes to the request's `Settlement`.
 """
 
 from __future__ import annotations
@@ -231,6 +231,7 @@ def _prepare(
         segments=plan.segments,
         tail_scope=plan.tail_scope,
         budget=TenantBudget(tenant.cache_quota_blocks, tenant.cache_reservation_blocks),
+        weight=tenant.scheduling_weight,
         grammar=grammar,
         n=n,
         prompt_logprobs=_prompt_logprobs(body, prompt_tokens),

@@ -1,11 +1,13 @@
 """Recent usage per owner, kept in memory for the admin console's charts.
 
 Every `interval_s` (2 s by default) the gateway calls `sample` with the engine's cache stats and
-each owner (a tenant id, or "public" for the public budget) gets one `UsageSample`: its blocks
-now (active, cached, reserved, quota) and its running totals (prompt and cached tokens,
-evictions own and pressure, purged blocks, requests and errors). The totals only grow, so a
+each tenant's service, and each owner (a tenant id, or "public" for the public budget) gets one
+`UsageSample`: its blocks now (active, cached, reserved, quota) and its running totals (prompt
+and cached tokens, evictions own and pressure, purged blocks, requests and errors, the service
+the engine gave it and the service it gave every tenant together). The totals only grow, so a
 window's activity is the difference of two samples, and a missed or late sample loses no
-traffic.
+traffic; a tenant's observed share of service over a window is its service's growth over all
+tenants' (what its scheduling weight is meant to set when others have work too).
 
 Memory is bounded: one ring (`deque(maxlen)`) per owner holds `retention_s` worth of samples
 (15 min, 450 samples by default); an owner absent from the stats, with no requests counted, for
@@ -22,12 +24,16 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from engine.cache.budget import PUBLIC_OWNER, Owner
 from engine.cache.stats import CacheStats, OwnerStats
+from engine.metrics import TenantService
 
 PUBLIC = "public"  # the public budget's name in the history
+_Total = TypeVar("_Total", int, float)  # a running total: a count, or service
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +52,11 @@ class UsageSample:
     purged_blocks: int
     requests: int
     errors: int
+    service: float  # in the engine's units (engine/metrics.py's `TenantService`)
+    all_tenants_service: float  # every tenant's service together, at the same moment
 
 
-_ZERO = UsageSample(0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+_ZERO = UsageSample(0.0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +70,8 @@ class UsageSummary:
     evicted_pressure_blocks: int = 0
     requests: int = 0
     errors: int = 0
+    service: float = 0.0
+    service_share: float = 0.0  # service / every tenant's service, 0 when nothing was served
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +93,8 @@ class _Requests:
 class _Track:
     samples: deque[UsageSample]
     last_seen: float
+    # Every tenant's service at the sample before the owner's first (its own was zero then).
+    served_before: float
     # Still holds the owner's first sample: before it, every counter was zero.
     complete: bool = True
 
@@ -99,6 +111,7 @@ class UsageHistory:
         self._requests: dict[str, _Requests] = {}
         # Forgotten tenants the engine still reports: not sampled again until they make a request.
         self._forgotten: set[str] = set()
+        self._served = 0.0  # every tenant's service at the last sample
         self._lock = threading.Lock()
 
     @property
@@ -114,21 +127,31 @@ class UsageHistory:
             tally.requests += 1
             tally.errors += int(failed)
 
-    def sample(self, stats: CacheStats, now: float | None = None) -> None:
-        """Append one sample per owner in `stats` (and per tenant with counted requests)."""
+    def sample(
+        self,
+        stats: CacheStats,
+        service: Mapping[str, TenantService],
+        now: float | None = None,
+    ) -> None:
+        """Append one sample per owner in `stats` or `service` (the engine's totals by tenant
+        id) and per tenant with counted requests."""
         now = time.time() if now is None else now
         owners = {owner_name(owner): owner_stats for owner, owner_stats in stats.owners.items()}
+        served = sum(tenant.service for tenant in service.values())
         with self._lock:
-            self._forgotten &= owners.keys()  # the engine let go of them too
-            for name in (owners.keys() | self._requests.keys()) - self._forgotten:
+            self._forgotten &= owners.keys() | service.keys()  # the engine let go of them too
+            for name in (owners.keys() | service.keys() | self._requests.keys()) - self._forgotten:
                 track = self._tracks.get(name)
                 if track is None:
-                    track = self._tracks[name] = _Track(deque(maxlen=self.max_samples), now)
+                    track = _Track(deque(maxlen=self.max_samples), now, self._served)
+                    self._tracks[name] = track
                 tally = self._requests.get(name, _Requests())
                 if len(track.samples) == track.samples.maxlen:
                     track.complete = False
-                track.samples.append(_sample(now, owners.get(name), tally))
+                own = service.get(name, TenantService())
+                track.samples.append(_sample(now, owners.get(name), tally, own.service, served))
                 track.last_seen = now
+            self._served = served
             for name, track in list(self._tracks.items()):
                 if now - track.last_seen >= self.retention_s:  # gone for a whole retention
                     self._drop(name)
@@ -144,15 +167,22 @@ class UsageHistory:
         start = (time.time() if now is None else now) - seconds
         with self._lock:
             track = self._tracks.get(owner)
-            history = list(track.samples) if track is not None else []
-            complete = track is None or track.complete
+            if track is None:
+                return UsageWindow(seconds, [], UsageSummary())
+            history = list(track.samples)
+            # Without a sample before the window, a ring that never dropped one starts from
+            # zero (a new tenant's first requests happened before its first sample), and every
+            # tenant's service from what it was at the sample before.
+            origin = (
+                replace(_ZERO, all_tenants_service=track.served_before)
+                if track.complete
+                else history[0]
+            )
         inside = [sample for sample in history if sample.t > start]
         before = [sample for sample in history if sample.t <= start]
         if not inside:
             return UsageWindow(seconds, [], UsageSummary())
-        # Without a sample before the window, a ring that never dropped one starts from zero:
-        # a new tenant's first requests happened before its first sample.
-        first = before[-1] if before else (_ZERO if complete else inside[0])
+        first = before[-1] if before else origin
         return UsageWindow(seconds, inside, _summary(first, inside[-1]))
 
     def forget(self, tenant_id: str) -> None:
@@ -176,9 +206,11 @@ def owner_name(owner: Owner) -> str:
     return PUBLIC if owner is PUBLIC_OWNER else str(owner)
 
 
-def _sample(now: float, stats: OwnerStats | None, tally: _Requests) -> UsageSample:
+def _sample(
+    now: float, stats: OwnerStats | None, tally: _Requests, service: float, served: float
+) -> UsageSample:
     """An owner's sample; one the engine does not report (refused before it got a block)
-    holds no blocks and counts only its requests."""
+    holds no blocks and counts only its requests. `served`: every tenant's service."""
     stats = stats or OwnerStats(0, 0, 0, 0)
     counters = stats.counters
     return UsageSample(
@@ -194,12 +226,16 @@ def _sample(now: float, stats: OwnerStats | None, tally: _Requests) -> UsageSamp
         purged_blocks=counters.purged_blocks,
         requests=tally.requests,
         errors=tally.errors,
+        service=service,
+        all_tenants_service=served,
     )
 
 
 def _summary(first: UsageSample, last: UsageSample) -> UsageSummary:
     prompt_tokens = _grown(first.prompt_tokens, last.prompt_tokens)
     saved = _grown(first.cached_tokens, last.cached_tokens)
+    service = _grown(first.service, last.service)
+    everyone = _grown(first.all_tenants_service, last.all_tenants_service)
     return UsageSummary(
         prompt_tokens=prompt_tokens,
         prefill_tokens_saved=saved,
@@ -208,9 +244,12 @@ def _summary(first: UsageSample, last: UsageSample) -> UsageSummary:
         evicted_pressure_blocks=_grown(first.evicted_pressure_blocks, last.evicted_pressure_blocks),
         requests=_grown(first.requests, last.requests),
         errors=_grown(first.errors, last.errors),
+        service=service,
+        # At most 1: behind a routing gateway a worker that stops answering leaves the sum.
+        service_share=min(1.0, service / everyone) if everyone > 0 else 0.0,
     )
 
 
-def _grown(first: int, last: int) -> int:
+def _grown(first: _Total, last: _Total) -> _Total:
     # Totals never shrink within one engine; clamp so a reset never reads as negative use.
     return max(0, last - first)

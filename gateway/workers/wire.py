@@ -1,9 +1,9 @@
 """What crosses between a gateway and its engine workers, as JSON.
 
-Requests go out as token ids, scoped segments, sampling, the tenant's budget and a serialized
-grammar; deltas and engine errors come back. Prompt text never crosses: a worker sees what
-the in-process engine sees. Engine errors keep their type, so the gateway answers a worker's
-refusal exactly as it answers its own engine's.
+Requests go out as token ids, scoped segments, sampling, the tenant's budget and scheduling
+weight, and a serialized grammar; deltas and engine errors come back. Prompt text never
+crosses: a worker sees what the in-process engine sees. Engine errors keep their type, so the
+gateway answers a worker's refusal exactly as it answers its own engine's.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from engine.cache.stats import CacheStats, OwnerStats
 from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
 from engine.sampling.sampler import SamplingParams, TokenLogprobs
 from engine.structured.grammar import serialized
+from tenancy.errors import InvalidInput
+from tenancy.tenants import check_scheduling_weight
 
 Json = dict[str, Any]
 
@@ -93,6 +95,7 @@ def request_json(request: GenerationRequest) -> Json:
         ],
         "tail_scope": scope_json(request.tail_scope),
         "budget": None if request.budget is None else budget_json(request.budget),
+        "weight": request.weight,
         "grammar": None if request.grammar is None else serialized(request.grammar),
         "n": request.n,
         "prompt_logprobs": request.prompt_logprobs,
@@ -138,6 +141,7 @@ def read_request(data: Json, compile_grammar: Any) -> GenerationRequest:
             segments=segments,
             tail_scope=read_scope(data["tail_scope"]),
             budget=budget,
+            weight=_read_weight(data),
             grammar=None if grammar_text is None else compile_grammar(str(grammar_text)),
             n=_int(data, "n"),
             prompt_logprobs=prompt_logprobs,
@@ -146,6 +150,17 @@ def read_request(data: Json, compile_grammar: Any) -> GenerationRequest:
         raise WireError(f"malformed request: {error.args[0]} is missing") from None
     except (TypeError, AttributeError) as error:
         raise WireError(f"malformed request: {error}") from None
+
+
+def _read_weight(data: Json) -> float:
+    """The request's scheduling weight; 1.0 from a gateway that sends none (an older one)."""
+    weight = data.get("weight", 1.0)
+    if type(weight) not in (int, float):
+        raise WireError("weight must be a number")
+    try:
+        return check_scheduling_weight(float(weight))
+    except InvalidInput as error:
+        raise WireError(str(error)) from None
 
 
 # -- deltas -----------------------------------------------------------------------------------

@@ -566,6 +566,10 @@ def test_bad_input_gives_the_form_back_with_a_message(console_gateway: Gateway) 
              "quota-reservation", ""),
             (f"/admin/tenants/{tenant_id}/settings", {"max_concurrent": "1.5"}, 400,
              "settings-max_concurrent", "integer"),
+            (f"/admin/tenants/{tenant_id}/scheduling", {"scheduling_weight": "0"}, 400,
+             "scheduling-scheduling_weight", "greater than or equal to 0.01"),
+            (f"/admin/tenants/{tenant_id}/scheduling", {"scheduling_weight": "heavy"}, 400,
+             "scheduling-scheduling_weight", "valid number"),
             (f"/admin/tenants/{tenant_id}/keys", {"name": "k", "role": "root"}, 400,
              "key-role", ""),
             (f"/admin/tenants/{tenant_id}/keys", {"name": "k", "expires_at": "soon"}, 400,
@@ -599,6 +603,37 @@ def test_bad_input_gives_the_form_back_with_a_message(console_gateway: Gateway) 
                 assert message in answer.text.lower() or message in answer.text
         assert console.get("/admin/tenants", page="x").status_code == 400
         assert console.get("/admin/audit", since="yesterday").status_code == 400
+
+
+def test_the_tenant_page_sets_the_weight_and_shows_the_share_of_service_it_gets(
+    console_gateway: Gateway, page: Page
+) -> None:
+    with admin_client(console_gateway) as api:
+        tenant_id = api.post("/tenants", json={"slug": f"w-{uuid.uuid4().hex[:8]}"}).json()["id"]
+        key = api.post(f"/tenants/{tenant_id}/keys", json={"name": "weighted"}).json()["key"]
+    log_in(page)
+    page.goto(f"/admin/tenants/{tenant_id}")
+    expect(page.locator("#tenant-weight")).to_have_text("1")
+    expect(page.locator("#live-window-service-share")).to_have_text("—")  # nothing served yet
+    after = console_gateway.last_audit_seq()
+    page.get_by_label("Scheduling weight", exact=True).fill("2.5")
+    page.get_by_role("button", name="Save weight").click()
+    expect(page.locator(".notice")).to_contain_text("Scheduling weight saved")
+    expect(page.locator("#tenant-weight")).to_have_text("2.5")
+    expect(page.get_by_label("Scheduling weight", exact=True)).to_have_value("2.5")
+    with admin_client(console_gateway) as api:
+        assert api.get(f"/tenants/{tenant_id}").json()["scheduling_weight"] == 2.5
+    changes = [e for e in console_gateway.audit_events(after) if e.action == "tenant.update"]
+    audited = [(e.actor_id, e.details["after"]["scheduling_weight"]) for e in changes]
+    assert audited == [(ADMIN_USER, 2.5)]
+    client = openai.OpenAI(base_url=console_gateway.base_url, api_key=key, max_retries=0)
+    chat(client, passenger_turns("Grace"))
+    # The page's live refresh shows the share of the engine's service the tenant got.
+    expect(page.locator("#live-window-service-share")).to_have_text(
+        re.compile(r"^\d+\.\d%$"), timeout=LIVE_TIMEOUT_MS
+    )
+    assert 0 < number_in(page, "#live-window-service-share") <= 100
+    shot(page, "tenant-scheduling")
 
 
 def test_a_wrong_password_shows_the_login_form_again(console_gateway: Gateway) -> None:

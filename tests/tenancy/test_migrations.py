@@ -96,17 +96,21 @@ def test_0002_adds_deployment_state_to_a_0001_database_and_removes_only_it(
         engine.dispose()
 
 
-@pytest.mark.parametrize("backend", ["postgresql", "sqlite"])
+@pytest.fixture(params=["postgresql", "sqlite"])
+def empty_database(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database on each backend the migrations run on."""
+    if request.param == "postgresql":
+        url: str = request.getfixturevalue("empty_postgres_url")
+        return url
+    return f"sqlite:///{tmp_path / 'old.db'}"
+
+
 def test_0003_keeps_existing_admins_and_its_downgrade_removes_only_what_it_added(
-    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+    empty_database: str,
 ) -> None:
     from sqlalchemy import text
 
-    url = (
-        request.getfixturevalue("empty_postgres_url")
-        if backend == "postgresql"
-        else f"sqlite:///{tmp_path / 'old.db'}"
-    )
+    url = empty_database
     upgrade(url, "0002")
     engine = make_engine(url)
     try:
@@ -141,3 +145,37 @@ def test_0004_adds_the_gateway_list_and_its_downgrade_removes_only_it(
     assert schema_drift(empty_postgres_url) == []
     downgrade(empty_postgres_url, "0003")
     assert tables(empty_postgres_url) == TABLES - {"gateway_instances"}
+
+
+def test_0005_gives_existing_tenants_weight_one_and_its_downgrade_removes_only_the_weight(
+    empty_database: str,
+) -> None:
+    from sqlalchemy import text
+    from sqlalchemy.exc import IntegrityError
+
+    url = empty_database
+    upgrade(url, "0004")
+    engine = make_engine(url)
+    try:
+        with engine.begin() as connection:  # a tenant made before the upgrade
+            connection.execute(text(
+                "INSERT INTO tenants (id, slug, display_name, status, sharing_mode, "
+                "may_use_public_prefixes, cache_quota_blocks, cache_reservation_blocks, "
+                "requests_per_minute, tokens_per_minute, max_concurrent, created_at, updated_at) "
+                "VALUES ('00000000000000000000000000000001', 'old', 'Old', 'active', 'user', "
+                "true, 8, 0, 1, 1, 1, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"
+            ))  # fmt: skip
+        upgrade(url)
+        assert schema_drift(url) == []
+        with engine.connect() as connection:
+            weights = text("SELECT slug, scheduling_weight FROM tenants")
+            assert connection.execute(weights).all() == [("old", 1.0)]
+        with pytest.raises(IntegrityError), engine.begin() as connection:
+            connection.execute(text("UPDATE tenants SET scheduling_weight = 0"))
+        downgrade(url, "0004")
+        columns = {column["name"] for column in inspect(engine).get_columns("tenants")}
+        assert "scheduling_weight" not in columns and "max_concurrent" in columns
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT slug FROM tenants")).all() == [("old",)]
+    finally:
+        engine.dispose()

@@ -59,6 +59,7 @@ EVERY_CHANGE: list[tuple[str, Callable[[Session], object]]] = [
     ("set reservation", lambda s: tenants.set_quota(s, "acme", reservation_blocks=8)),
     ("set sharing", lambda s: tenants.set_sharing(s, "acme", "tenant")),
     ("set limits (bulk statement)", lambda s: set_limits_in_bulk(s, "acme")),
+    ("set scheduling weight", lambda s: tenants.set_scheduling_weight(s, "acme", 2.5)),
     ("suspend", lambda s: tenants.set_status(s, "acme", "suspended")),
     ("resume", lambda s: tenants.set_status(s, "acme", "active")),
     ("create key", lambda s: new_key(s, "acme")),

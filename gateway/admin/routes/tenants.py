@@ -51,7 +51,8 @@ def show_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> Tena
 def update_tenant(
     tenant_id: uuid.UUID, body: Annotated[TenantUpdate, Body()], caller: AdminDep, state: StateDep
 ) -> TenantOut:
-    """Change the display name, sharing mode, public-prefix use or request limits."""
+    """Change the display name, sharing mode, public-prefix use, request limits or scheduling
+    weight."""
     return tenants.update_tenant(state, caller, tenant_id, body)
 
 

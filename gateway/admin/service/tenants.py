@@ -1,4 +1,5 @@
-"""Tenants: list (paged, searchable), create, show, update, cache quota, suspend/resume, delete.
+"""Tenants: list (paged, searchable), create, show, update (limits, sharing, scheduling weight),
+cache quota, suspend/resume, delete.
 
 A tenant-admin sees its own tenant only (any other id is a 404) and changes none of these:
 they are the operator's. Every change is audited with the tenant before and after, and applies
@@ -43,6 +44,7 @@ def create_tenant(state: GatewayState, caller: AdminCaller, body: TenantCreate) 
         requests_per_minute=body.requests_per_minute,
         tokens_per_minute=body.tokens_per_minute,
         max_concurrent=body.max_concurrent,
+        scheduling_weight=body.scheduling_weight,
     )
 
     def change(session: Session) -> Changed[uuid.UUID]:
@@ -69,7 +71,8 @@ def show_tenant(state: GatewayState, caller: AdminCaller, tenant_id: uuid.UUID) 
 def update_tenant(
     state: GatewayState, caller: AdminCaller, tenant_id: uuid.UUID, body: TenantUpdate
 ) -> TenantOut:
-    """Change the display name, sharing mode, public-prefix use or request limits."""
+    """Change the display name, sharing mode, public-prefix use, request limits or scheduling
+    weight (the tenant's next request carries the new weight to the engine)."""
     changes = tenants.TenantChanges(**body.model_dump(exclude_unset=True))
 
     def change(session: Session, tenant: Tenant) -> Tenant:

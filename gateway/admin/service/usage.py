@@ -1,12 +1,13 @@
-"""Cache usage: each tenant now and over the recent window, and request totals over longer
-ranges from the audit log.
+"""Cache usage and service: each tenant now and over the recent window (its observed share of
+the engine's service beside its scheduling weight), and request totals over longer ranges from
+the audit log.
 
 Three sources, each for what it knows: the engine's cache stats are the blocks *now* (active,
 cached, reserved, quota); the gateway's in-memory `UsageHistory` ring (a sample every
-`usage_sample_s`, kept for `usage_window_s`) is the recent past, for charts and the hit ratio
-of the last minutes; the audit log holds every request ever made, for totals over days (summed
-in SQL, at most 90 days at a time). The ring is per process and starts empty at a restart; the
-audit log is the record.
+`usage_sample_s`, kept for `usage_window_s`) is the recent past, for charts, the hit ratio and
+the share of service of the last minutes; the audit log holds every request ever made, for
+totals over days (summed in SQL, at most 90 days at a time). The ring is per process and starts
+empty at a restart; the audit log is the record.
 
 A tenant-admin sees its own tenant only: another tenant's id is the same 404 as a missing one.
 """
@@ -55,11 +56,20 @@ class UsageSummaryOut(BaseModel):
     evicted_pressure_blocks: int
     requests: int
     errors: int
+    service: float = Field(
+        description="What the engine computed for it, in prefill-token units (decode tokens "
+        "weighted by their measured cost; cached prompt tokens are free)"
+    )
+    service_share: float = Field(
+        description="Its service over every tenant's in the window (0 when nothing was "
+        "served); against tenants with work, in proportion to the scheduling weights"
+    )
 
 
 class TenantUsage(BaseModel):
     tenant_id: uuid.UUID
     slug: str
+    scheduling_weight: float = Field(description="What its service_share is meant to follow")
     window_s: int
     interval_s: float = Field(description="Seconds between samples")
     cache: CacheUsage = Field(description="The tenant's blocks in the engine now")
@@ -72,6 +82,7 @@ class UsageRow(BaseModel):
     slug: str
     display_name: str
     status: str
+    scheduling_weight: float
     cache: CacheUsage = Field(description="The tenant's blocks in the engine now")
     summary: UsageSummaryOut = Field(description="Over the window")
 
@@ -103,11 +114,12 @@ def tenant_usage(
     with state.store.transaction() as session:
         tenant = visible_tenant(session, caller, tenant_id)
         cache = cache_usage(state, tenant)
-        slug = tenant.slug
+        slug, weight = tenant.slug, tenant.scheduling_weight
     window = state.usage.window(str(tenant_id), window_s)
     return TenantUsage(
         tenant_id=tenant_id,
         slug=slug,
+        scheduling_weight=weight,
         window_s=window_s,
         interval_s=state.usage.interval_s,
         cache=cache,
@@ -133,6 +145,7 @@ def usage_table(
                 slug=tenant.slug,
                 display_name=tenant.display_name,
                 status=tenant.status,
+                scheduling_weight=tenant.scheduling_weight,
                 cache=cache_usage(state, tenant),
                 summary=_summary_out(state.usage.window(str(tenant.id), window_s).summary),
             )

@@ -142,9 +142,10 @@
 
   function number(value) { return Number(value).toLocaleString("en-US"); }
 
-  // A hit ratio, or "—" when there was no prompt token to hit (as the page renders it).
-  function hitRatio(ratio, promptTokens) {
-    return promptTokens > 0 ? (100 * ratio).toFixed(1) + "%" : "—";
+  // A ratio of a whole (a hit ratio of prompt tokens, a share of service), or "—" when the
+  // whole was nothing (as the page renders it).
+  function percentOf(value, whole) {
+    return whole > 0 ? (100 * value).toFixed(1) + "%" : "—";
   }
 
   function showNow(now, window) {
@@ -152,10 +153,11 @@
     setText("live-active-blocks", number(now.active_blocks));
     setText("live-reserved-blocks", number(now.reserved_blocks));
     setText("live-quota-blocks", number(now.quota_blocks));
-    setText("live-hit-ratio", hitRatio(now.hit_ratio, now.prompt_tokens));
-    setText("live-window-hit-ratio", hitRatio(window.hit_ratio, window.prompt_tokens));
+    setText("live-hit-ratio", percentOf(now.hit_ratio, now.prompt_tokens));
+    setText("live-window-hit-ratio", percentOf(window.hit_ratio, window.prompt_tokens));
     setText("live-window-requests", number(window.requests));
     setText("live-window-saved", number(window.prefill_tokens_saved));
+    setText("live-window-service-share", percentOf(window.service_share, window.service));
     setText("live-prompt-tokens", number(now.prompt_tokens));
     setText("live-cached-tokens", number(now.cached_tokens));
     setText("live-evicted-own", number(now.evicted_own_blocks));
@@ -173,7 +175,7 @@
       if (!row) { return; }
       Array.prototype.forEach.call(row.querySelectorAll("[data-field]"), function (cell) {
         var name = cell.getAttribute("data-field");
-        cell.textContent = name === "hit_ratio" ? hitRatio(pool.hit_ratio, pool.prompt_tokens) : number(pool[name]);
+        cell.textContent = name === "hit_ratio" ? percentOf(pool.hit_ratio, pool.prompt_tokens) : number(pool[name]);
       });
     });
   }

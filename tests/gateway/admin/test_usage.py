@@ -90,7 +90,7 @@ def traffic(gateway: Gateway, admin_token: str) -> Iterator[Traffic]:
     )
 
 
-def _sampled_usage(client: httpx.Client, tenant_id: str, since: datetime) -> dict[str, Any]:
+def sampled_usage(client: httpx.Client, tenant_id: str, since: datetime) -> dict[str, Any]:
     """The tenant's usage once the gateway's sampler has run after `since`."""
     deadline = time.monotonic() + 15
     while True:
@@ -107,7 +107,7 @@ def test_usage_shows_the_tenants_cached_blocks_now_and_over_the_window(
     gateway: Gateway, admin_token: str, traffic: Traffic
 ) -> None:
     with admin_client(gateway, admin_token) as client:
-        usage = _sampled_usage(client, traffic.tenant_id, traffic.finished)
+        usage = sampled_usage(client, traffic.tenant_id, traffic.finished)
     assert usage["cache"]["cached_blocks"] > 0, usage["cache"]
     engine = gateway.server.gateway.engine.cache_stats().owners[traffic.tenant_id]
     assert usage["cache"]["quota_blocks"] == engine.quota_blocks
@@ -128,7 +128,7 @@ def test_a_new_tenants_first_requests_count_in_the_window(
     # Every request of this tenant happened inside the window, so the window holds them all,
     # even those made before the sampler first saw the tenant.
     with admin_client(gateway, admin_token) as client:
-        summary = _sampled_usage(client, traffic.tenant_id, traffic.finished)["summary"]
+        summary = sampled_usage(client, traffic.tenant_id, traffic.finished)["summary"]
     assert (summary["requests"], summary["errors"]) == (traffic.requests, traffic.errors)
     assert summary["prompt_tokens"] == traffic.prompt_tokens
     assert summary["prefill_tokens_saved"] == traffic.cached_tokens

@@ -65,3 +65,27 @@ def test_the_public_budgets_name_is_not_a_tenant_slug(sqlite_url: str, tmp_path:
                 tenants.create_tenant(session, slug)
     finally:
         store.close()
+
+
+def test_a_checked_key_carries_its_tenants_weight_until_a_change_drops_it(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    store = Store.open(sqlite_url, tmp_path / "audit.spool", "key-secret", "signing-key")
+    with store.transaction() as session:
+        limits = tenants.TenantLimits(scheduling_weight=2.5)
+        tenant = tenants.create_tenant(session, "acme", limits=limits)
+        created = api_keys.create_key(session, tenant, "k", "key-secret")
+    auth = KeyAuthenticator(store, ttl=30.0, stale_ttl=300.0)
+
+    async def weight() -> float:
+        return (await auth.authenticate(created.secret)).tenant.scheduling_weight
+
+    try:
+        assert asyncio.run(weight()) == 2.5
+        with store.transaction() as session:
+            tenants.set_scheduling_weight(session, "acme", 0.5)
+        assert asyncio.run(weight()) == 2.5  # remembered until the change is heard of
+        auth.forget_all()  # what every gateway does when the change counter moves
+        assert asyncio.run(weight()) == 0.5
+    finally:
+        store.close()

@@ -42,6 +42,12 @@ CASES: list[tuple[str, dict[str, str], list[str], int, str]] = [
      2, "cache_quota_blocks must be between"),
     ("negative rate limit", {}, ["tenants", "create", "neg", "--rpm", "-1"], 2,
      "requests per minute must not be negative"),
+    ("weight out of range", {}, ["tenants", "set-weight", "acme", "100.5"], 2,
+     "scheduling weight must be between 0.01 and 100 (got 100.5)"),
+    ("weight not finite", {}, ["tenants", "create", "inf", "--scheduling-weight", "inf"], 2,
+     "scheduling weight must be between 0.01 and 100 (got inf)"),
+    ("weight not a number", {}, ["tenants", "set-weight", "acme", "heavy"], 2,
+     "Invalid value for 'weight'"),
     ("unknown command", {}, ["tenant", "list"], 2, "No such command 'tenant'"),
     ("missing argument", {}, ["tenants", "create"], 2, "Missing argument"),
 ]  # fmt: skip

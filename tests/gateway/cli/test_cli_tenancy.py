@@ -64,6 +64,33 @@ def test_key_commands_authenticate_until_revoked_never_list_secrets_and_are_audi
     assert actions == ["tenant.create", "key.create", "key.rotate", "key.revoke"]
 
 
+def test_scheduling_weight_is_set_at_creation_or_later_listed_and_audited(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    cli = Cli(postgres_url, tmp_path / "state")
+    assert cli.json("tenants", "create", "acme")["scheduling_weight"] == 1.0
+    created = cli.json("tenants", "create", "globex", "--scheduling-weight", "2.5")
+    assert created["scheduling_weight"] == 2.5
+    assert cli.ok("tenants", "set-weight", "acme", "0.5") == "acme: scheduling weight 0.5\n"
+    assert cli.json("tenants", "show", "acme")["scheduling_weight"] == 0.5
+    assert "scheduling_weight          0.5" in cli.ok("tenants", "show", "acme")
+    lines = cli.ok("tenants", "list").splitlines()
+    assert [line.split()[-1] for line in lines] == ["weight=0.5", "weight=2.5"]
+    line = cli.error("tenants", "set-weight", "acme", "0.001")
+    assert line == "prefixgate: error: scheduling weight must be between 0.01 and 100 (got 0.001)"
+    assert cli.json("tenants", "show", "acme")["scheduling_weight"] == 0.5
+    store = Store.open(postgres_url, tmp_path / "spool", "cli-key-secret", "s", 100)
+    with store.transaction() as session:
+        query = (
+            select(AuditEvent)
+            .where(AuditEvent.action == "tenant.set_weight")
+            .order_by(AuditEvent.seq)
+        )
+        events = [(e.outcome, e.details["scheduling_weight"]) for e in session.scalars(query)]
+    store.close()
+    assert events == [("success", 0.5), ("failure", 0.001)]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

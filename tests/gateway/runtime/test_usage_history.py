@@ -1,5 +1,6 @@
 """The usage history behind the admin console's charts: a bounded ring per owner, window
-summaries that are exact differences of the running totals, and tenants that can be forgotten."""
+summaries that are exact differences of the running totals (a tenant's share of service among
+them), and tenants that can be forgotten."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from engine.cache.budget import PUBLIC_OWNER, Owner
 from engine.cache.quotas import OwnerCounters
 from engine.cache.stats import CacheStats, OwnerStats
+from engine.metrics import TenantService
 from gateway.runtime.usage_history import PUBLIC, UsageHistory, UsageSummary
 
 
@@ -50,7 +52,7 @@ def test_default_ring_holds_fifteen_minutes_of_two_second_samples() -> None:
 def test_ring_keeps_only_the_newest_samples() -> None:
     history = UsageHistory(interval_s=1.0, retention_s=5.0)
     for t in range(12):
-        history.sample(stats({"t1": owner(cached_blocks=t)}), now=float(t))
+        history.sample(stats({"t1": owner(cached_blocks=t)}), {}, now=float(t))
     window = history.window("t1", seconds=1000.0, now=11.0)
     assert [sample.t for sample in window.samples] == [7.0, 8.0, 9.0, 10.0, 11.0]
     assert [sample.cached_blocks for sample in window.samples] == [7, 8, 9, 10, 11]
@@ -69,7 +71,7 @@ def test_summary_is_the_growth_of_the_totals_since_just_before_the_window() -> N
             pressure=2 * step,
             purged=7,
         )
-        history.sample(stats({"t1": sample}), now=t)
+        history.sample(stats({"t1": sample}), {}, now=t)
 
     window = history.window("t1", seconds=4.0, now=10.0)
     assert [sample.t for sample in window.samples] == [8.0, 10.0]
@@ -96,7 +98,7 @@ def test_summary_is_the_growth_of_the_totals_since_just_before_the_window() -> N
 def test_hit_ratio_is_zero_without_prompts_and_unknown_owners_get_an_empty_window() -> None:
     history = UsageHistory()
     for t in (0.0, 2.0):
-        history.sample(stats({"t1": owner(cached_blocks=3)}), now=t)
+        history.sample(stats({"t1": owner(cached_blocks=3)}), {}, now=t)
     assert history.window("t1", seconds=10.0, now=2.0).summary == UsageSummary()
     nobody = history.window("t9", seconds=10.0, now=2.0)
     assert (nobody.samples, nobody.summary) == ([], UsageSummary())
@@ -105,7 +107,7 @@ def test_hit_ratio_is_zero_without_prompts_and_unknown_owners_get_an_empty_windo
 def test_public_budget_is_sampled_as_public_and_requests_without_blocks_count() -> None:
     history = UsageHistory()
     history.count_request("refused-tenant", failed=True)
-    history.sample(stats({PUBLIC_OWNER: owner(cached_blocks=5)}), now=1.0)
+    history.sample(stats({PUBLIC_OWNER: owner(cached_blocks=5)}), {}, now=1.0)
     assert sorted(history.owners()) == [PUBLIC, "refused-tenant"]
     assert history.window(PUBLIC, 10.0, now=1.0).samples[-1].cached_blocks == 5
     refused = history.window("refused-tenant", 10.0, now=1.0).samples[-1]
@@ -116,24 +118,66 @@ def test_forget_drops_a_tenant_until_it_makes_a_request_again() -> None:
     history = UsageHistory()
     engine_stats = stats({"gone": owner(cached_blocks=1), "kept": owner(cached_blocks=2)})
     history.count_request("gone", failed=False)
-    history.sample(engine_stats, now=0.0)
+    history.sample(engine_stats, {}, now=0.0)
     history.forget("gone")
-    history.sample(engine_stats, now=2.0)  # the engine still reports its counters
+    history.sample(engine_stats, {}, now=2.0)  # the engine still reports its counters
     assert history.owners() == ["kept"]
     assert history.window("gone", 10.0, now=2.0).samples == []
     history.count_request("gone", failed=False)
-    history.sample(engine_stats, now=4.0)
+    history.sample(engine_stats, {}, now=4.0)
     assert history.window("gone", 10.0, now=4.0).samples[-1].requests == 1  # counted afresh
 
 
 def test_an_owner_absent_for_a_whole_retention_is_dropped() -> None:
     history = UsageHistory(interval_s=1.0, retention_s=3.0)
-    history.sample(stats({"t1": owner(), "t2": owner()}), now=0.0)
+    history.sample(stats({"t1": owner(), "t2": owner()}), {}, now=0.0)
     for t in (1.0, 2.0):
-        history.sample(stats({"t2": owner()}), now=t)
+        history.sample(stats({"t2": owner()}), {}, now=t)
     assert sorted(history.owners()) == ["t1", "t2"]  # t1 gone for 2 s only
-    history.sample(stats({"t2": owner()}), now=3.0)
+    history.sample(stats({"t2": owner()}), {}, now=3.0)
     assert history.owners() == ["t2"]
+
+
+def served(**service: float) -> dict[str, TenantService]:
+    """The engine's running service totals by tenant id."""
+    return {tenant: TenantService(service=total) for tenant, total in service.items()}
+
+
+def test_service_share_is_the_tenants_growth_over_every_tenants_in_the_window() -> None:
+    history = UsageHistory()
+    both = stats({"t1": owner(), "t2": owner(), PUBLIC_OWNER: owner()})
+    for t, t1, t2 in ((0.0, 0, 0), (2.0, 100, 100), (4.0, 300, 200), (6.0, 600, 300)):
+        history.sample(both, served(t1=t1, t2=t2), now=t)
+    assert [s.service for s in history.window("t1", 100.0, now=6.0).samples] == [0, 100, 300, 600]
+    # From the sample at t=2 to t=6: t1 was served 500, t2 200.
+    t1, t2 = (history.window(name, 4.0, now=6.0).summary for name in ("t1", "t2"))
+    assert (t1.service, t1.service_share) == (500.0, 500 / 700)
+    assert (t2.service, t2.service_share) == (200.0, 200 / 700)
+    assert history.window(PUBLIC, 4.0, now=6.0).summary.service_share == 0.0
+
+
+def test_a_tenant_that_arrives_later_shares_only_what_was_served_since_it_could_be() -> None:
+    history = UsageHistory()
+    history.sample(stats({"t1": owner()}), served(t1=0), now=0.0)
+    history.sample(stats({"t1": owner()}), served(t1=100), now=2.0)
+    # t2's first sample: 50 served since t=2, while t1 got 100.
+    history.sample(stats({"t1": owner(), "t2": owner()}), served(t1=200, t2=50), now=4.0)
+    newcomer = history.window("t2", 100.0, now=4.0).summary
+    assert (newcomer.service, newcomer.service_share) == (50.0, 50 / 150)
+    assert history.window("t1", 100.0, now=4.0).summary.service_share == 200 / 250
+
+
+def test_nothing_served_is_a_zero_share_and_shrinking_totals_never_exceed_the_whole() -> None:
+    history = UsageHistory()
+    for t in (0.0, 2.0):
+        history.sample(stats({"t1": owner()}), served(t1=10.0, t2=90.0), now=t)
+    assert history.window("t1", 1.0, now=2.0).summary == UsageSummary()
+    # A worker that stopped answering takes its part of every total with it.
+    history.sample(stats({"t1": owner()}), served(t1=20.0, t2=85.0), now=4.0)
+    assert history.window("t1", 1.0, now=4.0).summary.service_share == 1.0
+    history.sample(stats({"t1": owner()}), served(t1=25.0, t2=0.0), now=6.0)
+    shrunk = history.window("t1", 1.0, now=6.0).summary
+    assert (shrunk.service, shrunk.service_share) == (5.0, 0.0)
 
 
 def test_a_ring_shorter_than_one_interval_is_refused() -> None:
