@@ -9,7 +9,9 @@ prefixes to every worker.
   out, one `{"delta": ...}` per delta and at most one `{"error": ...}`. A request the engine
   refuses at once gets a non-200 status with `{"error": ...}`, before anything streams.
 - `GET /internal/v1/state?epoch=E&since=S`: the model it serves (name and fingerprint), load,
-  cache statistics and the cached keys that changed since S (gateway/workers/key_log.py).
+  cache statistics, the cached keys that changed since S (gateway/workers/key_log.py), and
+  its report: sequences per tenant with work, service per tenant served, recent step times
+  (gateway/workers/activity.py; each bounded).
 - `GET /internal/v1/model`: the served model's tokenizer and config files (no weights) and its
   chat template, so that a gateway can serve a model it has no files of
   (gateway/workers/models.py).
@@ -45,6 +47,7 @@ from engine.sampling.sampler import InvalidSampling
 from gateway.runtime.engine_setup import start_engine
 from gateway.settings import Settings
 from gateway.workers import wire
+from gateway.workers.activity import activity_json
 from gateway.workers.key_log import KeyLog
 
 logger = logging.getLogger(__name__)
@@ -187,6 +190,7 @@ def create_worker_app(
             "max_model_len": engine.max_model_len,
             "describe": engine.describe(),
             "stats": wire.stats_json(engine.cache_stats()),
+            **activity_json(engine),
             "keys": {
                 "epoch": keys.epoch,
                 "seq": keys.seq,

@@ -1,14 +1,16 @@
 """Prometheus metrics: per-app registry, request counters, latency histograms, and the engine's
-cache and queue read at scrape time.
+cache, queue, service per tenant and step times read at scrape time.
 
 Series that name a tenant (`tenant` and `owner` labels) are shown only to a scraper that
 presents the metrics token; without it, a scrape sees the service as a whole and the public
-budget, and no tenant's identity or traffic.
+budget, and no tenant's identity or traffic. A routing gateway shows its workers' engines
+together: counters summed over them, recent step times pooled, and each worker's own figures
+labelled with its address.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -17,18 +19,30 @@ from prometheus_client.registry import Collector
 
 from engine.cache.budget import PUBLIC_OWNER, Owner
 from engine.cache.stats import CacheStats
+from engine.metrics import TenantService
 from engine.model.openmp import ThreadGovernor
 from gateway.limits.limiter import Limiter
+from gateway.workers.activity import quantiles
 from tenancy.audit_log import AuditLog
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class _EngineCounters(Protocol):
-    """The engine's counters the collector shows."""
+    """The engine's counters and step times the collector shows."""
 
     @property
     def preemptions(self) -> int: ...
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def step_seconds_total(self) -> float: ...
+
+    @property
+    def step_seconds(self) -> Collection[float]:
+        """The latest steps' times, in seconds."""
 
 
 class MeteredEngine(Protocol):
@@ -44,9 +58,13 @@ class MeteredEngine(Protocol):
     @property
     def threads(self) -> ThreadGovernor | None: ...
 
+    def describe(self) -> dict[str, Any]: ...
+
     def cache_stats(self) -> CacheStats: ...
 
     def queue_depth(self) -> tuple[int, int]: ...
+
+    def service_stats(self) -> dict[str, TenantService]: ...
 
     def worker_rows(self) -> list[dict[str, Any]] | None: ...
 
@@ -139,7 +157,8 @@ class _WithoutTenants(Collector):
 
 
 class EngineCollector(Collector):
-    """Cache blocks per owner vs quota, evictions, zeroing and queue depth, read on scrape."""
+    """Cache blocks per owner vs quota, evictions, zeroing, queue depth, service per tenant
+    and step times, read on scrape."""
 
     def __init__(self, engine: MeteredEngine, tenant_name: Callable[[str], str]) -> None:
         self._engine = engine
@@ -200,6 +219,8 @@ class EngineCollector(Collector):
             "Times the engine failed outside any one request and restarted its state.",
             value=self._engine.restarts,
         )
+        yield from _service_metrics(self._engine.service_stats(), self._tenant_name)
+        yield from _step_metrics(self._engine)
         if self._engine.threads is not None:
             yield from _thread_metrics(self._engine.threads)
         rows = self._engine.worker_rows()
@@ -242,8 +263,59 @@ def _thread_metrics(threads: ThreadGovernor) -> Iterator[Metric]:
     )
 
 
+def _service_metrics(
+    service: dict[str, TenantService], tenant_name: Callable[[str], str]
+) -> Iterator[Metric]:
+    """Each tenant's service since the engine started (engine/metrics.py `TenantService`)."""
+    tokens = CounterMetricFamily(
+        "prefixgate_engine_service_tokens",
+        "Tokens the engine computed for each tenant: prompt positions prefilled (cached ones "
+        "are free) and tokens decoded.",
+        labels=["tenant", "kind"],
+    )
+    weighted = CounterMetricFamily(
+        "prefixgate_engine_service_weighted_tokens",
+        "Each tenant's service in prefill-token units (decodes weighted by their measured "
+        "cost; before the tenant's scheduling weight): what fair scheduling shares out.",
+        labels=["tenant"],
+    )
+    for tenant_id, served in service.items():
+        name = tenant_name(tenant_id)
+        tokens.add_metric([name, "prefill"], served.prefill_tokens)
+        tokens.add_metric([name, "decode"], served.decode_tokens)
+        weighted.add_metric([name], served.service)
+    yield tokens
+    yield weighted
+
+
+def _step_metrics(engine: MeteredEngine) -> Iterator[Metric]:
+    """The engine's steps: how many, their time, the latest ones' quantiles, the target."""
+    counters = engine.metrics
+    yield CounterMetricFamily("prefixgate_engine_steps", "Engine steps run.", value=counters.steps)
+    yield CounterMetricFamily(
+        "prefixgate_engine_step_seconds",
+        "Time spent in engine steps.",
+        value=counters.step_seconds_total,
+    )
+    recent = GaugeMetricFamily(
+        "prefixgate_engine_step_seconds_recent",
+        "Quantiles of the latest engine steps' times.",
+        labels=["quantile"],
+    )
+    for quantile, seconds in quantiles(counters.step_seconds).items():
+        recent.add_metric([f"{quantile:g}"], seconds)
+    yield recent
+    step_cost = engine.describe().get("step_cost")
+    if isinstance(step_cost, Mapping) and step_cost.get("target_ms") is not None:
+        yield GaugeMetricFamily(
+            "prefixgate_engine_step_target_seconds",
+            "The time the engine keeps a step within while other tenants wait on it.",
+            value=float(step_cost["target_ms"]) / 1000,
+        )
+
+
 def _worker_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
-    """Each engine worker a routing gateway knows: in routing or not, and its load."""
+    """Each engine worker a routing gateway knows: in routing or not, its load and its steps."""
     up = GaugeMetricFamily(
         "prefixgate_worker_up", "1 while the engine worker is in routing.", labels=["worker"]
     )
@@ -252,8 +324,25 @@ def _worker_metrics(rows: list[dict[str, Any]]) -> Iterator[Metric]:
         "This gateway's requests on the engine worker now.",
         labels=["worker"],
     )
+    recent = GaugeMetricFamily(
+        "prefixgate_worker_step_seconds_recent",
+        "Quantiles of the engine worker's latest steps' times.",
+        labels=["worker", "quantile"],
+    )
+    target = GaugeMetricFamily(
+        "prefixgate_worker_step_target_seconds",
+        "The time the engine worker keeps a step within while other tenants wait on it.",
+        labels=["worker"],
+    )
     for row in rows:
         up.add_metric([row["url"]], 1 if row["up"] else 0)
         in_flight.add_metric([row["url"]], row["in_flight"])
+        for quantile, key in ((0.5, "step_seconds_p50"), (0.99, "step_seconds_p99")):
+            if row[key] is not None:
+                recent.add_metric([row["url"], f"{quantile:g}"], row[key])
+        if row["step_target_ms"] is not None:
+            target.add_metric([row["url"]], row["step_target_ms"] / 1000)
     yield up
     yield in_flight
+    yield recent
+    yield target

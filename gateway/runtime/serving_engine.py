@@ -13,12 +13,13 @@ sits beside runtime, not above it), and the request path asks less of one model'
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from engine.cache.budget import Owner, TenantBudget
 from engine.cache.kv_spec import KVSpec
 from engine.cache.stats import CacheStats
+from engine.metrics import TenantService
 from engine.model.openmp import ThreadGovernor
 
 
@@ -33,10 +34,20 @@ class KVPool(Protocol):
 
 
 class EngineCounters(Protocol):
-    """The engine's counters the gateway shows."""
+    """The engine's counters and step times the gateway shows."""
 
     @property
     def preemptions(self) -> int: ...
+
+    @property
+    def steps(self) -> int: ...
+
+    @property
+    def step_seconds_total(self) -> float: ...
+
+    @property
+    def step_seconds(self) -> Collection[float]:
+        """The latest steps' times, in seconds (a routing gateway: its workers' together)."""
 
 
 class EnginePool(Protocol):
@@ -88,6 +99,10 @@ class ServingEngine(Protocol):
 
     def queue_depth(self) -> tuple[int, int]:
         """Sequences waiting and running."""
+
+    def service_stats(self) -> dict[str, TenantService]:
+        """Each tenant's service since start (engine/metrics.py's `TenantService`), summed over
+        the workers that answer."""
 
     def set_budget(self, owner: Owner, budget: TenantBudget) -> int:
         """Change an owner's cache budget now; returns blocks evicted."""

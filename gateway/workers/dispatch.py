@@ -59,7 +59,7 @@ class Dispatcher:
         while True:
             worker = self._pick(request, tried, fingerprint)
             tried.add(worker.url)
-            stream = self._attempt(worker, body, request.n)
+            stream = self._attempt(worker, body, request.tenant_id, request.n)
             try:
                 first = await anext(stream)
             except _TryElsewhere:
@@ -96,7 +96,7 @@ class Dispatcher:
                 plain = [routing.Candidate(w.url, (), w.load, w.free_blocks) for w in up]
                 ranked = routing.rotate(plain, next(self._turns))
             worker = self.workers.workers[ranked[0].name]
-            worker.in_flight += request.n  # sequences, as the worker counts them
+            worker.send(request.tenant_id, request.n)  # sequences, as the worker counts them
             keys = chains.get(_chain_of(worker) or ("", 0), [])
             worker.pending.update(dict.fromkeys(keys, now + PENDING_KEYS_S))
         return worker
@@ -128,7 +128,7 @@ class Dispatcher:
             routing.Candidate(
                 name=w.url,
                 keys=w.held(now),
-                in_flight=w.load,
+                load=w.load_for(request.tenant_id),
                 free_blocks=w.free_blocks,
                 request_keys=chains.get(_chain_of(w) or ("", 0), []),
             )
@@ -145,7 +145,7 @@ class Dispatcher:
         )
 
     async def _attempt(
-        self, worker: Worker, body: dict[str, Any], sequences: int
+        self, worker: Worker, body: dict[str, Any], tenant_id: str, sequences: int
     ) -> AsyncIterator[GenerationDelta]:
         """One worker's stream. Raises `_TryElsewhere` where nothing was streamed and another
         worker may serve the request; an engine error where no worker could."""
@@ -200,7 +200,7 @@ class Dispatcher:
                     await response.aclose()
         finally:
             with self.workers.lock:
-                worker.in_flight -= sequences
+                worker.release(tenant_id, sequences)
 
     def _refusal(self, worker: Worker, status: int, body: bytes) -> Exception:
         """A worker's refusal before anything streamed: try elsewhere, or the engine error."""

@@ -2,10 +2,11 @@
 they hold.
 
 A thread polls every worker each `worker_poll_s`: it re-resolves `dns://` names (addresses.py),
-reads each worker's model, load, cache statistics and the changes to its cached keys, and keeps
-what it learnt of each (worker.py). A worker of a model this gateway has not met yet is first
-introduced to it (models.py). A worker that fails a poll or a connection is out of routing at
-once, and back after its next good poll, which first gives it what it missed.
+reads each worker's model, load, cache statistics, cached keys' changes and report (tenants'
+work, service, step times: activity.py), and keeps what it learnt of each (worker.py). A worker
+of a model this gateway has not met yet is first introduced to it (models.py). A worker that
+fails a poll or a connection is out of routing at once, and back after its next good poll,
+which first gives it what it missed.
 
 Workers hold no tenant state of their own, so every admin action goes to every worker. What a
 worker must hold is never remembered by one gateway alone: it is the database's (`know_tenants`,
@@ -30,6 +31,7 @@ import httpx
 
 from engine.cache.budget import Owner, TenantBudget
 from gateway.workers import wire
+from gateway.workers.activity import read_activity
 from gateway.workers.addresses import parse_worker_spec, resolve
 from gateway.workers.models import ModelCatalog
 from gateway.workers.worker import Worker
@@ -171,6 +173,7 @@ class WorkerSet:
             epoch, seq, full = str(keys["epoch"]), int(keys["seq"]), bool(keys["full"])
             added, removed = list(keys["added"]), list(keys["removed"])
             name, fingerprint = str(state["model"]), str(state["fingerprint"])
+            activity = read_activity(state)  # lenient: a worker of the last version has none
         except httpx.TimeoutException as error:
             self.mark_down(worker, f"poll got no answer: {error!r}", silent=True)
             return
@@ -199,6 +202,8 @@ class WorkerSet:
             worker.lost = worker.silent = False
             worker.reported_load = in_flight
             worker.own_at_poll = worker.in_flight
+            worker.own_tenants_at_poll = dict(worker.tenant_in_flight)
+            worker.activity = activity
             worker.forget_pending(time.monotonic())
             worker.free_blocks = stats.free_blocks
             worker.stats = stats

@@ -2,15 +2,16 @@
 what it serves (gateway/runtime/serving_engine.py's `ServingEngine`).
 
 The gateway reads and administers it as it does the engine in its own process (budgets,
-purges, cache statistics, queue depth, describe, each model's `generate`), and reads what only
-workers have to show (each one's cache and load, each model's pool) through the same face,
-which the engine in a process answers as having no workers: nothing above it knows which it
-has. A request is streamed by the dispatcher (dispatch.py), which picks the worker and fails
-over.
+purges, cache statistics, each tenant's service, step times, queue depth, describe, each
+model's `generate`), and reads what only workers have to show (each one's cache and load, each
+model's pool) through the same face, which the engine in a process answers as having no
+workers: nothing above it knows which it has. A request is streamed by the dispatcher
+(dispatch.py), which picks the worker and fails over.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -19,13 +20,16 @@ from typing import Any
 from engine.cache.budget import Owner, TenantBudget
 from engine.cache.quotas import OwnerCounters
 from engine.cache.stats import CacheStats, OwnerStats
+from engine.metrics import TenantService
 from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest
+from gateway.workers.activity import quantiles, total_service
 from gateway.workers.dispatch import Dispatcher
 from gateway.workers.membership import WorkerSet
 from gateway.workers.models import ModelCatalog
 from gateway.workers.remote_model import RemoteModel, RemotePool
 from gateway.workers.routing import RoutingConfig
+from gateway.workers.worker import Worker
 
 # The engine's choices each worker reports, shown once in `describe` (or "mixed").
 _AGREED_CHOICES = (
@@ -43,7 +47,8 @@ class NoWorker(Exception):
 
 
 class _Counters:
-    """`engine.metrics` as the gateway's Prometheus collector reads it."""
+    """`engine.metrics` as the gateway's Prometheus collector reads it: every worker's totals
+    as last reported, summed; the recent step times of those that answer, together."""
 
     def __init__(self, workers: WorkerSet) -> None:
         self._workers = workers
@@ -51,6 +56,19 @@ class _Counters:
     @property
     def preemptions(self) -> int:
         return sum(self._workers.snapshot(lambda w: int(w.state.get("preemptions", 0))))
+
+    @property
+    def steps(self) -> int:
+        return sum(self._workers.snapshot(lambda w: w.activity.steps.steps))
+
+    @property
+    def step_seconds_total(self) -> float:
+        return float(sum(self._workers.snapshot(lambda w: w.activity.steps.seconds_total)))
+
+    @property
+    def step_seconds(self) -> tuple[float, ...]:
+        recent = self._workers.snapshot(lambda w: () if w.lost else w.activity.steps.recent)
+        return tuple(itertools.chain.from_iterable(recent))
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +239,11 @@ class RemoteEngine:
                 self._summed_at = (version, summed)
             return self._summed_at[1]
 
+    def service_stats(self) -> dict[str, TenantService]:
+        """Each tenant's service, summed over the workers that answer (each since it started)."""
+        reports = self.workers.snapshot(lambda w: None if w.lost else w.activity.service)
+        return total_service(report for report in reports if report is not None)
+
     def queue_depth(self) -> tuple[int, int]:
         rows = self.workers.snapshot(
             lambda w: (
@@ -237,22 +260,9 @@ class RemoteEngine:
         return sum(rows)
 
     def worker_rows(self) -> list[dict[str, Any]]:
-        """Each worker that discovery names: address, model, whether it is in routing, load."""
-        rows = self.workers.snapshot(
-            lambda w: (
-                None
-                if w.unlisted_since is not None
-                else {
-                    "url": w.url,
-                    "model": w.model or None,
-                    "up": w.up,
-                    "in_flight": w.in_flight,
-                    "load": w.reported_load,
-                    "cached_keys": len(w.keys),
-                    "last_error": w.last_error,
-                }
-            )
-        )
+        """Each worker that discovery names: address, model, whether it is in routing, load,
+        its recent step times' median and p99 and its step-time target (None: not reported)."""
+        rows = self.workers.snapshot(lambda w: None if w.unlisted_since is not None else _row(w))
         return [row for row in rows if row is not None]
 
     def pools(self) -> list[WorkersPool]:
@@ -277,6 +287,7 @@ class RemoteEngine:
         described: list[dict[str, Any]] = [
             w.state.get("describe", {}) for w in self.workers.routable()
         ]
+        step_costs = [d["step_cost"] for d in described if d.get("step_cost")]
         return {
             "models": sorted(self.models()),
             "routing": self.config.mode,
@@ -284,7 +295,25 @@ class RemoteEngine:
             "workers_up": sum(1 for row in rows if row["up"]),
             **{key: _agreed(d.get(key) for d in described) for key in _AGREED_CHOICES},
             "kv_blocks": self.pool.num_blocks or None,
+            **({"step_cost": step_costs} if step_costs else {}),  # each worker's, unnamed
         }
+
+
+def _row(worker: Worker) -> dict[str, Any]:
+    """A worker as `RemoteEngine.worker_rows` shows it (under the set's lock)."""
+    recent = quantiles(worker.activity.steps.recent)
+    return {
+        "url": worker.url,
+        "model": worker.model or None,
+        "up": worker.up,
+        "in_flight": worker.in_flight,
+        "load": worker.reported_load,
+        "cached_keys": len(worker.keys),
+        "last_error": worker.last_error,
+        "step_seconds_p50": recent.get(0.5),
+        "step_seconds_p99": recent.get(0.99),
+        "step_target_ms": worker.activity.step_target_ms,
+    }
 
 
 def _agreed(values: Iterable[Any]) -> Any:

@@ -10,14 +10,22 @@ turns draw it to the worker that holds them. Routing sees keys and scopes, never
 The cost of sending a request to a worker, in prompt tokens to compute:
 
     cost = uncached prompt tokens
-         + routing_load_tokens x requests in flight there
+         + routing_load_tokens x (its tenant's sequences in flight there
+                                  + other tenants with work there)
          + tokens of blocks it would have to evict (more than its free blocks)
+
+The middle term is the queue the request would wait in there. A worker's engine schedules
+fairly between tenants: a request waits for its own tenant's work and for about one share of
+each other tenant with work there, not for every other tenant's request. So a tenant's flood
+weighs on that tenant's own requests, which spread over the workers by it, while another
+tenant sees one more tenant there and keeps going to the worker that holds its prefix. (A worker
+that does not report its tenants counts every sequence in flight there.)
 
 The cheapest worker wins. Ties (nothing cached anywhere, equal load) go to a worker chosen by
 rendezvous hashing on the request's first block key, so the turns of one conversation and the
-requests of one system prompt keep landing together. When the cheapest worker has
-`max_imbalance` more requests in flight than the least loaded one, the least loaded wins:
-a hot prefix must not pile every request onto one machine.
+requests of one system prompt keep landing together. When the cheapest worker's queue for the
+request is `max_imbalance` longer than the shortest one, the least loaded wins: a hot prefix
+must not pile every request onto one machine.
 """
 
 from __future__ import annotations
@@ -55,7 +63,7 @@ class RoutingConfig:
 
     mode: str  # "cache_aware" or "round_robin"
     load_tokens: int  # what one request in flight costs, in prompt tokens to compute
-    max_imbalance: int  # the least loaded wins once the cheapest has this many more in flight
+    max_imbalance: int  # the least loaded wins once the cheapest's queue is this much longer
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +72,7 @@ class Candidate:
 
     name: str
     keys: abc.Container[str]  # cached, or about to be (requests just sent there)
-    in_flight: int
+    load: int  # the queue the request would wait in there, in sequences (`Worker.load_for`)
     free_blocks: int
     # The request's keys as this worker computes them (its root: model, KV dtype, block size).
     request_keys: abc.Sequence[str] = ()
@@ -98,17 +106,17 @@ def rank(
     if not candidates:
         return []
     needed_blocks = cdiv(prompt_tokens, block_size)
-    least_loaded = min(candidate.in_flight for candidate in candidates)
+    least_loaded = min(candidate.load for candidate in candidates)
     scored: list[tuple[float, int, Choice]] = []
     for candidate in candidates:
         cached = matched_blocks(candidate.request_keys, candidate.keys)
         uncached = max(0, prompt_tokens - cached * block_size)
         evict = max(0, needed_blocks - cached - candidate.free_blocks) * block_size
-        cost = uncached + load_tokens * candidate.in_flight + evict
+        cost = uncached + load_tokens * candidate.load + evict
         scored.append((cost, -_rendezvous(sticky, candidate.name), Choice(candidate.name, cached)))
     scored.sort(key=lambda item: (item[0], item[1]))
     ranked = [choice for _, _, choice in scored]
-    loads = {candidate.name: candidate.in_flight for candidate in candidates}
+    loads = {candidate.name: candidate.load for candidate in candidates}
     if loads[ranked[0].name] - least_loaded >= max_imbalance:
         ranked.sort(key=lambda choice: loads[choice.name])  # stable: best among least loaded
     return ranked

@@ -84,3 +84,38 @@ def test_metrics_without_the_token_name_no_tenant(gateway: Gateway) -> None:
     assert "tenant=" not in anonymous.text
     wrong = httpx.get(gateway.server.url + "/metrics", headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+
+
+def sample(text: str, series: str) -> float | None:
+    """The value of one series (its name and labels as exposed) in a scrape, or None."""
+    found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    return None if found is None else float(found.group(1))
+
+
+def test_metrics_show_each_tenants_service_to_the_scraper_and_step_times_to_all(
+    gateway: Gateway,
+) -> None:
+    api = openai_client(gateway)
+    api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "service"}],
+                                max_tokens=3)  # fmt: skip
+    scraper = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    scraped = httpx.get(gateway.server.url + "/metrics", headers=scraper).text
+    for series in (
+        'prefixgate_engine_service_tokens_total{kind="prefill",tenant="acme"}',
+        'prefixgate_engine_service_tokens_total{kind="decode",tenant="acme"}',
+        'prefixgate_engine_service_weighted_tokens_total{tenant="acme"}',
+    ):
+        assert (sample(scraped, series) or 0) > 0, series
+    anonymous = httpx.get(gateway.server.url + "/metrics").text
+    assert "prefixgate_engine_service_tokens_total{" not in anonymous
+    assert "prefixgate_engine_service_weighted_tokens_total{" not in anonymous
+    # Step times name no tenant: every scraper sees them.
+    engine = gateway.server.gateway.engine
+    target_ms = engine.describe()["step_cost"]["target_ms"]
+    for text in (scraped, anonymous):
+        assert (sample(text, "prefixgate_engine_steps_total") or 0) > 0
+        assert (sample(text, "prefixgate_engine_step_seconds_total") or 0) > 0
+        p50 = sample(text, 'prefixgate_engine_step_seconds_recent{quantile="0.5"}')
+        p99 = sample(text, 'prefixgate_engine_step_seconds_recent{quantile="0.99"}')
+        assert p50 is not None and p99 is not None and 0 < p50 <= p99
+        assert sample(text, "prefixgate_engine_step_target_seconds") == target_ms / 1000
