@@ -46,7 +46,7 @@ from engine.request import GenerationDelta
 from engine.sampling.sampler import TokenLogprobs
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, Status
-from engine.step_cost import ObservedScale, StepCost, calibrate
+from engine.step_cost import CostFit, StepCost, calibrate
 from engine.step_sampling import sample_next, take_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -79,11 +79,10 @@ class EngineCore:
         self.runner = ModelRunner(model, pool.kv, backend)
         # Fewer CPU threads while something else wants the CPUs (None: nothing to govern).
         self.threads = ThreadGovernor.for_device(self.device)
-        self.step_cost = config.step_cost or self._calibrate(pool, kv_dtype)
-        self.step_target_ms = config.step_target_ms or self.step_cost.default_target_ms()
-        # Observed step time over predicted, followed while the machine's speed moves (the
-        # model was timed on the forward pass alone, once): a given cost model is used as is.
-        self.cost_scale = ObservedScale(fixed=config.step_cost is not None)
+        # The cost model steps are predicted with: calibrated now, then refitted from every step
+        # (engine/step_cost.py); one given in the config is used as is.
+        calibrated = config.step_cost or self._calibrate(pool, kv_dtype)
+        self.cost_fit = CostFit(calibrated, follow=config.step_cost is None)
         self._install(pool)
         logger.info("engine: %s", self.describe())
         self.metrics = EngineMetrics()
@@ -118,7 +117,6 @@ class EngineCore:
                 max_num_seqs=config.max_num_seqs,
                 queue_timeout_s=config.queue_timeout_s,
                 fair=config.scheduling == "fair",
-                step_target_ms=self.step_target_ms,
             ),
         )
 
@@ -137,6 +135,17 @@ class EngineCore:
             threads,
         )
         return calibrate(self.runner, pool.kv, key, threads)
+
+    @property
+    def step_cost(self) -> StepCost:
+        """The cost model as fitted so far."""
+        return self.cost_fit.model
+
+    @property
+    def step_target_ms(self) -> float:
+        """The step-time target: the configured one, else `TARGET_DECODE_STEPS` decode steps
+        as the model predicts them now."""
+        return self.config.step_target_ms or self.step_cost.default_target_ms()
 
     def _computing_threads(self) -> int:
         """The CPU threads the next step computes with (the governor's count where it governs)."""
@@ -180,7 +189,8 @@ class EngineCore:
                 **self.step_cost.describe(),
                 "target_ms": round(self.step_target_ms, 3),
                 "threads": self._computing_threads(),
-                "observed_scale": round(self.cost_scale.value, 3),
+                "fitted_steps": self.cost_fit.steps,
+                "calibrated": self.cost_fit.calibrated.describe(),
             },
         }
 
@@ -195,9 +205,8 @@ class EngineCore:
             self._record_queue_and_cache()
             return False
         started = time.perf_counter()
-        output = self.scheduler.schedule(
-            self._computing_threads(), self.step_cost.scaled(self.cost_scale.value)
-        )
+        threads = self._computing_threads()
+        output = self.scheduler.schedule(threads, self.step_cost, self.step_target_ms)
         for sequence, error in output.failed:
             self._settle(sequence, error)
         tokens = sum(chunk.num_tokens for chunk in output.chunks)
@@ -210,7 +219,7 @@ class EngineCore:
             self._keys_wanted = False
             self._keys_snapshot = self.cache.prefix_cache.keys()
         elapsed = time.perf_counter() - started
-        self.cost_scale.observe(elapsed * 1000.0, output.predicted_ms)
+        self.cost_fit.observe(tokens, output.pairs, threads, elapsed * 1000.0)
         self.metrics.record_step(
             elapsed,
             tokens,

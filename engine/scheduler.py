@@ -46,18 +46,15 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     queue_timeout_s: float = 30.0
     long_prefill_tokens: int = 512
-    # Service counted over time ("fair") or each step's budget split equally ("per_step").
+    # Service counted over time and steps kept short ("fair"), or each step's budget split
+    # equally ("per_step").
     fair: bool = True
-    # The predicted time a step that carries another tenant's light work must stay within
-    # (None: no cap), and how long a tenant's light work keeps steps short after it ended.
-    step_target_ms: float | None = None
+    # How long a tenant's light work keeps other tenants' steps short after it ended.
     light_recent_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.step_target_ms is not None and self.step_target_ms <= 0:
-            raise ValueError("step_target_ms must be positive")
 
 
 @dataclass(slots=True)
@@ -75,7 +72,9 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     failed: list[tuple[Sequence, EngineError]] = field(default_factory=list)
     preempted: int = 0
-    # The step's predicted time (ms, on the threads of `schedule`) and whether it was capped.
+    # The (token, position) pairs its attention reads, its predicted time (ms, on the threads
+    # of `schedule`) and whether it was kept within the step-time target.
+    pairs: int = 0
     predicted_ms: float = 0.0
     capped: bool = False
 
@@ -91,7 +90,9 @@ class Scheduler:
     ) -> None:
         self.manager = manager
         self.config = config
-        self.cost: StepCost | None = None  # the cost model of the step being planned
+        # The cost model and step-time target of the step being planned.
+        self.cost: StepCost | None = None
+        self.target_ms: float | None = None
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -123,10 +124,14 @@ class Scheduler:
         """Sequences waiting or running, per tenant."""
         return dict(Counter(s.request.tenant_id for s in (*self.running, *self.waiting)))
 
-    def schedule(self, threads: int = 1, cost: StepCost | None = None) -> SchedulerOutput:
+    def schedule(
+        self, threads: int = 1, cost: StepCost | None = None, target_ms: float | None = None
+    ) -> SchedulerOutput:
         """The next step's chunks; `threads`: the CPU threads it will compute with, `cost`: the
-        model its time is predicted with (None: no time cap, service counted in tokens)."""
+        model its time is predicted with (None: service counted in tokens), `target_ms`: the
+        step-time target (None: no cap; never with "per_step" scheduling)."""
         self.cost = cost
+        self.target_ms = target_ms if self.config.fair else None
         self.fair.begin_step(self._weights())
         budget = self.config.max_num_batched_tokens
         if len(self.waiting) + len(self.running) > 1:  # others share the step
@@ -151,7 +156,7 @@ class Scheduler:
     def _time_cap_ms(self, per_prefill: int, threads: int) -> float | None:
         """The step-time target when this step must stay short, else None (see the module
         docstring)."""
-        if not self.config.fair or self.config.step_target_ms is None or self.cost is None:
+        if self.target_ms is None or self.cost is None:
             return None
         now = self.clock()
         self._short_tokens = self._fitting_alone(per_prefill, threads)
@@ -166,13 +171,13 @@ class Scheduler:
         self._light_seen = {t: at for t, at in self._light_seen.items() if now - at <= recent}
         light = set(self._light_seen)
         if any(light - {tenant} for tenant in prefilling):
-            return self.config.step_target_ms
+            return self.target_ms
         return None
 
     def _fitting_alone(self, per_prefill: int, threads: int) -> int:
         """Most prompt tokens (up to `per_prefill`) a step of their own computes within the
         target, on `threads` threads (at least one)."""
-        cost, target = self.cost, self.config.step_target_ms
+        cost, target = self.cost, self.target_ms
         if cost is None or target is None:
             return per_prefill
         fixed = cost.fixed_ms * cost.thread_factor(threads)
@@ -469,6 +474,7 @@ class _Step:
                 chunk.service = float(chunk.num_tokens)
             chunk.decode = _decodes(sequence)
             self.fair.charge(sequence.request.tenant_id, chunk.service)
+        self.output.pairs = self.pairs
         if self.cost is not None and self.output.chunks:
             self.output.predicted_ms = self.cost.predict_ms(self.tokens, self.pairs, self.threads)
         self.fair.end_step(self.held_back())

@@ -18,9 +18,11 @@ warm-up (the fastest is the one least disturbed by whatever else ran). Fits are 
 model, device, dtype, backend and thread count for the life of the process, so engines built
 again (a restart, the tests) do not time the model again.
 
-The fit times the forward pass alone, once; a step also samples and streams, and the machine's
-speed moves with what else runs on it, so the engine scales the model by how long steps really
-take against their prediction (`ObservedScale`), unless the cost model was given.
+The calibration times the forward pass alone, once, and a busy machine can mislead it; a step
+also samples and streams, and the machine's speed moves with what else runs on it. So the
+engine refits the model from every step it runs (`CostFit`), starting from the calibration,
+unless a cost model was given; the default step-time target (`TARGET_DECODE_STEPS` predicted
+decode steps) follows the fit.
 
 The scheduler uses it twice (engine/scheduler.py): to keep a step short while another tenant's
 light work waits on it (`target_ms`), and to weigh each tenant's service (engine/fairness.py)
@@ -29,13 +31,18 @@ by what its tokens cost (`service`).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.model.runner import Chunk, ModelRunner
+
+# The least a token may cost in a fit (a noisy fit can find a slope of zero or below).
+MIN_PER_TOKEN_MS = 1e-6
 
 # The default step-time target, in predicted decode steps of one sequence: a step that carries
 # another tenant's light work spends at least three quarters of its time on tokens.
@@ -104,18 +111,6 @@ class StepCost:
         threads."""
         return TARGET_DECODE_STEPS * self.predict_ms(1, 1, self.threads)
 
-    def scaled(self, factor: float) -> StepCost:
-        """The same model on a machine `factor` times slower."""
-        if factor == 1.0:
-            return self
-        return StepCost(
-            self.fixed_ms * factor,
-            self.per_token_ms * factor,
-            self.per_context_ms * factor,
-            self.threads,
-            self.serial_share,
-        )
-
     def describe(self) -> dict[str, float | int]:
         return {
             "fixed_ms": round(self.fixed_ms, 3),
@@ -126,25 +121,66 @@ class StepCost:
         }
 
 
-class ObservedScale:
-    """How much longer steps take than the model predicts, followed step by step (an
-    exponentially weighted mean of observed over predicted, within `LIMITS`); always 1.0 when
-    `fixed`."""
+class CostFit:
+    """The cost model followed from the steps the engine runs.
 
-    WEIGHT = 0.1  # of each new step
-    LIMITS = (0.25, 8.0)
+    Each step's observed time, brought back to the calibrated threads, is a sample of
+    `fixed + per_token x tokens + per_context x pairs`; the model is the least-squares fit of
+    the samples, each weighed `FORGET` times less than the one after it (about the last
+    `1 / (1 - FORGET)` steps count), beside the calibration's three points, which always count
+    as `PRIOR_STEPS` samples each (so that directions the steps do not vary in keep the
+    calibration's slope). A fit made while the machine was busy, or a machine whose speed
+    moves, is corrected within a few hundred steps. A model given in the config is used as is
+    (`follow=False`).
+    """
 
-    def __init__(self, fixed: bool = False) -> None:
-        self.fixed = fixed
-        self.value = 1.0
+    FORGET = 0.995
+    PRIOR_STEPS = 0.1
+    # Features scaled to similar sizes (tokens in thousands, pairs in millions) for the solve.
+    _SCALE = (1.0, 1e-3, 1e-6)
 
-    def observe(self, observed_ms: float, predicted_ms: float) -> None:
-        """A step took `observed_ms` where the scaled model predicted `predicted_ms`."""
-        if self.fixed or predicted_ms <= 0:
+    def __init__(self, calibrated: StepCost, follow: bool = True) -> None:
+        self.calibrated = calibrated
+        self.follow = follow
+        self.model = calibrated
+        self.steps = 0
+        self._xtx = np.zeros((3, 3))
+        self._xty = np.zeros(3)
+        self._prior_xtx = np.zeros((3, 3))
+        self._prior_xty = np.zeros(3)
+        for tokens, start in ((1, 0), (CALIBRATION_TOKENS, 0), (CALIBRATION_TOKENS, 512)):
+            pairs = attended_pairs(start, tokens)
+            x = self._features(tokens, pairs)
+            y = calibrated.predict_ms(tokens, pairs, calibrated.threads)
+            self._prior_xtx += self.PRIOR_STEPS * np.outer(x, x)
+            self._prior_xty += self.PRIOR_STEPS * y * x
+
+    def observe(self, tokens: int, pairs: int, threads: int, observed_ms: float) -> None:
+        """A step of `tokens` tokens attending `pairs` pairs took `observed_ms` on `threads`."""
+        if not self.follow or tokens <= 0 or not math.isfinite(observed_ms):
             return
-        ratio = self.value * observed_ms / predicted_ms  # against the unscaled model
-        low, high = self.LIMITS
-        self.value = min(high, max(low, (1 - self.WEIGHT) * self.value + self.WEIGHT * ratio))
+        x = self._features(tokens, pairs)
+        y = observed_ms / self.calibrated.thread_factor(threads)
+        self._xtx = self.FORGET * self._xtx + np.outer(x, x)
+        self._xty = self.FORGET * self._xty + y * x
+        self.steps += 1
+        try:
+            fixed, per_token, per_context = np.linalg.solve(
+                self._xtx + self._prior_xtx, self._xty + self._prior_xty
+            ) * np.array(self._SCALE)
+        except np.linalg.LinAlgError:  # pragma: no cover - the prior keeps it regular
+            return
+        self.model = StepCost(
+            max(0.0, float(fixed)),
+            max(MIN_PER_TOKEN_MS, float(per_token)),
+            max(0.0, float(per_context)),
+            self.calibrated.threads,
+            self.calibrated.serial_share,
+        )
+
+    def _features(self, tokens: int, pairs: int) -> np.ndarray:
+        scaled: np.ndarray = np.array([1.0, tokens, pairs]) * np.array(self._SCALE)
+        return scaled
 
 
 _fits: dict[tuple[object, ...], StepCost] = {}
@@ -191,7 +227,7 @@ class _Calibration:
         extra_pairs = attended_pairs(self.offset, n) - attended_pairs(0, n)
         per_context = max(0.0, (far - near) / extra_pairs) if extra_pairs else 0.0
         pairs_grown = attended_pairs(0, n) - attended_pairs(0, 1)
-        per_token = max(1e-6, (near - decode - per_context * pairs_grown) / (n - 1))
+        per_token = max(MIN_PER_TOKEN_MS, (near - decode - per_context * pairs_grown) / (n - 1))
         fixed = max(0.0, decode - per_token - per_context)
         return StepCost(fixed, per_token, per_context, self.threads, self._serial(near, alone))
 

@@ -36,8 +36,10 @@ class ScriptedTime:
         engine.scheduler.clock = lambda: self.now
         schedule = engine.scheduler.schedule
 
-        def recording(threads: int, cost: StepCost | None) -> SchedulerOutput:
-            output = schedule(threads, cost)
+        def recording(
+            threads: int, cost: StepCost | None, target_ms: float | None
+        ) -> SchedulerOutput:
+            output = schedule(threads, cost, target_ms)
             self.outputs.append(output)
             return output
 

@@ -71,13 +71,13 @@ def test_a_step_that_fails_everyone_reports_an_empty_queue() -> None:
     steps = 0
 
     def failing_on_the_third_step(
-        threads: int, cost: StepCost | None
+        threads: int, cost: StepCost | None, target_ms: float | None
     ) -> SchedulerOutput:  # a bug outside any one request
         nonlocal steps
         steps += 1
         if steps == 3:
             raise RuntimeError("injected")
-        return schedule(threads, cost)
+        return schedule(threads, cost, target_ms)
 
     engine.scheduler.schedule = failing_on_the_third_step  # type: ignore[method-assign]
     collector = Collector()

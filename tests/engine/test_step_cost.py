@@ -8,7 +8,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.runner import Chunk
-from engine.step_cost import ObservedScale, StepCost, attended_pairs, calibrate
+from engine.step_cost import CostFit, StepCost, attended_pairs, calibrate
 from tests.support.models import engine_for, loaded, tiny_model
 
 
@@ -47,23 +47,42 @@ def test_bad_coefficients_are_refused() -> None:
         StepCost(fixed_ms=1.0, per_token_ms=1.0, per_context_ms=0.0, serial_share=1.5)
 
 
-def test_the_observed_scale_follows_slower_steps_within_its_limits() -> None:
-    scale = ObservedScale()
-    for _ in range(100):
-        scale.observe(observed_ms=20.0, predicted_ms=10.0 * scale.value)  # twice as slow
-    assert scale.value == pytest.approx(2.0, rel=0.01)
+def test_the_fit_follows_the_steps_the_engine_runs() -> None:
+    # A calibration taken on a busy machine: everything several times too slow.
+    misled = StepCost(fixed_ms=240.0, per_token_ms=2.0, per_context_ms=0.001, threads=2)
+    real = StepCost(fixed_ms=14.0, per_token_ms=0.5, per_context_ms=0.0002, threads=2)
+    fit = CostFit(misled)
+    assert fit.model is misled  # before any step
+    steps = [(1, 200), (4, 3000), (16, 9000), (300, 60_000), (512, 400_000), (64, 30_000)]
     for _ in range(200):
-        scale.observe(observed_ms=1000.0, predicted_ms=1.0)
-    assert scale.value == ObservedScale.LIMITS[1]
-    given = ObservedScale(fixed=True)
-    given.observe(observed_ms=50.0, predicted_ms=1.0)
-    assert given.value == 1.0
+        for tokens, pairs in steps:
+            fit.observe(tokens, pairs, threads=2, observed_ms=real.predict_ms(tokens, pairs, 2))
+    assert fit.model.fixed_ms == pytest.approx(real.fixed_ms, rel=0.1)
+    assert fit.model.per_token_ms == pytest.approx(real.per_token_ms, rel=0.1)
+    assert fit.model.default_target_ms() == pytest.approx(real.default_target_ms(), rel=0.1)
+
+
+def test_a_step_on_fewer_threads_is_brought_back_to_the_calibrated_threads() -> None:
+    calibrated = StepCost(10.0, 1.0, 0.0, threads=2, serial_share=0.0)
+    fit = CostFit(calibrated)
+    for _ in range(300):
+        for tokens in (1, 50, 200):  # twice the time on one thread of two: as calibrated
+            fit.observe(tokens, 0, threads=1, observed_ms=2 * calibrated.predict_ms(tokens, 0, 2))
+    assert fit.model.per_token_ms == pytest.approx(1.0, rel=0.05)
+
+
+def test_a_given_model_is_used_as_is() -> None:
+    given = StepCost(fixed_ms=2.0, per_token_ms=0.05, per_context_ms=0.0)
+    fit = CostFit(given, follow=False)
+    fit.observe(100, 5000, threads=1, observed_ms=900.0)
+    assert fit.model is given and fit.steps == 0
 
 
 def test_calibration_times_the_model_once_per_set_up_and_leaves_the_pool_zeroed() -> None:
     model = loaded(tiny_model("llama", seed=7), "llama")
     engine = Engine(model, EngineConfig(block_size=16, num_blocks=128))
     cost = engine.step_cost
+    assert cost is engine.cost_fit.calibrated  # no step has run yet
     assert cost.per_token_ms > 0 and cost.fixed_ms >= 0 and cost.per_context_ms >= 0
     assert 0.0 <= cost.serial_share <= 1.0
     assert not engine.pool.kv.any()  # the synthetic tokens' KV is gone
@@ -87,4 +106,4 @@ def test_calibration_times_the_model_once_per_set_up_and_leaves_the_pool_zeroed(
 def test_a_target_given_in_the_config_is_used() -> None:
     engine = engine_for("llama", step_target_ms=25.0)
     assert engine.step_target_ms == 25.0
-    assert engine.scheduler.config.step_target_ms == 25.0
+    assert engine.describe()["step_cost"]["target_ms"] == 25.0
