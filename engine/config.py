@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -38,7 +39,7 @@ class EngineConfig:
     # tenant's light work waits on them (engine/fairness.py); "per_step": the budget of each
     # step split equally between the tenants with work, nothing remembered between steps and
     # no step-time cap (the scheduling before fairness over time, kept for comparison).
-    scheduling: str = "fair"
+    scheduling: Literal["fair", "per_step"] = "fair"
     # The step-time target of a step that carries another tenant's light work, in ms; None:
     # from the cost model calibrated at start (engine/step_cost.py).
     step_target_ms: float | None = None

@@ -119,6 +119,7 @@ class EngineCore:
                 fair=config.scheduling == "fair",
             ),
         )
+        self.scheduler.service_cost = self.cost_fit.calibrated
 
     def _calibrate(self, pool: BlockPool, kv_dtype: torch.dtype) -> StepCost:
         """The cost model of this model on this machine (engine/step_cost.py), timed now on
@@ -134,7 +135,7 @@ class EngineCore:
             pool.spec.block_size,
             threads,
         )
-        return calibrate(self.runner, pool.kv, key, threads)
+        return calibrate(self.runner, pool, key, threads)
 
     @property
     def step_cost(self) -> StepCost:
@@ -228,11 +229,8 @@ class EngineCore:
             len(self.scheduler.running),
         )
         self.metrics.record_service(
-            (
-                (chunk.sequence.request.tenant_id, chunk.num_tokens, chunk.decode, chunk.service)
-                for chunk in output.chunks
-            ),
-            output.capped,
+            (chunk.sequence.request.tenant_id, chunk.num_tokens, chunk.decode, chunk.service)
+            for chunk in output.chunks
         )
         self.metrics.tenant_sequences = self.scheduler.tenant_sequences()
         return True

@@ -142,11 +142,11 @@ class Engine(EngineCore):
 
     def service_stats(self) -> dict[str, TenantService]:
         """Each tenant's service since start, as of the last step (safe from any thread)."""
-        return self.metrics.service
+        return dict(self.metrics.service)
 
     def tenant_sequences(self) -> dict[str, int]:
         """Sequences waiting or running per tenant, as of the last step."""
-        return self.metrics.tenant_sequences
+        return dict(self.metrics.tenant_sequences)
 
     # -- administration -----------------------------------------------------------------------
 

@@ -9,8 +9,8 @@ less now, whatever the step sizes were.
 
 No tenant banks credit (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024):
 - A tenant that comes back from idle starts at the lowest counter of the tenants whose work
-  carried on (`begin_step`); when no tenant's work carries on from one step to the next (the
-  engine went idle, or one tenant's work ended as another's began), every counter is forgotten.
+  carried on (`begin_step`); when no tenant's work carries on from one step to the next (one
+  set of tenants' work ended as another's began), every counter is forgotten.
 - A tenant whose demand a step met in full (it was not held back) cannot stay more than `slack`
   behind the tenants that were held back, or behind every tenant with work when none was
   (`end_step`): a light tenant that sends a little at a time gets what it asks at once, and
@@ -51,8 +51,12 @@ class FairShare:
         floor = min((self.counter(t) for t in continuing), default=0.0)
         for tenant in active - continuing:  # back from idle: no credit for the idle time
             self.counters[tenant] = max(self.counters.get(tenant, floor), floor)
-        # An idle tenant's counter matters only while it is above every active one.
-        self.counters = {t: c for t, c in self.counters.items() if t in active or c > floor}
+        # An idle tenant's counter matters only while it is above every active one; all are
+        # kept relative to the lowest active one, so they stay small however long the work.
+        lowest = min(self.counter(t) for t in active) if active else 0.0
+        self.counters = {
+            t: c - lowest for t, c in self.counters.items() if t in active or c > floor
+        }
         self._active = active
 
     def counter(self, tenant: str) -> float:

@@ -47,7 +47,6 @@ class EngineMetrics:
     # service since start, and sequences waiting or running after the last step.
     service: dict[str, TenantService] = field(default_factory=dict)
     tenant_sequences: dict[str, int] = field(default_factory=dict)
-    capped_steps: int = 0  # steps cut to the step-time target for another tenant's light work
 
     def record_step(
         self, seconds: float, tokens: int, preempted: int, waiting: int, running: int
@@ -59,10 +58,9 @@ class EngineMetrics:
         self.preemptions += preempted
         self.waiting, self.running = waiting, running
 
-    def record_service(self, served: Iterable[tuple[str, int, bool, float]], capped: bool) -> None:
+    def record_service(self, served: Iterable[tuple[str, int, bool, float]]) -> None:
         """Add a step's chunks, each (tenant, tokens, whether a decode, service), to their
         tenants' service (in a new dict: readers keep the one they hold)."""
-        self.capped_steps += capped
         service = dict(self.service)
         for tenant, tokens, decode, cost in served:
             before = service.get(tenant, _NO_SERVICE)

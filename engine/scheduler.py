@@ -10,15 +10,18 @@ run or wait, no prefill chunk takes more than `long_prefill_tokens` of a step.
 
 Short steps while others wait on them: when a step would carry one tenant's prefill while
 another tenant has light work (a decode, or a prompt short enough for one target step) now or
-had some within `light_recent_s`, the step's prefill tokens are cut so that its predicted time
-(engine/step_cost.py, on the threads the engine computes with now) stays within the step-time
-target; decodes always run, and the least-served tenant's prefill goes first. A step with only
-one tenant's work keeps the whole budget.
+had some within `light_recent_s`, and that tenant is not more than a step's budget ahead in
+service, the step's prefill tokens are cut so that its predicted time (engine/step_cost.py, on
+the threads the engine computes with now) stays within the step-time target. Decodes always
+run; short prompts come first, then the rest least-served tenant first, and the least-served
+tenant's prompt gets `MIN_CAPPED_PREFILL_TOKENS` even when the rest fills the target. A tenant
+with no other tenant's light work in that window keeps the whole budget.
 
 When a running sequence cannot get a block, the newest running sequence not yet scheduled in
 the step that competes for the same blocks is preempted (its blocks freed, recomputed later,
-mostly from the prefix cache); a waiting sequence whose blocks stay refused past the queue
-timeout fails with a typed error.
+mostly from the prefix cache), except that a prefill waits a step rather than preempt for
+blocks a sequence admitted in the same step took; a waiting sequence whose blocks stay refused
+past the queue timeout fails with a typed error. Seats (`max_num_seqs`) go in arrival order.
 """
 
 from __future__ import annotations
@@ -93,12 +96,18 @@ class Scheduler:
         # The cost model and step-time target of the step being planned.
         self.cost: StepCost | None = None
         self.target_ms: float | None = None
+        # The model service is weighed with (the calibrated one: a step's refit must not
+        # change what a token counts for); None: the step's own.
+        self.service_cost: StepCost | None = None
         self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.fair = FairShare(config.max_num_batched_tokens, remember=config.fair)
         self._light_seen: dict[str, float] = {}  # tenant -> when it last had light work
-        self._short_tokens = 1  # what fits in one target step (set each capped step)
+        # What fits in one target step, and the tenants counted light (set each step a cap
+        # could apply).
+        self._short_tokens = 1
+        self.light: set[str] = set()
 
     def add(self, sequence: Sequence) -> None:
         sequence.status = Status.WAITING
@@ -169,7 +178,10 @@ class Scheduler:
                 prefilling.add(tenant)
         recent = self.config.light_recent_s
         self._light_seen = {t: at for t, at in self._light_seen.items() if now - at <= recent}
-        light = set(self._light_seen)
+        # A tenant more than a step's budget ahead of the prefilling ones is not waited for:
+        # many short requests make a tenant light one by one, never short of service.
+        ahead = min((self.fair.counter(t) for t in prefilling), default=0.0) + self.fair.slack
+        light = self.light = {t for t in self._light_seen if self.fair.counter(t) <= ahead}
         if any(light - {tenant} for tenant in prefilling):
             return self.target_ms
         return None
@@ -272,8 +284,8 @@ class Scheduler:
         return count, False
 
 
-# Under a step-time cap, the least-served prefill still gets this many tokens when the step's
-# light work alone fills the target: a heavy tenant slows down, it never stops.
+# Under a step-time cap, the least-served tenant's prefill still gets this many tokens when the
+# rest of the step fills the target: a heavy tenant slows down, it never stops.
 MIN_CAPPED_PREFILL_TOKENS = 16
 
 
@@ -296,7 +308,15 @@ class _Step:
         self.refused: set[int] = set()  # ids of sequences the cache refused in this step
         self.over_share: list[Sequence] = []
         self.tokens = self.pairs = 0
-        self.prefilled = False  # a prefill chunk is in the step
+        self.admitted = False  # a waiting sequence was admitted in the step
+        # Under a time cap, the least-served tenant with a prompt to compute (of those equally
+        # served, one the cap is not for) gets at least `MIN_CAPPED_PREFILL_TOKENS` of it.
+        prompts = [s for s in scheduler.running if not _decodes(s)] + list(scheduler.waiting)
+        tenants = {sequence.request.tenant_id for sequence in prompts}
+        self.floor_tenant = min(
+            tenants, key=lambda t: (self.fair.counter(t), t in scheduler.light), default=None
+        )
+        self.floor_given = False
 
     def _demands(self) -> dict[str, int]:
         """What each tenant could use of this step (waiting prompts counted uncached)."""
@@ -336,16 +356,19 @@ class _Step:
         ]
         order.sort(key=lambda item: item[:3])
         for _, waits, _, sequence in order:
-            if self.budget <= 0:
+            if self.budget <= 0 or self._out_of_time():
                 break
             if waits:
                 if not self.output.preempted:
                     self.admit_waiting([sequence], shares=True)
             elif sequence in running:  # not preempted for an earlier sequence's blocks
                 allowed = min(self.budget, self.per_prefill, self._left(sequence))
-                allowed = self._within_time(sequence.num_computed, allowed)
+                allowed = self._within_time(sequence, sequence.num_computed, allowed)
                 if allowed > 0:
-                    self._run(sequence, _chunk_size(sequence, sequence.num_computed, allowed))
+                    count = _chunk_size(sequence, sequence.num_computed, allowed)
+                    # Blocks a sequence admitted in this step took are not won back by
+                    # preempting an older one: the prefill waits a step instead.
+                    self._run(sequence, count, preempt=not self.admitted)
 
     def _turn(self, sequence: Sequence) -> float:
         """Where a prefill comes in the step: by its tenant's counter, and in a capped step a
@@ -356,12 +379,25 @@ class _Step:
             counter -= self.fair.slack
         return counter
 
-    def _run(self, sequence: Sequence, count: int) -> None:
+    def _run(self, sequence: Sequence, count: int, preempt: bool = True) -> None:
+        if not preempt:
+            if self.scheduler.manager.allocate(sequence.request_id, sequence.num_computed + count):
+                self.refused.add(id(sequence))
+            else:
+                self._add(sequence, count)
+            return
         grown, preempted = self.scheduler._grow(sequence, count, set(self.scheduled))
         self.refused.update(id(victim) for victim in preempted)
         self.output.preempted += len(preempted)
         if grown:
             self._add(sequence, count)
+
+    def _out_of_time(self) -> bool:
+        """Whether the time cap leaves no room for another prefill token in this step (and the
+        least-served tenant had its floor)."""
+        if self.cap_ms is None or (self.floor_tenant is not None and not self.floor_given):
+            return False
+        return self._within_time(None, 0, 1) == 0
 
     def admit_waiting(self, candidates: list[Sequence], shares: bool) -> None:
         """Admit `candidates` in order, each within its tenant's share (with `shares`) or any
@@ -371,6 +407,8 @@ class _Step:
         for sequence in candidates:
             if self.budget <= 0 or len(scheduler.running) >= scheduler.config.max_num_seqs:
                 break
+            if self._out_of_time():
+                break
             allowed = min(self.budget, self.per_prefill)
             if shares:
                 allowed = min(allowed, self._left(sequence))
@@ -379,12 +417,13 @@ class _Step:
                 continue
 
             def limit(start: int, sequence: Sequence = sequence, allowed: int = allowed) -> int:
-                return self._within_time(start, _chunk_size(sequence, start, allowed))
+                return self._within_time(sequence, start, _chunk_size(sequence, start, allowed))
 
             count, refused = scheduler._admit(sequence, limit, self.output)
             if refused:
                 self.refused.add(id(sequence))
             if count:
+                self.admitted = True
                 self._add(sequence, count)
 
     # -- leftovers ----------------------------------------------------------------------------
@@ -397,7 +436,7 @@ class _Step:
             self.scheduler.running, key=lambda s: self.fair.counter(s.request.tenant_id)
         )
         for sequence in running:
-            if self.budget <= 0:
+            if self.budget <= 0 or self._out_of_time():
                 break
             chunk = self.scheduled.get(id(sequence))
             have = chunk.num_tokens if chunk else 0
@@ -405,7 +444,7 @@ class _Step:
             wanted = _chunk_size(
                 sequence, sequence.num_computed, min(self.per_prefill, have + self.budget)
             )
-            extra = self._within_time(start, wanted - have, floor=False)
+            extra = self._within_time(None, start, wanted - have)
             if extra <= 0:
                 continue
             if self.scheduler.manager.allocate(sequence.request_id, start + extra):
@@ -421,14 +460,15 @@ class _Step:
         tenant = sequence.request.tenant_id
         return self.shares.get(tenant, 0) - self.used[tenant]
 
-    def _within_time(self, start: int, tokens: int, floor: bool = True) -> int:
+    def _within_time(self, sequence: Sequence | None, start: int, tokens: int) -> int:
         """How many of `tokens` from position `start` the time cap lets in (all without a cap);
-        with `floor`, the step's first prefill gets `MIN_CAPPED_PREFILL_TOKENS` at least."""
+        the least-served tenant's first prefill (`sequence`'s, if it is) gets the floor."""
         if self.cap_ms is None or self.cost is None or tokens <= 0:
             return tokens
         left = self.cap_ms - self.cost.predict_ms(self.tokens, self.pairs, self.threads)
         fitting = self.cost.fitting_tokens(left, start, self.threads, tokens)
-        if floor and not self.prefilled:
+        floored = sequence is not None and sequence.request.tenant_id == self.floor_tenant
+        if floored and not self.floor_given:
             fitting = max(fitting, min(tokens, MIN_CAPPED_PREFILL_TOKENS))
         return fitting
 
@@ -446,12 +486,13 @@ class _Step:
         self.budget -= count
         self.tokens += count
         self.pairs += attended_pairs(start, count)
-        if not _decodes(sequence):
-            self.prefilled = True
+        if not _decodes(sequence) and sequence.request.tenant_id == self.floor_tenant:
+            self.floor_given = True
 
     def held_back(self) -> set[str]:
-        """Tenants this step left wanting for lack of budget, share, time or seats (not for
-        lack of blocks: the cache refusing a tenant is its quota or the pool, not its turn)."""
+        """Tenants this step left wanting for lack of budget, share or time (not for lack of
+        blocks or seats: the cache refusing a tenant is its quota or the pool, and sequences
+        wait for a seat in the order they came, not by service)."""
         held: set[str] = set()
         for sequence in self.scheduler.running:
             chunk = self.scheduled.get(id(sequence))
@@ -459,8 +500,9 @@ class _Step:
             wanted = _chunk_size(sequence, sequence.num_computed, self.per_prefill)
             if got < wanted and id(sequence) not in self.refused:
                 held.add(sequence.request.tenant_id)
+        seats = len(self.scheduler.running) < self.scheduler.config.max_num_seqs
         for sequence in self.scheduler.waiting:
-            if id(sequence) not in self.refused:
+            if seats and id(sequence) not in self.refused:
                 held.add(sequence.request.tenant_id)
         return held
 
@@ -468,8 +510,9 @@ class _Step:
         """Charge each chunk's service to its tenant and predict the step's time."""
         for chunk in self.output.chunks:
             sequence = chunk.sequence
-            if self.cost is not None:
-                chunk.service = self.cost.service(sequence.num_computed, chunk.num_tokens)
+            units = self.scheduler.service_cost or self.cost
+            if units is not None:
+                chunk.service = units.service(sequence.num_computed, chunk.num_tokens)
             else:
                 chunk.service = float(chunk.num_tokens)
             chunk.decode = _decodes(sequence)

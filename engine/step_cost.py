@@ -31,6 +31,7 @@ by what its tokens cost (`service`).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -39,7 +40,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.cache.block_pool import BlockPool
 from engine.model.runner import Chunk, ModelRunner
+
+logger = logging.getLogger(__name__)
 
 # The least a token may cost in a fit (a noisy fit can find a slope of zero or below).
 MIN_PER_TOKEN_MS = 1e-6
@@ -188,28 +192,34 @@ _fits_lock = threading.Lock()
 
 
 def calibrate(
-    runner: ModelRunner, kv: torch.Tensor, key: tuple[object, ...], threads: int
+    runner: ModelRunner, pool: BlockPool, key: tuple[object, ...], threads: int
 ) -> StepCost:
     """The cost model of `runner` (see the module docstring), timed with synthetic tokens in
-    the first blocks of `kv` (zeroed afterwards) unless a fit under `key` is already known.
+    the first blocks of `pool` (zeroed afterwards) unless a fit under `key` is already known.
 
     Call it before the engine serves: it writes into the pool and runs the model.
     """
     with _fits_lock:
         known = _fits.get(key)
         if known is None:
-            known = _fits[key] = _Calibration(runner, kv, threads).fit()
+            started = time.perf_counter()
+            known = _fits[key] = _Calibration(runner, pool, threads).fit()
+            logger.info(
+                "engine: step cost calibrated in %.1f s: %s",
+                time.perf_counter() - started,
+                known.describe(),
+            )
         return known
 
 
 class _Calibration:
-    def __init__(self, runner: ModelRunner, kv: torch.Tensor, threads: int) -> None:
-        self.runner, self.kv, self.threads = runner, kv, threads
-        block_size = int(kv.shape[3])
-        capacity = int(kv.shape[2]) * block_size
+    def __init__(self, runner: ModelRunner, pool: BlockPool, threads: int) -> None:
+        self.runner, self.pool, self.threads = runner, pool, threads
+        self.kv = pool.kv
+        capacity = pool.num_blocks * pool.spec.block_size
         self.tokens = max(2, min(CALIBRATION_TOKENS, capacity // 2))
         self.offset = max(0, min(CALIBRATION_OFFSET, capacity - self.tokens))
-        self.blocks = list(range(-(-(self.offset + self.tokens) // block_size)))
+        self.blocks = list(range(-(-(self.offset + self.tokens) // pool.spec.block_size)))
 
     def fit(self) -> StepCost:
         computed = self.runner.computed_tokens
@@ -219,10 +229,13 @@ class _Calibration:
             decode = self._fastest(1, 0)
             near = self._fastest(self.tokens, 0)
             far = self._fastest(self.tokens, self.offset)
-            alone = self._fastest(self.tokens, 0, threads=1) if self.threads > 1 else near
+            # Threads matter where they are CPU threads (the governor's).
+            on_cpu = self.kv.device.type == "cpu" and self.threads > 1
+            alone = self._fastest(self.tokens, 0, threads=1, runs=3) if on_cpu else near
         finally:
             self.runner.computed_tokens = computed
-            self.kv.index_fill_(2, torch.tensor(self.blocks, device=self.kv.device), 0)
+            blocks = torch.tensor(self.blocks, device=self.kv.device)
+            self.pool.zero_blocks(self.kv, blocks)
         n = self.tokens
         extra_pairs = attended_pairs(self.offset, n) - attended_pairs(0, n)
         per_context = max(0.0, (far - near) / extra_pairs) if extra_pairs else 0.0
@@ -239,8 +252,10 @@ class _Calibration:
         share = (all_threads_ms / one_thread_ms - inverse) / (1.0 - inverse)
         return min(1.0, max(0.0, share))
 
-    def _fastest(self, tokens: int, start: int, threads: int | None = None) -> float:
-        return min(self._time(tokens, start, threads) for _ in range(_REPEATS))
+    def _fastest(
+        self, tokens: int, start: int, threads: int | None = None, runs: int = _REPEATS
+    ) -> float:
+        return min(self._time(tokens, start, threads) for _ in range(runs))
 
     def _time(self, tokens: int, start: int, threads: int | None = None) -> float:
         """Milliseconds of one step computing `tokens` synthetic tokens from `start`."""

@@ -15,7 +15,7 @@ import pytest
 from engine.engine import Engine
 from engine.errors import InvalidRequest
 from engine.request import GenerationDelta
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import MIN_CAPPED_PREFILL_TOKENS, SchedulerOutput
 from engine.step_cost import StepCost
 from tests.support.models import Collector, engine_for, make_request
 
@@ -188,3 +188,63 @@ def test_a_weight_that_is_not_a_positive_number_is_refused_at_once(weight: float
     request = dataclasses.replace(make_request("bad", [5] * 10), weight=weight)
     with pytest.raises(InvalidRequest, match="weight"):
         engine.submit(request, Collector())
+
+
+def test_a_tenant_that_got_more_in_past_steps_gets_less_now() -> None:
+    engine = engine_for("llama", max_num_batched_tokens=BUDGET, num_blocks=512)
+    time = ScriptedTime(engine)
+    flood(engine, "heavy", 8, 300)
+    engine.submit(make_request("chat", [9] * 20, tenant="light", max_tokens=40), Collector())
+    for _ in range(10):
+        time.step()  # "light" decodes a token a step: "heavy" is served far more
+    flood(engine, "light", 6, 300)
+    output = time.step()
+    # "light" is behind by up to a step's budget, so it is served first until level: more
+    # than half of the step (a per-step split would give it exactly half).
+    assert time.tokens(output, "light") > BUDGET // 2 + 1
+
+
+def test_a_heavy_tenant_still_moves_when_light_work_alone_fills_the_target() -> None:
+    slow_steps = StepCost(fixed_ms=10.0, per_token_ms=1.0, per_context_ms=0.0)  # target 44 ms
+    target_ms = slow_steps.default_target_ms()
+    engine = engine_for("llama", max_num_batched_tokens=512, num_blocks=1024, step_cost=slow_steps)
+    time = ScriptedTime(engine)
+    flood(engine, "heavy", 1, 1000)
+    for i in range(40):  # 40 decodes: 50 ms predicted before any prefill
+        engine.submit(
+            make_request(f"c{i}", [9 + i] * 4, tenant="light", max_tokens=90), Collector()
+        )
+    floored = 0
+    fair = engine.scheduler.fair
+    output = time.step()
+    while output.capped:
+        gap = fair.counter("light") - fair.counter("heavy")
+        heavy = time.tokens(output, "heavy")
+        assert heavy > 0  # slowed, never stopped
+        if output.predicted_ms - heavy * slow_steps.per_token_ms >= target_ms:
+            assert heavy == MIN_CAPPED_PREFILL_TOKENS  # the light work alone filled the target
+            floored += 1
+        output = time.step()
+    assert floored > 0
+    # Steps are capped until "light" is a step's budget ahead: then its decodes no longer are.
+    assert gap > fair.slack - 100
+
+
+def test_a_capped_step_stops_trying_waiting_requests_once_its_time_is_spent() -> None:
+    engine = engine_for("llama", max_num_batched_tokens=512, num_blocks=1024, step_cost=COST)
+    time = ScriptedTime(engine)
+    flood(engine, "heavy", 200, 40)
+    engine.submit(make_request("chat", [9] * 20, tenant="light", max_tokens=4), Collector())
+    matches = 0
+    match = engine.cache.match
+
+    def counting(*args: object, **kwargs: object) -> object:
+        nonlocal matches
+        matches += 1
+        return match(*args, **kwargs)  # type: ignore[arg-type]
+
+    engine.cache.match = counting  # type: ignore[method-assign]
+    output = time.step()
+    assert output.capped
+    # Only the requests that fit the target were looked up, not the whole queue.
+    assert matches <= 2 + output.predicted_ms // (40 * COST.per_token_ms)

@@ -63,7 +63,9 @@ def test_a_tenant_back_from_idle_starts_at_the_lowest_counter_of_those_carrying_
     fair.charge("a", 500)
     fair.charge("b", 300)
     fair.begin_step({"a": 1.0, "b": 1.0, "c": 1.0})
-    assert fair.counter("c") == 300.0  # not 0: no credit for the time it was away
+    # Level with b, not at nothing: no credit for the time it was away (the counters are kept
+    # relative to the lowest, so b and c are at 0 and a 200 above them).
+    assert fair.counter("c") == fair.counter("b") == 0.0 and fair.counter("a") == 200.0
 
 
 def test_an_idle_tenant_that_was_ahead_stays_ahead_and_one_behind_is_forgotten() -> None:

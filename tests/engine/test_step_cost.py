@@ -95,9 +95,9 @@ def test_calibration_times_the_model_once_per_set_up_and_leaves_the_pool_zeroed(
 
     engine.runner.run = counting  # type: ignore[method-assign]
     key = ("same set-up", 1)
-    first = calibrate(engine.runner, engine.pool.kv, key, threads=1)
+    first = calibrate(engine.runner, engine.pool, key, threads=1)
     timed = len(runs)
-    assert timed > 0 and calibrate(engine.runner, engine.pool.kv, key, threads=1) is first
+    assert timed > 0 and calibrate(engine.runner, engine.pool, key, threads=1) is first
     assert len(runs) == timed  # known: not timed again
     described = engine.describe()["step_cost"]
     assert described["target_ms"] == pytest.approx(cost.default_target_ms(), rel=1e-3)
