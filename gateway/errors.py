@@ -89,6 +89,12 @@ class APIError(Exception):
         return cls(400, message, param=param, code=code)
 
     @classmethod
+    def not_json(cls) -> APIError:
+        """400: the body does not parse as JSON (bad syntax, bytes that are not UTF-8, nesting
+        or a number too large for the parser)."""
+        return cls.invalid("the request body is not valid JSON")
+
+    @classmethod
     def unauthorized(cls, message: str) -> APIError:
         """401: no key, or not a valid one."""
         return cls(401, message, error_type="authentication_error", code="invalid_api_key")
@@ -292,10 +298,21 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-        kinds = {404: "not_found_error", 405: "invalid_request_error"}
-        status = error.status_code
-        error_type = kinds.get(status, "server_error")
-        return respond_with(request, APIError(status, str(error.detail), error_type=error_type))
+        return respond_with(request, from_http_exception(error))
+
+
+def from_http_exception(error: StarletteHTTPException) -> APIError:
+    """The OpenAI form of Starlette's and FastAPI's own errors.
+
+    FastAPI answers a body that Python's JSON parser gives up on (nesting past the recursion
+    limit, a number of thousands of digits, bytes that are not UTF-8) with a bare 400 of its
+    own: it is the same mistake as a syntax error, and gets the same answer.
+    """
+    status = error.status_code
+    if status == 400 and isinstance(error.__cause__, ValueError | RecursionError):
+        return APIError.not_json()
+    kinds = {404: "not_found_error", 405: "invalid_request_error"}
+    return APIError(status, str(error.detail), error_type=kinds.get(status, "server_error"))
 
 
 def validation_to_api_error(errors: Any) -> APIError:
@@ -322,7 +339,7 @@ def validation_to_api_error(errors: Any) -> APIError:
     elif first.get("type") == "extra_forbidden":
         message = f"unsupported parameter: {'.'.join(location)}"
     elif first.get("type") == "json_invalid":
-        message, param = "the request body is not valid JSON", None
+        return APIError.not_json()
     elif location:
         message = f"{'.'.join(location)}: {message}"
     return APIError.invalid(message, param)

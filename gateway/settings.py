@@ -125,7 +125,7 @@ class Settings(BaseSettings):
     steps kept short while another tenant's light work waits on them; per_step: each step's
     budget split equally between the tenants with work, nothing remembered between steps (the
     earlier scheduling, for comparison)."""
-    step_target_ms: float | None = Field(default=None, gt=0, le=60_000)
+    step_target_ms: float | None = Field(default=None, ge=1, le=60_000, allow_inf_nan=False)
     """Longest predicted time of a step that carries another tenant's light work (fair
     scheduling); default: from the cost model calibrated at start (shown in /readyz)."""
     public_cache_blocks: int | None = None

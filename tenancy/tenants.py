@@ -33,12 +33,19 @@ class TenantLimits:
     scheduling_weight: float = 1.0
 
 
+def weight_text(weight: float) -> str:
+    """A scheduling weight as people write it, exactly: the shortest decimal that reads back as
+    the same float (`2.5`, `100.0001`, `1`), never rounded for display."""
+    return repr(weight).removesuffix(".0")
+
+
 def check_scheduling_weight(weight: float) -> float:
     """`weight` if it is a scheduling weight a tenant may have, else `InvalidInput`."""
     low, high = SCHEDULING_WEIGHT_RANGE
     if not low <= weight <= high:  # NaN fails too
         raise InvalidInput(
-            f"scheduling weight must be between {low:g} and {high:g} (got {weight:g})",
+            f"scheduling weight must be between {weight_text(low)} and {weight_text(high)} "
+            f"(got {weight_text(weight)})",
             "scheduling_weight",
         )
     return weight

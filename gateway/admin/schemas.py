@@ -20,7 +20,9 @@ from pydantic import (
     ConfigDict,
     Field,
     StringConstraints,
+    field_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from engine.cache.stats import OwnerStats
 from tenancy.models import SCHEDULING_WEIGHT_RANGE
@@ -87,6 +89,8 @@ class TenantCreate(Body):
 
 
 class TenantUpdate(Body):
+    """What to change; a field left out stays as it is."""
+
     display_name: Name | None = None
     sharing_mode: Literal["user", "tenant"] | None = None
     may_use_public_prefixes: bool | None = None
@@ -94,6 +98,16 @@ class TenantUpdate(Body):
     tokens_per_minute: Limit | None = None
     max_concurrent: Limit | None = None
     scheduling_weight: SchedulingWeight | None = None
+
+    @field_validator("scheduling_weight", mode="before")
+    @classmethod
+    def _weight_not_null(cls, value: object) -> object:
+        """Null is not a weight: a client that sends it meant some weight, not none."""
+        if value is None:
+            raise PydanticCustomError(
+                "null_weight", "null is not a weight: leave it out to keep it"
+            )
+        return value
 
 
 class QuotaUpdate(Body):

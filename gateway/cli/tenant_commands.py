@@ -5,6 +5,7 @@ Every change runs in one transaction and is audited, whatever its outcome (`audi
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 import typer
@@ -21,13 +22,29 @@ from gateway.cli.common import (
 )
 from tenancy import deployment, tenants
 from tenancy.errors import TenancyError
-from tenancy.models import Tenant
+from tenancy.models import SCHEDULING_WEIGHT_RANGE, Tenant
 
 tenants_app = typer.Typer(help="Create and manage tenants.", no_args_is_help=True)
 WEIGHT_HELP = (
     "Scheduling weight, 0.01 to 100: against other tenants with work, the tenant's share of "
     "the engine's service is in proportion to it (equal weights share equally)."
 )
+# A plain decimal number with an optional exponent: not Python's float spellings (1_0, " 2",
+# nan, inf), which would set a weight nobody meant.
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def parse_weight(text: str | float) -> float:
+    """A weight typed on the command line, read strictly; its range is the tenancy's check.
+
+    A default reaches it already a float.
+    """
+    if isinstance(text, float):
+        return text
+    if not _DECIMAL.fullmatch(text):
+        low, high = (tenants.weight_text(bound) for bound in SCHEDULING_WEIGHT_RANGE)
+        raise typer.BadParameter(f"expected a decimal number from {low} to {high} (got {text!r})")
+    return float(text)
 
 
 def tenant_json(tenant: Tenant) -> dict[str, Any]:
@@ -71,7 +88,7 @@ def tenants_create(
     rpm: Annotated[int, typer.Option(help="Requests per minute.")] = 600,
     tpm: Annotated[int, typer.Option(help="Tokens per minute.")] = 1_000_000,
     concurrent: Annotated[int, typer.Option(help="Concurrent requests.")] = 16,
-    scheduling_weight: Annotated[float, typer.Option(help=WEIGHT_HELP)] = 1.0,
+    scheduling_weight: Annotated[float, typer.Option(help=WEIGHT_HELP, parser=parse_weight)] = 1.0,
     no_public_prefixes: Annotated[
         bool, typer.Option("--no-public-prefixes", help="Never use shared public prefixes.")
     ] = False,
@@ -112,7 +129,7 @@ def _tenant_line(row: dict[str, Any]) -> str:
     return (
         f"{row['slug']:<24} {row['status']:<10} sharing={row['sharing_mode']:<7} "
         f"quota={row['cache_quota_blocks']} reserved={row['cache_reservation_blocks']} "
-        f"weight={row['scheduling_weight']:g}"
+        f"weight={tenants.weight_text(row['scheduling_weight'])}"
     )
 
 
@@ -171,10 +188,11 @@ def tenants_set_sharing(
     report(tenant, as_json, f"{slug}: sharing {mode}")
 
 
-@tenants_app.command("set-weight")
+# A weight is never an option: `-1` and `-inf` reach the weight's own checks and messages.
+@tenants_app.command("set-weight", context_settings={"ignore_unknown_options": True})
 def tenants_set_weight(
     slug: str,
-    weight: Annotated[float, typer.Argument(help=WEIGHT_HELP)],
+    weight: Annotated[float, typer.Argument(help=WEIGHT_HELP, parser=parse_weight)],
     as_json: JsonOption = False,
 ) -> None:
     """Change a tenant's scheduling weight (its next request carries it)."""
@@ -186,7 +204,8 @@ def tenants_set_weight(
         tenant_of=lambda t: t["id"],
         details={"scheduling_weight": weight},
     )
-    report(tenant, as_json, f"{slug}: scheduling weight {tenant['scheduling_weight']:g}")
+    weight_shown = tenants.weight_text(tenant["scheduling_weight"])
+    report(tenant, as_json, f"{slug}: scheduling weight {weight_shown}")
 
 
 @tenants_app.command("suspend")

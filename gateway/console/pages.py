@@ -38,6 +38,7 @@ from gateway.errors import APIError, from_tenancy_error, validation_to_api_error
 from gateway.http.middleware import client_ip
 from gateway.state import GatewayState
 from tenancy.errors import TenancyError
+from tenancy.tenants import weight_text
 
 STATIC_DIR = Path(__file__).parent / "static"
 CSRF_FIELD = "csrf"
@@ -278,3 +279,4 @@ _ENVIRONMENT.filters["when"] = format_time
 _ENVIRONMENT.filters["percent"] = lambda ratio: f"{100 * ratio:.1f}%"
 _ENVIRONMENT.filters["hit_ratio"] = format_hit_ratio
 _ENVIRONMENT.filters["thousands"] = lambda number: f"{number:,}"
+_ENVIRONMENT.filters["weight"] = weight_text

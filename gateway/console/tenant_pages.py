@@ -4,8 +4,9 @@ quota, status.
 The table lists live tenants with a bar of cache blocks held against the quota and the hit
 ratio, searchable and paged. A tenant's page shows its cache now and over the last minutes (a
 chart that `static/chart.js` refreshes from `usage.json` every 2 s), its scheduling weight
-beside the share of the engine's service it got over those minutes, its keys, and the forms
-that change it. Every change is the admin service's function (`gateway.admin.service.tenants`)
+beside the share of the engine's service it got over those minutes (to an operator only: the
+share would tell a tenant-admin what the other tenants got), its keys, and the forms that
+change it. Every change is the admin service's function (`gateway.admin.service.tenants`)
 that the admin API calls too: the same validation, the same audit event, the same effect on the
 engine. Suspend, resume and delete go through a confirmation page first. A quota saved in tokens
 comes back in tokens. The tenants table's hit ratio and prompt tokens are the last minutes' (the
@@ -39,6 +40,7 @@ from gateway.console.pages import (
 from gateway.errors import APIError
 from gateway.http.deps import StateDep
 from gateway.state import GatewayState
+from tenancy.tenants import weight_text
 
 router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=False)
 
@@ -53,11 +55,12 @@ SETTINGS_FIELDS = {
     "max_concurrent",
 }
 SCHEDULING_FIELDS = {"scheduling_weight"}
-# The forms that change a tenant's settings (the API's update): their fields, and what each
-# says it did.
+# The forms that change a tenant's settings (the API's update): their fields, those that must
+# not be empty (an empty field is left out of the update, which would change nothing), and
+# what each says it did.
 UPDATE_FORMS = {
-    "settings": (SETTINGS_FIELDS, "tenant_updated"),
-    "scheduling": (SCHEDULING_FIELDS, "weight_set"),
+    "settings": (SETTINGS_FIELDS, {"display_name"}, "tenant_updated"),
+    "scheduling": (SCHEDULING_FIELDS, SCHEDULING_FIELDS, "weight_set"),
 }
 QUOTA_FIELDS = {"quota", "quota_unit", "reservation", "reservation_unit"}
 # The admin API's names for the quota form's two amounts (the API's `param`s).
@@ -263,7 +266,7 @@ def render_tenant(
             "tokens_per_minute": tenant.tokens_per_minute,
             "max_concurrent": tenant.max_concurrent,
         },
-        "scheduling": {"scheduling_weight": f"{tenant.scheduling_weight:g}"},
+        "scheduling": {"scheduling_weight": weight_text(tenant.scheduling_weight)},
         "quota": {
             "quota": getattr(tenant.quota, quota_unit),
             "quota_unit": quota_unit,
@@ -311,8 +314,11 @@ def _update_tenant(
     name: str,
 ) -> Response:
     """Apply the form `name` (the admin API's tenant update); a refusal shows it again."""
-    fields, done = UPDATE_FORMS[name]
+    fields, required, done = UPDATE_FORMS[name]
     try:
+        empty = sorted(field for field in required if not form.get(field).strip())
+        if empty:
+            raise APIError.invalid(f"{empty[0]}: a value is required", empty[0])
         tenant_service.update_tenant(state, caller, tenant_id, form.body(TenantUpdate))
     except APIError as error:
         if error.status not in (400, 409):

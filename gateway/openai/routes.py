@@ -73,7 +73,7 @@ async def _serve(
             try:  # lone surrogates, NaN: Python's parser takes them, validation names the field
                 data = json.loads(raw)
             except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
-                raise APIError.invalid("the request body is not valid JSON") from None
+                raise APIError.not_json() from None
         if state.settings.drop_unknown_params and isinstance(data, dict):
             data = _known_fields(data, model)
         try:

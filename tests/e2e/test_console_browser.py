@@ -534,7 +534,12 @@ def test_a_tenant_admin_operator_sees_only_its_own_tenant(console_gateway: Gatew
     with ConsoleSession(console_gateway, username, OPERATOR_PASSWORD) as console:
         home = console.get("/admin")
         assert home.headers["location"] == f"/admin/tenants/{ids['acme']}"
-        assert console.get(f"/admin/tenants/{ids['acme']}").status_code == 200
+        own_page = console.get(f"/admin/tenants/{ids['acme']}")
+        assert own_page.status_code == 200
+        # Its share of the engine's service would tell it what every other tenant got.
+        assert "live-window-service-share" not in own_page.text
+        own_usage = console.get(f"/admin/tenants/{ids['acme']}/usage.json").json()
+        assert own_usage["summary"]["service_share"] is None
         for path in (f"/admin/tenants/{ids['globex']}",
                      f"/admin/tenants/{ids['globex']}/usage.json",
                      f"/admin/audit?tenant={ids['globex']}"):  # fmt: skip
@@ -564,8 +569,15 @@ def test_bad_input_gives_the_form_back_with_a_message(console_gateway: Gateway) 
             (f"/admin/tenants/{tenant_id}/quota", {"quota": "9" * 40}, 400, "quota-quota", ""),
             (f"/admin/tenants/{tenant_id}/quota", {"reservation": "5000000"}, 400,
              "quota-reservation", ""),
-            (f"/admin/tenants/{tenant_id}/settings", {"max_concurrent": "1.5"}, 400,
+            (f"/admin/tenants/{tenant_id}/settings", {"display_name": "globex",
+                                                      "max_concurrent": "1.5"}, 400,
              "settings-max_concurrent", "integer"),
+            (f"/admin/tenants/{tenant_id}/settings", {"display_name": " "}, 400,
+             "settings-display_name", "required"),
+            (f"/admin/tenants/{tenant_id}/scheduling", {"scheduling_weight": ""}, 400,
+             "scheduling-scheduling_weight", "required"),
+            (f"/admin/tenants/{tenant_id}/scheduling", {}, 400,
+             "scheduling-scheduling_weight", "required"),
             (f"/admin/tenants/{tenant_id}/scheduling", {"scheduling_weight": "0"}, 400,
              "scheduling-scheduling_weight", "greater than or equal to 0.01"),
             (f"/admin/tenants/{tenant_id}/scheduling", {"scheduling_weight": "heavy"}, 400,
@@ -603,6 +615,8 @@ def test_bad_input_gives_the_form_back_with_a_message(console_gateway: Gateway) 
                 assert message in answer.text.lower() or message in answer.text
         assert console.get("/admin/tenants", page="x").status_code == 400
         assert console.get("/admin/audit", since="yesterday").status_code == 400
+    with admin_client(console_gateway) as api:  # an empty weight was refused, not a no-op
+        assert api.get(f"/tenants/{tenant_id}").json()["scheduling_weight"] == 1.0
 
 
 def test_the_tenant_page_sets_the_weight_and_shows_the_share_of_service_it_gets(
@@ -616,16 +630,17 @@ def test_the_tenant_page_sets_the_weight_and_shows_the_share_of_service_it_gets(
     expect(page.locator("#tenant-weight")).to_have_text("1")
     expect(page.locator("#live-window-service-share")).to_have_text("—")  # nothing served yet
     after = console_gateway.last_audit_seq()
-    page.get_by_label("Scheduling weight", exact=True).fill("2.5")
+    page.get_by_label("Scheduling weight", exact=True).fill("2.3456789")
     page.get_by_role("button", name="Save weight").click()
     expect(page.locator(".notice")).to_contain_text("Scheduling weight saved")
-    expect(page.locator("#tenant-weight")).to_have_text("2.5")
-    expect(page.get_by_label("Scheduling weight", exact=True)).to_have_value("2.5")
+    # Shown as saved, not rounded: the form saved again unchanged must not change the weight.
+    expect(page.locator("#tenant-weight")).to_have_text("2.3456789")
+    expect(page.get_by_label("Scheduling weight", exact=True)).to_have_value("2.3456789")
     with admin_client(console_gateway) as api:
-        assert api.get(f"/tenants/{tenant_id}").json()["scheduling_weight"] == 2.5
+        assert api.get(f"/tenants/{tenant_id}").json()["scheduling_weight"] == 2.3456789
     changes = [e for e in console_gateway.audit_events(after) if e.action == "tenant.update"]
     audited = [(e.actor_id, e.details["after"]["scheduling_weight"]) for e in changes]
-    assert audited == [(ADMIN_USER, 2.5)]
+    assert audited == [(ADMIN_USER, 2.3456789)]
     client = openai.OpenAI(base_url=console_gateway.base_url, api_key=key, max_retries=0)
     chat(client, passenger_turns("Grace"))
     # The page's live refresh shows the share of the engine's service the tenant got.

@@ -56,6 +56,18 @@ def test_a_weight_out_of_range_is_invalid_input_and_changes_nothing(
     assert weight_of(store, "acme") == 3.0
 
 
+@pytest.mark.parametrize(
+    ("weight", "shown"),
+    [(100.0001, "100.0001"), (0.0099999, "0.0099999"), (1e-07, "1e-07"), (-1.0, "-1")],
+)
+def test_a_refused_weight_is_shown_exactly_as_given(
+    store: Store, weight: float, shown: str
+) -> None:
+    with pytest.raises(InvalidInput) as raised, store.transaction() as session:
+        tenants.create_tenant(session, "acme", limits=TenantLimits(scheduling_weight=weight))
+    assert str(raised.value) == f"scheduling weight must be between 0.01 and 100 (got {shown})"
+
+
 def test_set_scheduling_weight_changes_only_the_weight(store: Store) -> None:
     with store.transaction() as session:
         tenants.create_tenant(session, "acme", limits=TenantLimits(requests_per_minute=7))

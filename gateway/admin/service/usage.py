@@ -10,6 +10,8 @@ totals over days (summed in SQL, at most 90 days at a time). The ring is per pro
 empty at a restart; the audit log is the record.
 
 A tenant-admin sees its own tenant only: another tenant's id is the same 404 as a missing one.
+It gets its own service but not its share of everyone's: its service divided by that share is
+every tenant's service, which less its own is what all the others got, over any window it asks.
 """
 
 from __future__ import annotations
@@ -60,9 +62,10 @@ class UsageSummaryOut(BaseModel):
         description="What the engine computed for it, in prefill-token units (decode tokens "
         "weighted by their measured cost; cached prompt tokens are free)"
     )
-    service_share: float = Field(
+    service_share: float | None = Field(
         description="Its service over every tenant's in the window (0 when nothing was "
-        "served); against tenants with work, in proportion to the scheduling weights"
+        "served); against tenants with work, in proportion to the scheduling weights. Null "
+        "for a tenant-admin: with its service, it would tell the other tenants' service"
     )
 
 
@@ -124,7 +127,7 @@ def tenant_usage(
         interval_s=state.usage.interval_s,
         cache=cache,
         samples=_points(window.samples),
-        summary=_summary_out(window.summary),
+        summary=_summary_out(window.summary, caller),
     )
 
 
@@ -147,7 +150,7 @@ def usage_table(
                 status=tenant.status,
                 scheduling_weight=tenant.scheduling_weight,
                 cache=cache_usage(state, tenant),
-                summary=_summary_out(state.usage.window(str(tenant.id), window_s).summary),
+                summary=_summary_out(state.usage.window(str(tenant.id), window_s).summary, caller),
             )
             for tenant in rows
         ]
@@ -212,5 +215,7 @@ def _points(samples: list[UsageSample]) -> list[UsagePoint]:
     return points
 
 
-def _summary_out(summary: UsageSummary) -> UsageSummaryOut:
-    return UsageSummaryOut.model_validate(summary, from_attributes=True)
+def _summary_out(summary: UsageSummary, caller: AdminCaller) -> UsageSummaryOut:
+    """The window's summary as `caller` may see it: a tenant-admin gets no share of service."""
+    share = summary.service_share if caller.is_admin else None
+    return UsageSummaryOut.model_validate({**dataclasses.asdict(summary), "service_share": share})

@@ -1,5 +1,6 @@
 """/admin/api: a tenant's scheduling weight is set at creation or by a PATCH, audited like the
-other limits, refused out of range with a 400 naming it, and shown beside its observed share."""
+other limits, refused out of range (or null) with a 400 naming it, and shown beside its observed
+share to an operator, never to a tenant-admin (the share would tell it every tenant's service)."""
 
 from __future__ import annotations
 
@@ -53,12 +54,12 @@ def test_a_weight_out_of_range_is_a_400_naming_it_and_changes_nothing(
         assert client.get("/tenants", params={"q": slug}).json()["total"] == 0
         tenant = new_tenant(client, scheduling_weight=3.0)
         patched = client.patch(f"/tenants/{tenant['id']}", json={"scheduling_weight": weight})
-        if weight is None:  # null leaves a field as it is, as for every other field
-            assert patched.status_code == 200, patched.text
-        else:
-            assert patched.status_code == 400, patched.text
-            assert patched.json()["error"]["param"] == "scheduling_weight"
+        assert patched.status_code == 400, patched.text  # null too: it is not a weight
+        assert patched.json()["error"]["param"] == "scheduling_weight"
         assert client.get(f"/tenants/{tenant['id']}").json()["scheduling_weight"] == 3.0
+        other = client.patch(f"/tenants/{tenant['id']}", json={"max_concurrent": 5})
+        assert other.status_code == 200, other.text  # left out, the weight stays
+        assert other.json()["scheduling_weight"] == 3.0
 
 
 def test_usage_shows_the_weight_beside_the_observed_share(gateway: Gateway) -> None:
@@ -71,3 +72,18 @@ def test_usage_shows_the_weight_beside_the_observed_share(gateway: Gateway) -> N
         assert [(row["scheduling_weight"], row["summary"]["service_share"]) for row in rows] == [
             (4.0, 0.0)
         ]
+
+
+def test_a_tenant_admin_gets_its_own_service_but_never_its_share(gateway: Gateway) -> None:
+    # Its service over its share would be every tenant's service: less its own, the others'.
+    with admin_client(gateway, gateway.tenant_admin_keys["acme"]) as acme:
+        (row,) = acme.get("/usage").json()["data"]
+        own = acme.get(f"/tenants/{row['tenant_id']}/usage", params={"window_s": 60}).json()
+    for summary in (row["summary"], own["summary"]):
+        assert isinstance(summary["service"], float)
+        assert summary["service_share"] is None
+    with admin_client(gateway) as operator:
+        seen = operator.get(f"/tenants/{row['tenant_id']}/usage", params={"window_s": 60}).json()
+        rows = operator.get("/usage", params={"q": "acme"}).json()["data"]
+    assert isinstance(seen["summary"]["service_share"], float)
+    assert all(isinstance(listed["summary"]["service_share"], float) for listed in rows)

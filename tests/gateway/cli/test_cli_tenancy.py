@@ -91,6 +91,16 @@ def test_scheduling_weight_is_set_at_creation_or_later_listed_and_audited(
     assert events == [("success", 0.5), ("failure", 0.001)]
 
 
+def test_a_weight_is_a_plain_decimal_shown_exactly(postgres_url: str, tmp_path: Path) -> None:
+    cli = Cli(postgres_url, tmp_path / "state")
+    cli.ok("tenants", "create", "acme", "--scheduling-weight", "1e1")
+    assert cli.json("tenants", "show", "acme")["scheduling_weight"] == 10.0
+    said = cli.ok("tenants", "set-weight", "acme", "0.1234567")
+    assert said == "acme: scheduling weight 0.1234567\n"  # not rounded to 0.123457
+    assert cli.ok("tenants", "list").split()[-1] == "weight=0.1234567"
+    assert cli.ok("tenants", "set-weight", "acme", ".5") == "acme: scheduling weight 0.5\n"
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
