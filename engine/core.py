@@ -144,9 +144,8 @@ class EngineCore:
 
     @property
     def step_target_ms(self) -> float:
-        """The step-time target: the configured one, else `TARGET_DECODE_STEPS` decode steps
-        as the model predicts them now."""
-        return self.config.step_target_ms or self.step_cost.default_target_ms()
+        """The step-time target: the configured one, else `CostFit.target_ms`."""
+        return self.config.step_target_ms or self.cost_fit.target_ms()
 
     def _computing_threads(self) -> int:
         """The CPU threads the next step computes with (the governor's count where it governs)."""

@@ -21,8 +21,10 @@ again (a restart, the tests) do not time the model again.
 The calibration times the forward pass alone, once, and a busy machine can mislead it; a step
 also samples and streams, and the machine's speed moves with what else runs on it. So the
 engine refits the model from every step it runs (`CostFit`), starting from the calibration,
-unless a cost model was given; the default step-time target (`TARGET_DECODE_STEPS` predicted
-decode steps) follows the fit.
+unless a cost model was given. The default step-time target is `TARGET_DECODE_STEPS` decode
+steps at the fastest the engine has seen them (calibrated, or a settled fit's if faster): a
+busy start does not make it long, and later contention makes each step's prediction longer,
+so fewer tokens fit, not the target.
 
 The scheduler uses it twice (engine/scheduler.py): to keep a step short while another tenant's
 light work waits on it (`target_ms`), and to weigh each tenant's service (engine/fairness.py)
@@ -140,6 +142,7 @@ class CostFit:
 
     FORGET = 0.995
     PRIOR_STEPS = 0.1
+    SETTLED_STEPS = 100  # steps before a fit's decode step may lower the target
     # Features scaled to similar sizes (tokens in thousands, pairs in millions) for the solve.
     _SCALE = (1.0, 1e-3, 1e-6)
 
@@ -148,6 +151,10 @@ class CostFit:
         self.follow = follow
         self.model = calibrated
         self.steps = 0
+        # The fastest the engine has been seen to run a decode step of one sequence: the
+        # calibration's, or a settled fit's if lower (a busy machine at start misleads the one,
+        # a busy machine later the other; neither makes the target longer).
+        self.fastest_decode_ms = calibrated.predict_ms(1, 1, calibrated.threads)
         self._xtx = np.zeros((3, 3))
         self._xty = np.zeros(3)
         self._prior_xtx = np.zeros((3, 3))
@@ -181,6 +188,13 @@ class CostFit:
             self.calibrated.threads,
             self.calibrated.serial_share,
         )
+        if self.steps >= self.SETTLED_STEPS:
+            decode = self.model.predict_ms(1, 1, self.model.threads)
+            self.fastest_decode_ms = min(self.fastest_decode_ms, decode)
+
+    def target_ms(self) -> float:
+        """The default step-time target: `TARGET_DECODE_STEPS` decode steps at the fastest."""
+        return TARGET_DECODE_STEPS * self.fastest_decode_ms
 
     def _features(self, tokens: int, pairs: int) -> np.ndarray:
         scaled: np.ndarray = np.array([1.0, tokens, pairs]) * np.array(self._SCALE)

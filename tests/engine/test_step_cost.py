@@ -59,7 +59,14 @@ def test_the_fit_follows_the_steps_the_engine_runs() -> None:
             fit.observe(tokens, pairs, threads=2, observed_ms=real.predict_ms(tokens, pairs, 2))
     assert fit.model.fixed_ms == pytest.approx(real.fixed_ms, rel=0.1)
     assert fit.model.per_token_ms == pytest.approx(real.per_token_ms, rel=0.1)
-    assert fit.model.default_target_ms() == pytest.approx(real.default_target_ms(), rel=0.1)
+    assert fit.target_ms() == pytest.approx(real.default_target_ms(), rel=0.1)
+    # Later contention slows every step: the fit follows, the target does not grow.
+    for _ in range(200):
+        for tokens, pairs in steps:
+            slow = 3 * real.predict_ms(tokens, pairs, 2)
+            fit.observe(tokens, pairs, threads=2, observed_ms=slow)
+    assert fit.model.fixed_ms == pytest.approx(3 * real.fixed_ms, rel=0.1)
+    assert fit.target_ms() == pytest.approx(real.default_target_ms(), rel=0.1)
 
 
 def test_a_step_on_fewer_threads_is_brought_back_to_the_calibrated_threads() -> None:
