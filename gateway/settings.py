@@ -127,7 +127,8 @@ class Settings(BaseSettings):
     earlier scheduling, for comparison)."""
     step_target_ms: float | None = Field(default=None, ge=1, le=60_000, allow_inf_nan=False)
     """Longest predicted time of a step that carries another tenant's light work (fair
-    scheduling); default: from the cost model calibrated at start (shown in /readyz)."""
+    scheduling); default: four decode steps at the fastest the engine has seen them
+    (calibrated at start, refitted from its steps; shown in /readyz)."""
     public_cache_blocks: int | None = None
     """Quota of the public budget, in blocks; default: the whole pool."""
     enable_prefix_caching: bool = True
