@@ -55,7 +55,7 @@ def activity_json(engine: Engine) -> Json:
     metrics = engine.metrics
     recent = tuple(metrics.step_seconds)[-RECENT_STEPS:]  # a copy: the engine thread appends
     return {
-        "tenant_sequences": dict(engine.tenant_sequences()),
+        "tenant_sequences": engine.tenant_sequences(),  # a copy already
         "service": {
             tenant_id: dataclasses.asdict(service)
             for tenant_id, service in engine.service_stats().items()
