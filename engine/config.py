@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from engine.cache.budget import TenantBudget
 from engine.step_cost import StepCost
+from engine.structured.compile_limits import CompileLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,3 +46,6 @@ class EngineConfig:
     step_target_ms: float | None = None
     # The cost model steps are predicted with; None: calibrated at start.
     step_cost: StepCost | None = None
+    # The time and memory one structured-output grammar may take to compile, and how many
+    # compile at once (engine/structured/compile_pool.py).
+    compile_limits: CompileLimits = field(default_factory=CompileLimits)

@@ -34,7 +34,7 @@ from engine.cache.kv_cache_manager import KVCacheManager
 from engine.cache.kv_spec import KVSpec, dtype_name
 from engine.cache.stats import snapshot
 from engine.config import EngineConfig
-from engine.errors import EngineError, EngineRestarted, RequestFailed
+from engine.errors import EngineError, EngineRestarted, RequestFailed, TenantDeleted
 from engine.fault_isolation import run_isolated
 from engine.inbox import Inbox
 from engine.metrics import EngineMetrics
@@ -89,6 +89,10 @@ class EngineCore:
         self._inbox = Inbox()
         # Every request in flight, from `submit` until `_settle`, guarded by the inbox's lock.
         self._requests: dict[str, Sequence] = {}
+        # Tenants deleted (`_end_tenant`): a request of theirs that reaches the engine thread
+        # later (it passed the gateway's key check before the deletion) is refused, never
+        # served, so nothing of a deleted tenant is cached again. Kept across restarts.
+        self._deleted_tenants: set[str] = set()
         self._cache_stats = snapshot(self.cache)
         # The prefix cache's keys for `cached_keys`, copied at a step's end when asked for.
         self._keys_snapshot: list[BlockHash] = []
@@ -351,6 +355,11 @@ class EngineCore:
         with self._inbox.lock:
             if self._requests.get(sequence.request_id) is not sequence:
                 return  # a restart failed it while it waited in the inbox
+        if sequence.request.tenant_id in self._deleted_tenants:
+            # Still in the inbox when its tenant was deleted: refused before it holds a block
+            # (its other choices, waiting on its prompt, share its end).
+            self._settle(sequence, _tenant_deleted())
+            return
         self.scheduler.add(sequence)
         for fork in sequence.forks:
             fork.status = Status.WAITING
@@ -362,6 +371,15 @@ class EngineCore:
         if sequence is not None and sequence.status is not Status.SUBMITTED:
             for choice in sequence.choices or [sequence]:
                 self._settle(choice, None)
+
+    def _end_tenant(self, tenant_id: str) -> int:
+        """A tenant was deleted: refuse its requests in flight and any that arrive later
+        (`TenantDeleted`), then drop and zero its cached blocks; returns how many."""
+        self._deleted_tenants.add(tenant_id)
+        for sequence in self._scheduled():
+            if sequence.request.tenant_id == tenant_id:
+                self._settle(sequence, _tenant_deleted())
+        return self.cache.purge(tenant_id)
 
     def _scheduled(self) -> list[Sequence]:
         """The requests in flight that the scheduler has taken.
@@ -441,3 +459,7 @@ class EngineCore:
                 sequence.sink(error)
             except Exception:  # the request is over either way; the restart must go on
                 logger.exception("a request's sink raised on its last item")
+
+
+def _tenant_deleted() -> TenantDeleted:
+    return TenantDeleted("the tenant was deleted; its requests are refused")

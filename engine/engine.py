@@ -21,7 +21,7 @@ from engine.cache.budget import Owner, TenantBudget
 from engine.cache.stats import CacheStats
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.errors import EngineError, EngineOverloaded, EngineStopped, InvalidRequest
+from engine.errors import EngineOverloaded, EngineStopped, InvalidRequest
 from engine.metrics import TenantService
 from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest
@@ -39,7 +39,12 @@ class Engine(EngineCore):
             loaded.vocab_size, self.max_model_len, loaded.tokenizer is not None
         )
         # Structured outputs: callers compile a request's response format with this.
-        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        self.grammars = Grammars(
+            loaded.tokenizer,
+            loaded.vocab_size,
+            loaded.eos_token_ids,
+            self.config.compile_limits,
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -55,8 +60,10 @@ class Engine(EngineCore):
         return self._inbox.running and not self._restarting
 
     def stop(self, timeout: float | None = None) -> None:
-        """Finish what is running and waiting, then stop the thread."""
+        """Finish what is running and waiting, then stop the thread and end the grammar
+        compile processes."""
         self._inbox.stop(timeout)
+        self.grammars.close()
         if self.threads is not None and not self._inbox.running:
             self.threads.restore()  # torch gives later threads the count it was last set to
 
@@ -176,15 +183,9 @@ class Engine(EngineCore):
         return self._administer(apply)
 
     def purge_tenant(self, tenant_id: str) -> int:
-        """Cancel the tenant's requests, then drop and zero all its cached blocks."""
-
-        def purge() -> int:
-            for sequence in self._scheduled():
-                if sequence.request.tenant_id == tenant_id:
-                    self._settle(sequence, EngineError("the tenant's cache was purged"))
-            return self.cache.purge(tenant_id)
-
-        return self._administer(purge)
+        """A tenant was deleted: refuse its requests (in flight and to come) with
+        TenantDeleted, then drop and zero all its cached blocks; returns how many."""
+        return self._administer(lambda: self._end_tenant(tenant_id))
 
     def drop_public_prefix(self, namespace: str, token_ids: abc.Sequence[int]) -> int:
         """Drop and zero the cached blocks of a deleted or disabled public prefix.

@@ -54,6 +54,11 @@ class EngineOverloaded(EngineError):
     """The waiting queue is full."""
 
 
+class TenantDeleted(EngineError):
+    """The request's tenant was deleted while the request was in flight (or queued): never
+    served, and nothing of it stays cached."""
+
+
 class EngineRestarted(EngineError):
     """The engine failed outside any one request and restarted; retrying will be served."""
 

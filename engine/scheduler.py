@@ -31,7 +31,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.cache.budget import PUBLIC_OWNER, PoolExhausted, QuotaExceeded, Refusal
+from engine.cache.budget import PUBLIC_OWNER, PoolExhausted, QuotaExceeded, Refusal, ShareExceeded
 from engine.cache.kv_cache_manager import KVCacheManager
 from engine.errors import CacheQuotaTimeout, EngineError, PoolTimeout
 from engine.fairness import FairShare
@@ -238,7 +238,11 @@ class Scheduler:
 
     def _victim(self, refusal: Refusal, sequence: Sequence, protected: set[int]) -> Sequence:
         """The newest running sequence newer than `sequence` and not protected whose blocks
-        would help, else `sequence`."""
+        would help, else `sequence`.
+
+        Past its quota or its share of the pool, a tenant makes room only from its own
+        sequences: another tenant's would help the pool, but not within that tenant's limit.
+        """
         newer = self.running[self.running.index(sequence) + 1 :]
         for candidate in reversed(newer):
             if id(candidate) in protected:
@@ -556,11 +560,20 @@ def _chunk_size(sequence: Sequence, num_computed: int, budget: int) -> int:
 
 def _timeout_error(refusal: Refusal, config: SchedulerConfig) -> EngineError:
     waited = f"after waiting {config.queue_timeout_s:g} s"
+    # Never the owner's id: it is internal, and the caller names the tenant its own way.
+    public = not isinstance(refusal, PoolExhausted) and refusal.owner is PUBLIC_OWNER
     if isinstance(refusal, QuotaExceeded):
-        # Never the owner's id: it is internal, and the caller names the tenant its own way.
-        budget = "public cache budget" if refusal.owner is PUBLIC_OWNER else "tenant's cache quota"
+        budget = "public cache budget" if public else "tenant's cache quota"
         return CacheQuotaTimeout(
             f"the {budget} stayed full {waited}: {refusal.active_blocks} of its "
             f"{refusal.quota_blocks} blocks are in use and {refusal.needed_blocks} more are needed"
+        )
+    if isinstance(refusal, ShareExceeded):
+        # The tenant's own limit (429), not a crowded pool (503): see `Quotas.plan`.
+        whose = "the public cache budget's" if public else "the tenant's"
+        return CacheQuotaTimeout(
+            f"{whose} share of the KV cache stayed full {waited}: {refusal.active_blocks} of "
+            f"the {refusal.share_blocks} blocks other tenants' reservations leave it are in "
+            f"use and {refusal.needed_blocks} more are needed"
         )
     return PoolTimeout(f"{refusal} {waited}")

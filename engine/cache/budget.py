@@ -64,6 +64,28 @@ class QuotaExceeded:
 
 
 @dataclass(frozen=True, slots=True)
+class ShareExceeded:
+    """The pool is full and the owner would hold more than it leaves the owner beside what
+    other owners hold of their reservations: the owner's own limit, not a crowded pool.
+
+    `share_blocks` is the pool less the blocks other owners hold within their reservations;
+    `active_blocks` are the owner's blocks in use (its idle ones it could evict itself).
+    """
+
+    owner: Owner
+    needed_blocks: int
+    share_blocks: int
+    active_blocks: int
+
+    def __str__(self) -> str:
+        return (
+            f"cache share exceeded for {describe_owner(self.owner)}: needs "
+            f"{self.needed_blocks} more blocks, {self.active_blocks} in use, and the pool "
+            f"leaves it {self.share_blocks} beside other owners' reservations"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class PoolExhausted:
     """The pool has too few free or evictable blocks, whatever the quotas say."""
 
@@ -77,7 +99,7 @@ class PoolExhausted:
         )
 
 
-Refusal = QuotaExceeded | PoolExhausted
+Refusal = QuotaExceeded | ShareExceeded | PoolExhausted
 
 
 def describe_owner(owner: Owner) -> str:

@@ -5,8 +5,10 @@ An allocation is planned before anything changes (`Quotas.plan`):
 - an owner that would go over its quota evicts its own least recently used idle blocks first;
 - a full pool evicts the global LRU idle block among owners above their reservation (or the
   requesting owners themselves), never a block another owner has reserved;
-- what cannot be satisfied is refused with `QuotaExceeded` or `PoolExhausted` and changes
-  nothing.
+- what cannot be satisfied is refused and changes nothing: `QuotaExceeded` (over its own
+  quota), `ShareExceeded` (the pool is short and the owner would hold more than the pool less
+  what other owners hold within their reservations: its own limit, though no quota says so)
+  or `PoolExhausted` (the pool is short for an owner within that share: a crowded pool).
 Every eviction is counted on its victim as *own* (the owner made room for itself: over its
 quota, or the pool short for its own allocation) or *pressure* (the pool was short for another
 owner's allocation), so an admin can tell a tight quota from a crowded neighbour. Blocks an admin
@@ -21,7 +23,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 from engine.cache.block_pool import Block, BlockPool
-from engine.cache.budget import Owner, PoolExhausted, QuotaExceeded, Refusal, TenantBudget
+from engine.cache.budget import (
+    PUBLIC_OWNER,
+    Owner,
+    PoolExhausted,
+    QuotaExceeded,
+    Refusal,
+    ShareExceeded,
+    TenantBudget,
+)
 from engine.cache.prefix_cache import PrefixCache
 
 # Why an idle block was evicted, i.e. which of its owner's counters it lands on.
@@ -156,8 +166,31 @@ class Quotas:
                 if idle > 0:
                     allowance[owner] = idle
             if sum(allowance.values()) < shortfall:
-                return PoolExhausted(len(owners), available + sum(allowance.values()))
+                return self._past_share(needs, pinned) or PoolExhausted(
+                    len(owners), available + sum(allowance.values())
+                )
         return EvictionPlan(needs, own, shortfall, allowance)
+
+    def _past_share(self, needs: Counter[Owner], pinned: Counter[Owner]) -> ShareExceeded | None:
+        """Which owner of a refused allocation is past its share of the full pool, if any
+        (a tenant before the public budget): its blocks in use plus those it needs exceed
+        the pool less what the other owners hold within their reservations.
+
+        Such an owner waits on its own limit, which no neighbour's request ending will lift
+        while the neighbours keep their reservations; one within its share waits on a crowded
+        pool.
+        """
+        held_reserved = {
+            owner: min(self.pool.owned(owner), self.budget(owner).reserved_blocks)
+            for owner in self.pool.owners()
+        }
+        total_reserved = sum(held_reserved.values())
+        for owner in sorted(needs, key=lambda owner: owner is PUBLIC_OWNER):
+            share = self.pool.num_blocks - (total_reserved - held_reserved.get(owner, 0))
+            active = self.pool.owned(owner) - self.pool.idle_count(owner) + pinned[owner]
+            if active + needs[owner] > share:
+                return ShareExceeded(owner, needs[owner], share, active)
+        return None
 
     def evict_for(self, plan: EvictionPlan) -> None:
         """Carry out `plan`'s evictions."""

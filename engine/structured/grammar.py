@@ -1,8 +1,8 @@
 """Structured outputs: decoding constrained to a JSON grammar, with xgrammar.
 
-A request's `response_format` is compiled once (off the engine thread, by whoever prepares the
-request) into a grammar over the model's vocabulary; its sequence keeps a matcher that, each
-step, masks every token that would leave the grammar, and accepts the token sampled. The
+A request's `response_format` is compiled once (by whoever prepares the request, never on the
+engine thread) into a grammar over the model's vocabulary; its sequence keeps a matcher that,
+each step, masks every token that would leave the grammar, and accepts the token sampled. The
 grammar ends with the model's end-of-sequence token, so a finished output always parses.
 
 xgrammar was chosen over llguidance by measurement (`python -m bench.grammar`; figures:
@@ -11,22 +11,28 @@ than a decode step, and xgrammar's worst case per token, the one that delays a w
 the smaller.
 
 What a schema may hold is checked first (engine/structured/schema_checks.py): anything xgrammar
-would not enforce is refused naming it.
+would not enforce is refused naming it. The compile itself runs in another process, within a
+time and a memory limit (engine/structured/compile_pool.py): a schema too costly to compile is
+refused as the client's, and holds a compile process for no longer than the time limit.
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Collection
+from collections import OrderedDict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
-from engine.errors import EngineOverloaded, InvalidRequest
-from engine.structured.regex_checks import xgrammar_reason
+from engine.errors import InvalidRequest
+from engine.structured.compile_errors import schema_refusal
+from engine.structured.compile_limits import CompileLimits
+from engine.structured.compile_pool import CompileFailed, CompilePool
+from engine.structured.compile_worker import Job
 from engine.structured.schema_checks import (
     MAX_SCHEMA_BYTES,
     check_schema,
@@ -35,8 +41,8 @@ from engine.structured.schema_checks import (
 )
 
 COMPACT = (",", ":")  # JSON's separators, without the spaces
-MAX_WHITESPACE = 16  # characters of whitespace in a row: a model cannot stall in it
-COMPILE_WAIT_S = 1.0
+COMPILE_WAIT_S = 1.0  # how long a request waits for a free compile process
+CACHE_BYTES = 256 * 2**20  # compiled grammars kept, by their size in memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,110 +53,149 @@ class ResponseFormat:
     schema: str | None = None
 
 
-def json_schema_ebnf(schema_text: str) -> str:
-    """The EBNF grammar (root rule `root`) of the JSON that follows `schema_text`.
-
-    Whitespace as models write JSON, but never more than a run of MAX_WHITESPACE; strings hold
-    only what JSON allows. Raises xgrammar's RuntimeError for a schema it cannot convert.
-    """
-    grammar = xgr.Grammar.from_json_schema(
-        schema_text, max_whitespace_cnt=MAX_WHITESPACE, strict_mode=True
-    )
-    return _json_strings(str(grammar))
-
-
 class Grammars:
-    """Compiles response formats for one model's vocabulary (thread-safe, cached by schema)."""
+    """Compiles response formats for one model's vocabulary (thread-safe, cached by schema).
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Collection[int]):
+    Compiles run in `limits.processes` processes, each within `limits.timeout_s` and
+    `limits.memory_mb`; `close` ends those processes (the next compile starts them again).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        stop_token_ids: Collection[int],
+        limits: CompileLimits | None = None,
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self._compiler: xgr.GrammarCompiler | None = None
+        self.limits = limits or CompileLimits()
+        self._info: xgr.TokenizerInfo | None = None
+        self._pool: CompilePool | None = None
         self._lock = threading.Lock()
-        # One compile at a time, and a request waits at most COMPILE_WAIT_S for its turn: a
-        # costly schema holds one of the gateway's shared preparation slots, not all of them.
-        self._compiling = threading.Lock()
+        self._cache = _CompiledCache(CACHE_BYTES)
 
-    def _ready(self) -> xgr.GrammarCompiler:
+    def _ready(self) -> tuple[xgr.TokenizerInfo, CompilePool]:
         with self._lock:
-            if self._compiler is None:
-                info = xgr.TokenizerInfo.from_huggingface(
+            if self._info is None or self._pool is None:
+                self._info = xgr.TokenizerInfo.from_huggingface(
                     self._tokenizer,
                     vocab_size=self._vocab_size,
                     stop_token_ids=self.stop_token_ids or None,
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            return self._compiler
+                self._pool = CompilePool(str(self._info.serialize_json()), self.limits)
+            return self._info, self._pool
 
     def compile(self, response_format: ResponseFormat) -> xgr.CompiledGrammar:
-        """The grammar for `response_format`; `InvalidRequest` for a schema it cannot hold."""
+        """The grammar for `response_format`; `InvalidRequest` for a schema it cannot hold
+        or that is too costly to compile, `EngineOverloaded` when no compile process is free."""
         if self._tokenizer is None:
             raise unsupported("structured outputs need a model with a tokenizer")
-        compiler = self._ready()
-        if response_format.kind == "json_object":  # an object, as OpenAI's JSON mode gives
-            return compiler.compile_json_schema(
-                '{"type": "object"}', max_whitespace_cnt=MAX_WHITESPACE, strict_mode=False
-            )
+        if response_format.kind == "json_object":
+            return self._compiled(Job("json_object", ""), unsupported)
         text = response_format.schema or "{}"
         if len(text.encode()) > MAX_SCHEMA_BYTES:
             raise unsupported(f"the schema is over {MAX_SCHEMA_BYTES} bytes")
-        check_schema(json.loads(text))
+        schema = json.loads(text)
+        check_schema(schema)
         try:
-            return self._compile_in_turn(compiler, json_schema_ebnf(text))
-        except RuntimeError as error:  # xgrammar's own refusal, e.g. a $ref it cannot resolve
-            raise unsupported(f"the schema cannot be compiled: {xgrammar_reason(error)}") from None
+            return self._compiled(Job("schema", text), unsupported)
+        except CompileFailed as failed:
+            raise unsupported(schema_refusal(schema, failed.detail)) from None
 
     def compile_ebnf(self, ebnf: str) -> xgr.CompiledGrammar:
         """The grammar for `ebnf` (xgrammar's EBNF, root rule `root`), for a request's tool
-        calls; `InvalidRequest` on `tools` for a grammar xgrammar refuses."""
+        calls; `InvalidRequest` on `tools` for a grammar xgrammar refuses or that is too
+        costly to compile."""
         if self._tokenizer is None:
             raise tools_refused("forced tool calls need a model with a tokenizer")
-        compiler = self._ready()
         try:
-            return self._compile_in_turn(compiler, ebnf)
-        except RuntimeError as error:
-            reason = xgrammar_reason(error)
-            raise tools_refused(f"the grammar cannot be compiled: {reason}") from None
+            return self._compiled(Job("ebnf", ebnf), tools_refused)
+        except CompileFailed:
+            raise tools_refused("the grammar cannot be compiled") from None
 
     def compile_serialized(self, text: str) -> xgr.CompiledGrammar:
         """A grammar another process compiled and sent as `serialized(compiled)`, compiled
         again for this model (an engine worker, from its gateway)."""
         if self._tokenizer is None:
             raise unsupported("structured outputs need a model with a tokenizer")
-        compiler = self._ready()
         try:
-            grammar = xgr.Grammar.deserialize_json(text)
-        except (RuntimeError, ValueError) as error:
-            raise InvalidRequest(f"not a serialized grammar: {error}") from None
-        return self._compile_in_turn(compiler, grammar)
+            return self._compiled(Job("grammar", text), InvalidRequest)
+        except CompileFailed as failed:
+            if failed.kind == "unreadable":
+                raise InvalidRequest("not a serialized grammar") from None
+            raise InvalidRequest("the serialized grammar cannot be compiled") from None
 
-    def _compile_in_turn(
-        self, compiler: xgr.GrammarCompiler, grammar: str | xgr.Grammar
-    ) -> xgr.CompiledGrammar:
-        """Compile once no other compile runs; `EngineOverloaded` after COMPILE_WAIT_S."""
-        if not self._compiling.acquire(timeout=COMPILE_WAIT_S):
-            raise EngineOverloaded("another grammar is being compiled; retry shortly")
+    def close(self) -> None:
+        """End the compile processes (the next compile starts them again)."""
+        with self._lock:
+            pool = self._pool
+        if pool is not None:
+            pool.close()
+
+    def compile_pids(self) -> list[int]:
+        """The ids of the compile processes running now."""
+        with self._lock:
+            pool = self._pool
+        return pool.pids() if pool is not None else []
+
+    def _compiled(self, job: Job, refused: Callable[[str], InvalidRequest]) -> xgr.CompiledGrammar:
+        """The compiled grammar of `job`, from the cache or a compile process.
+
+        Past a limit: `refused(message)` (the caller's `InvalidRequest`), naming the limit.
+        Raises `CompileFailed` when xgrammar cannot read or compile the job.
+        """
+        cached = self._cache.get(job)
+        if cached is not None:
+            return cached
+        info, pool = self._ready()
         try:
-            return compiler.compile_grammar(grammar)
-        finally:
-            self._compiling.release()
+            serialized_grammar = pool.compile(job, COMPILE_WAIT_S)
+        except CompileFailed as failed:
+            if failed.kind == "timeout":
+                seconds = f"{self.limits.timeout_s:g}"
+                raise refused(f"the schema is too costly to compile within {seconds} s") from None
+            if failed.kind == "memory":
+                megabytes = self.limits.memory_mb
+                raise refused(f"the schema needs more than {megabytes} MiB to compile") from None
+            raise
+        compiled = xgr.CompiledGrammar.deserialize_json(serialized_grammar, info)
+        self._cache.put(job, compiled)
+        return compiled
+
+
+class _CompiledCache:
+    """Compiled grammars by what they were compiled from, the least recently used dropped
+    first once they hold more than `limit_bytes` (thread-safe)."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self._limit = limit_bytes
+        self._grammars: OrderedDict[Job, xgr.CompiledGrammar] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, job: Job) -> xgr.CompiledGrammar | None:
+        with self._lock:
+            grammar = self._grammars.get(job)
+            if grammar is not None:
+                self._grammars.move_to_end(job)
+            return grammar
+
+    def put(self, job: Job, grammar: xgr.CompiledGrammar) -> None:
+        with self._lock:
+            if job in self._grammars:
+                return
+            self._grammars[job] = grammar
+            self._bytes += grammar.memory_size_bytes
+            while self._bytes > self._limit and len(self._grammars) > 1:
+                _, dropped = self._grammars.popitem(last=False)
+                self._bytes -= dropped.memory_size_bytes
 
 
 def serialized(compiled: xgr.CompiledGrammar) -> str:
     """The grammar behind `compiled` as text that `Grammars.compile_serialized` reads."""
     return str(compiled.grammar.serialize_json())
-
-
-# xgrammar writes a length-bounded string's characters as this class, which lets control
-# characters through (JSON forbids them unescaped; parsers refuse them).
-_LOOSE_STRING_CHARACTER = r"[^\"\\\r\n]"
-_JSON_STRING_CHARACTER = r"[^\0-\x1f\"\\]"
-
-
-def _json_strings(ebnf: str) -> str:
-    """The grammar with every string character class narrowed to what JSON allows."""
-    return ebnf.replace(_LOOSE_STRING_CHARACTER, _JSON_STRING_CHARACTER)
 
 
 class GrammarState:

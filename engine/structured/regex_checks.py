@@ -20,11 +20,6 @@ class PatternRefused(ValueError):
     """A pattern structured outputs cannot enforce; the message says which part and why."""
 
 
-def xgrammar_reason(error: RuntimeError) -> str:
-    """xgrammar's own words for a refusal, without its source location (at most 200 chars)."""
-    return str(error).strip().splitlines()[-1].split(": ", 1)[-1][:200]
-
-
 # A regex's counted repetitions are what make its grammar expensive to compile: two in a row
 # (`.{1,32}.{1,32}`) or nested (`([a-z]{1,20}){1,20}`) measured many times as slow as one
 # (`[a-z]{1,32}`, `.{1,64}`). A schema holds at most a few patterns (`pattern` values and
@@ -257,9 +252,9 @@ def _check_json_string(pattern: str, where: str) -> None:
     schema = json.dumps({"type": "string", "pattern": pattern})
     try:
         rules = str(xgr.Grammar.from_json_schema(schema)).splitlines()
-    except RuntimeError as error:
-        reason = xgrammar_reason(error)
-        raise PatternRefused(f"the pattern at {where} cannot be compiled: {reason}") from None
+    except RuntimeError:  # xgrammar's words stay here: the pattern and its place say it
+        message = f"the pattern at {where} cannot be compiled"
+        raise PatternRefused(f"{message}: a construct xgrammar's regex engine lacks") from None
     if not any(_JSON_STRING_REGEX.fullmatch(rule) for rule in rules):
         message = f"the pattern at {where} cannot be kept inside a JSON string"
         raise PatternRefused(

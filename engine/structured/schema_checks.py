@@ -6,6 +6,13 @@ and ignores the rest beside it, and ignores regex constructs it does not impleme
 is therefore checked against what xgrammar enforces, and anything else is refused naming the
 keyword and where it is, never silently unenforced. Tools' `parameters` are checked the same
 way, and bounded in all.
+
+Some schemas xgrammar would refuse itself (a `$ref` that points nowhere, an unknown type,
+bounds that cross) are refused here first, so that the refusal can name the keyword and its
+path. Others it would accept but not enforce as JSON reads it: JSON keeps the last of two
+equal names, so a name written twice would pass the grammar's count of properties twice; and a
+name that needs an escape xgrammar cannot keep apart from additional properties' names. Both
+are refused where they matter (see `_check_object`).
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ _SHAPES = ("type", "properties", "additionalProperties", "items", "prefixItems")
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMAS = ("items", "additionalProperties")
+JSON_TYPES = frozenset({"null", "boolean", "object", "array", "number", "integer", "string"})
+# Lower and upper bounds that xgrammar refuses when they cross.
+_BOUNDS = (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
+           ("minProperties", "maxProperties"))  # fmt: skip
 
 
 def unsupported(message: str) -> InvalidRequest:
@@ -89,7 +100,17 @@ def check_schema(schema: Any, where: str = "#", depth: int = 0) -> None:
             check_pattern(pattern, at)
         except PatternRefused as refused:
             raise unsupported(str(refused)) from None
-    _check_keywords(schema, where, depth)
+    _check_keywords(schema, schema, where, depth)
+
+
+def subschemas(schema: Any, where: str = "#", depth: int = 0) -> Iterator[tuple[Any, str]]:
+    """`schema` and every schema in it, each with its path, parents first."""
+    yield schema, where
+    if not isinstance(schema, dict) or depth > MAX_SCHEMA_DEPTH:
+        return
+    for keyword, value in schema.items():
+        for child, at in _children(keyword, value, where):
+            yield from subschemas(child, at, depth + 1)
 
 
 def _patterns(schema: Any, where: str = "#", depth: int = 0) -> Iterator[tuple[Any, str]]:
@@ -114,7 +135,7 @@ def _children(keyword: str, value: Any, where: str) -> Iterator[tuple[Any, str]]
         yield value, f"{where}/{keyword}"
 
 
-def _check_keywords(schema: Any, where: str, depth: int) -> None:
+def _check_keywords(schema: Any, root: Any, where: str, depth: int) -> None:
     if isinstance(schema, bool):
         return
     if not isinstance(schema, dict):
@@ -130,10 +151,23 @@ def _check_keywords(schema: Any, where: str, depth: int) -> None:
             isinstance(value, str) and value.startswith(("#/$defs/", "#/definitions/"))
         ):
             raise unsupported(f"$ref (at {where}) must point into #/$defs or #/definitions")
+        if keyword == "$ref" and not _resolves(root, value):
+            raise unsupported(f"$ref (at {where}) points to no definition: {value!r}")
     _check_combination(schema, where)
     for keyword, value in schema.items():
         for child, at in _children(keyword, value, where):
-            _check_keywords(child, at, depth + 1)
+            _check_keywords(child, root, at, depth + 1)
+
+
+def _resolves(root: Any, reference: str) -> bool:
+    """Whether the JSON pointer `reference` ("#/$defs/...") names a schema in `root`."""
+    target = root
+    for step in reference.removeprefix("#/").split("/"):
+        name = step.replace("~1", "/").replace("~0", "~")
+        if not isinstance(target, dict) or name not in target:
+            return False
+        target = target[name]
+    return isinstance(target, dict | bool)
 
 
 def _check_combination(schema: dict[str, Any], where: str) -> None:
@@ -151,6 +185,15 @@ def _check_combination(schema: dict[str, Any], where: str) -> None:
         return
     if isinstance(schema.get("type"), list) and not schema["type"]:
         raise unsupported(f"'type' (at {where}) lists no types")
+    if "type" in schema:
+        declared = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+        unknown = [name for name in declared if not (isinstance(name, str) and name in JSON_TYPES)]
+        if unknown:
+            raise unsupported(f"'type' (at {where}) names no JSON type: {unknown[0]!r}")
+    for lower, upper in _BOUNDS:
+        low, high = schema.get(lower), schema.get(upper)
+        if isinstance(low, int | float) and isinstance(high, int | float) and low > high:
+            raise unsupported(f"{lower!r} (at {where}) is greater than {upper!r}")
     if not any(shape in schema for shape in _SHAPES):
         for keyword in schema:
             if keyword not in ANNOTATIONS:
@@ -178,8 +221,9 @@ def _check_schema_list(keyword: str, schemas: Any, where: str) -> None:
 
 
 def _check_object(schema: dict[str, Any], where: str) -> None:
-    """Refuse a `required` property that is not in `properties` (xgrammar leaves it out), and
-    `patternProperties` beside `properties` (a property both name would follow only one)."""
+    """Refuse a `required` property that is not in `properties` (xgrammar leaves it out),
+    `patternProperties` beside `properties` (a property both name would follow only one), and
+    what names written twice or spelled with escapes would get past."""
     properties = schema.get("properties")
     properties = properties if isinstance(properties, dict) else {}
     required = schema.get("required")
@@ -189,6 +233,23 @@ def _check_object(schema: dict[str, Any], where: str) -> None:
     # Telling whether a regex matches a property's name would run the client's regex here.
     if properties and "patternProperties" in schema:
         raise unsupported(f"'patternProperties' beside 'properties' (at {where}) is not enforced")
+    # Names the schema does not declare: additional properties, or those of patternProperties.
+    additional = schema.get("additionalProperties", False)
+    undeclared = "patternProperties" in schema or additional is not False
+    minimum = schema.get("minProperties")
+    if isinstance(minimum, int) and minimum > len(properties) and not undeclared:
+        raise unsupported(f"'minProperties' (at {where}) is more than the properties it allows")
+    # Declared names are distinct, and only required ones always there; undeclared names may
+    # repeat, and JSON keeps one of each, so the grammar's count of them proves nothing.
+    if isinstance(minimum, int) and undeclared and minimum > len(required or []):
+        message = f"'minProperties' (at {where}) beyond the required properties is not enforced"
+        raise unsupported(f"{message}: a property's name may be written twice")
+    # xgrammar keeps declared names out of additional ones character by character, which
+    # holds only for printable ASCII that JSON writes as it is.
+    unplain = next((name for name in properties if json.dumps(name)[1:-1] != name), None)
+    if undeclared and unplain is not None:
+        message = f"property {unplain!r} (at {where}) is not plain printable ASCII"
+        raise unsupported(f"{message}: the grammar cannot keep it apart from additional ones")
 
 
 def _json_types(value: Any) -> frozenset[str]:

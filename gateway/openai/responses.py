@@ -11,6 +11,7 @@ from typing import Any
 from engine.request import Usage
 from engine.sampling.detokenizer import Detokenizer
 from engine.sampling.sampler import TokenLogprobs
+from engine.sampling.token_bytes import token_bytes
 
 # What OpenAI reports for a token too unlikely to have a finite float32 logprob.
 LOWEST_LOGPROB = -9999.0
@@ -134,8 +135,8 @@ def chat_logprobs(tokenizer: Any, logprobs: Sequence[TokenLogprobs]) -> dict[str
     """`choices[].logprobs` of a chat completion or chunk."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = token_text(tokenizer, token_id)
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+        text, raw = token_text(tokenizer, token_id), token_bytes(tokenizer, token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(raw)}
 
     content = [
         entry(item.token, item.logprob)
@@ -153,15 +154,38 @@ def completion_logprobs(
     where that character does)."""
     tokens, token_logprobs, top = [], [], []
     for item in logprobs:
-        tokens.append(token_text(tokenizer, item.token))
+        names = _distinct_names(tokenizer, [token for token, _ in item.top])
+        tokens.append(names.get(item.token) or token_text(tokenizer, item.token))
         token_logprobs.append(_finite(item.logprob))
-        top.append({token_text(tokenizer, t): _finite(value) for t, value in item.top})
+        top.append({names[token]: _finite(value) for token, value in item.top})
     return {
         "tokens": tokens,
         "token_logprobs": token_logprobs,
         "top_logprobs": top,
         "text_offset": list(offsets),
     }
+
+
+def _distinct_names(tokenizer: Any, token_ids: Sequence[int]) -> dict[int, str]:
+    """A key for each token of a completion's `top_logprobs` (likeliest first), distinct
+    where their texts are not: two tokens that decode alike (parts of UTF-8 characters both
+    decode to the replacement character) would otherwise share one key, and one's logprob
+    would be lost.
+
+    The likelier keeps its text; a later one is named by its bytes (`bytes:` and `\\xNN` per
+    byte), or by its id (`token_id:N`, vLLM's form) where even those are alike.
+    """
+    names: dict[int, str] = {}
+    taken: set[str] = set()
+    for token in token_ids:
+        name = token_text(tokenizer, token)
+        if name in taken:
+            name = "bytes:" + "".join(f"\\x{byte:02x}" for byte in token_bytes(tokenizer, token))
+        if name in taken:
+            name = f"token_id:{token}"
+        names[token] = name
+        taken.add(name)
+    return names
 
 
 def echoed_logprobs(

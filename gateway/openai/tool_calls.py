@@ -32,9 +32,9 @@ import xgrammar as xgr
 from jinja2 import TemplateError
 
 from engine.errors import InvalidRequest
-from engine.structured.grammar import json_schema_ebnf
-from engine.structured.regex_checks import xgrammar_reason
+from engine.structured.compile_errors import schema_refusal
 from engine.structured.schema_checks import check_tool_parameters, check_tool_set, tools_refused
+from engine.structured.schema_grammar import json_schema_ebnf
 from gateway.openai.schemas import check_json_value
 
 OPEN = "<tool_call>"
@@ -334,7 +334,7 @@ def _call_grammar(function: Mapping[str, Any]) -> xgr.Grammar:
     try:
         body = xgr.Grammar.from_ebnf(json_schema_ebnf(json.dumps(schema)))
     except RuntimeError as error:  # xgrammar's own refusal, e.g. a $ref it cannot resolve
-        reason = xgrammar_reason(error)
+        reason = schema_refusal(schema, str(error))
         raise tools_refused(f"function {name!r}: parameters cannot be compiled: {reason}") from None
     return xgr.Grammar.concat(_literal(OPEN + "\n"), body, _literal("\n" + CLOSE))
 

@@ -8,7 +8,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.cache.budget import PUBLIC_OWNER, Owner, PoolExhausted, QuotaExceeded, TenantBudget
+from engine.cache.budget import (
+    PUBLIC_OWNER,
+    Owner,
+    PoolExhausted,
+    QuotaExceeded,
+    ShareExceeded,
+    TenantBudget,
+)
 from engine.cache.cache_request import CacheRequest, request_block_scopes
 from engine.cache.scope import NO_CACHE, Public, Segment, Tenant, User
 from tests.support.cache import make_manager
@@ -146,8 +153,16 @@ class CacheMachine(RuleBasedStateMachine):
                     quota = self.manager.budget(owner).quota_blocks
                     assert after[owner] <= quota, f"I5: {owner} above its quota"
         else:
-            assert isinstance(refusal, QuotaExceeded | PoolExhausted)
+            assert isinstance(refusal, QuotaExceeded | ShareExceeded | PoolExhausted)
             assert after == before, "a refusal changed the pool"
+            if isinstance(refusal, ShareExceeded):  # its own limit, never a crowded pool
+                others = sum(
+                    min(after[owner], self.manager.budget(owner).reserved_blocks)
+                    for owner in owners
+                    if owner != refusal.owner
+                )
+                assert refusal.share_blocks == pool.num_blocks - others
+                assert refusal.active_blocks + refusal.needed_blocks > refusal.share_blocks
         for owner in owners:
             if owner not in requesters:
                 reserved = self.manager.budget(owner).reserved_blocks

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cache.budget import PUBLIC_OWNER, PoolExhausted, QuotaExceeded, TenantBudget
+from engine.cache.budget import (
+    PUBLIC_OWNER,
+    PoolExhausted,
+    QuotaExceeded,
+    ShareExceeded,
+    TenantBudget,
+)
 from engine.cache.cache_request import CacheRequest
 from engine.cache.kv_cache_manager import KVCacheManager
 from engine.cache.scope import Public, Segment, Tenant
@@ -83,11 +89,34 @@ def test_pool_refusal_is_typed_and_never_touches_reserved_blocks() -> None:
     manager = make_manager(num_blocks=8)
     manager.set_budget("t1", TenantBudget(quota_blocks=8, reserved_blocks=6))
     cache_blocks(manager, "t1", 0, 6)
+    run_prompt(manager, request("t3", list(range(200, 203)), Tenant("t3")), free=False)
     before = everything(manager)
-    refusal = manager.admit(manager.match(request("t2", list(range(100, 113)), Tenant("t2"))), 13)
+    # Two blocks are t2's share beside t1's reservation, but t3 holds one of them: crowded.
+    refusal = manager.admit(manager.match(request("t2", list(range(100, 105)), Tenant("t2"))), 5)
     assert isinstance(refusal, PoolExhausted)
-    assert refusal.needed_blocks == 4 and refusal.available_blocks == 2
+    assert refusal.needed_blocks == 2 and refusal.available_blocks == 1
     assert everything(manager) == before
+
+
+def test_tenant_past_its_share_beside_a_neighbours_reservation_is_refused_as_its_own() -> None:
+    manager = make_manager(num_blocks=8)
+    manager.set_budget("t1", TenantBudget(quota_blocks=8, reserved_blocks=6))
+    cache_blocks(manager, "t1", 0, 6)
+    before = everything(manager)
+    # Four blocks, within t2's quota (the pool), but t1's reservation leaves t2 only two.
+    refusal = manager.admit(manager.match(request("t2", list(range(100, 113)), Tenant("t2"))), 13)
+    assert refusal == ShareExceeded("t2", needed_blocks=4, share_blocks=2, active_blocks=0)
+    assert "share exceeded for tenant 't2'" in str(refusal)
+    assert everything(manager) == before
+
+
+def test_an_unused_reservation_does_not_shrink_a_neighbours_share() -> None:
+    manager = make_manager(num_blocks=8)
+    manager.set_budget("t1", TenantBudget(quota_blocks=8, reserved_blocks=6))  # holds nothing
+    run_prompt(manager, request("t3", list(range(200, 225)), Tenant("t3")), free=False)  # 7
+    refusal = manager.admit(manager.match(request("t2", list(range(100, 109)), Tenant("t2"))), 9)
+    # t3's active blocks crowd the pool; t1's empty reservation is no limit on t2's three.
+    assert isinstance(refusal, PoolExhausted)
 
 
 def test_reservations_cannot_exceed_the_pool() -> None:

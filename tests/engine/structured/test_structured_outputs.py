@@ -89,7 +89,7 @@ UNSUPPORTED = [
     ({"type": "object", "properties": {"a": {"if": {}, "then": {}}}}, "'if' (at #/properties/a)"),
     ({"type": "array", "items": {"uniqueItems": True}}, "'uniqueItems' (at #/items)"),
     ({"anyOf": [{"type": "string"}, {"contains": {}}]}, "'contains' (at #/anyOf/1)"),
-    ({"$ref": "#/$defs/missing"}, "cannot be compiled"),
+    ({"$ref": "#/$defs/missing"}, "$ref (at #) points to no definition: '#/$defs/missing'"),
     # Patterns whose grammars take seconds to compile.
     ({"type": "string", "pattern": "([a-z]{1,20})+"}, "repeats a group that holds"),
     ({"type": "string", "pattern": "([a-z]{1,20}){1,20}"}, "over 1 counted repetitions"),
@@ -100,7 +100,7 @@ UNSUPPORTED = [
     ({"$ref": "#/examples/0", "examples": [{"type": "integer"}]}, "must point into #/$defs"),
     ({"type": "object", "patternProperties": {"^(ab{2})+$": {}}}, "repeats a group"),
     ({"type": "array", "prefixItems": [{"type": "string", "pattern": "a"}] * 5}, "over 4 patterns"),
-    ({"type": "wizard"}, "cannot be compiled"),
+    ({"type": "wizard"}, "'type' (at #) names no JSON type: 'wizard'"),
     # allOf of several schemas: xgrammar allows any value for it.
     ({"type": "object", "properties": {"a": {"allOf": [{"minimum": 1}, {"maximum": 2}]}}},
      "'allOf' (at #/properties/a) of more than one schema"),
@@ -254,7 +254,13 @@ def test_bounded_strings_refuse_control_characters(engine: Engine) -> None:
 
 def test_a_compile_waits_its_turn_for_at_most_a_second(engine: Engine) -> None:
     schema = {"type": "string", "pattern": "^[a-z]{1,7}$"}
-    busy = engine.grammars._compiling  # held: another request's schema is compiling
-    with busy, pytest.raises(EngineOverloaded, match="retry shortly"):
-        engine.grammars.compile(ResponseFormat("json_schema", json.dumps(schema)))
+    pool = engine.grammars._ready()[1]
+    # Every compile process is held: other requests' schemas are compiling.
+    held = [pool._idle.get() for _ in range(pool.limits.processes)]
+    try:
+        with pytest.raises(EngineOverloaded, match="retry shortly"):
+            engine.grammars.compile(ResponseFormat("json_schema", json.dumps(schema)))
+    finally:
+        for process in held:
+            pool._idle.put(process)
     assert engine.grammars.compile(ResponseFormat("json_schema", json.dumps(schema)))

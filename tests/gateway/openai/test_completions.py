@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from engine.sampling.sampler import TokenLogprobs
+from engine.sampling.token_bytes import bytes_to_unicode
+from gateway.openai.responses import completion_logprobs
 from tests.support.gateway import MODEL, Gateway, openai_client
 from tests.support.openai_errors import assert_error, post
 
@@ -16,6 +21,29 @@ def test_a_completion_takes_a_text_or_token_id_prompt_and_counts_its_tokens(
     assert by_text.usage.completion_tokens == 5
     by_ids = api.completions.create(model=MODEL, prompt=[1, 2, 3, 4], max_tokens=3, temperature=0)
     assert by_ids.usage is not None and by_ids.usage.prompt_tokens == 4
+
+
+def test_top_logprobs_keep_a_key_for_each_token_when_two_decode_alike(
+    smollm2_tokenizer: Any,
+) -> None:
+    # Two byte-level tokens that are each one continuation byte: both decode to U+FFFD.
+    first, second = (
+        smollm2_tokenizer.convert_tokens_to_ids(bytes_to_unicode()[byte]) for byte in (0x80, 0x81)
+    )
+    assert smollm2_tokenizer.decode([first]) == smollm2_tokenizer.decode([second]) == "\ufffd"
+    top = ((first, -0.5), (second, -1.0))
+    sampled_first = TokenLogprobs(first, -0.5, top)
+    sampled_second = TokenLogprobs(second, -1.0, top)
+
+    logprobs = completion_logprobs(smollm2_tokenizer, [sampled_first, sampled_second], [0, 1])
+
+    assert logprobs["top_logprobs"] == [{"\ufffd": -0.5, "bytes:\\x81": -1.0}] * 2
+    # Each sampled token is named as its alternatives name it, so it can be looked up.
+    assert logprobs["tokens"] == ["\ufffd", "bytes:\\x81"]
+    for token, value, alternatives in zip(
+        logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"], strict=True
+    ):
+        assert alternatives[token] == value
 
 
 def test_a_streamed_completion_is_text_completion_chunks_ending_with_its_finish_reason(
