@@ -90,7 +90,7 @@ def fairness_server(
                 tenant_ids={row["slug"]: row["id"] for row in listed.json()["data"]},
                 admin_token=admin_token,
                 metrics_token=metrics_token,
-                ready=httpx.get(f"{served.url}/readyz", timeout=30).json(),
+                ready=served.ready,
             )
 
 

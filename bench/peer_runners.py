@@ -283,8 +283,9 @@ class ApiRunner(Runner):
         quota = pool // (16 * fp32_kv_bytes_per_token(workload.model_dir))  # the pool, in fp32
         seqs = max(64, workload.concurrency)
         server = served_gateway(workload.model_dir, pool, self.dtype, quota, seqs, TENANT)
-        self.url, key = server.__enter__()
+        served = server.__enter__()
         self.server = server  # entered: close() exits it
+        self.url, key = served.url, served.keys[TENANT][0]
         self.loop = asyncio.Runner()
         headers = {"Authorization": f"Bearer {key}"}
         limits = httpx.Limits(max_connections=workload.concurrency + 4)
@@ -292,7 +293,7 @@ class ApiRunner(Runner):
             base_url=self.url, headers=headers, timeout=600, limits=limits
         )
         self.model = self.get("/v1/models")["data"][0]["id"]
-        self.ready = self.get("/readyz")
+        self.ready = served.ready
 
     def get(self, path: str) -> Any:
         response = self.loop.run(self.client.get(path))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -16,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from bench.local_server import free_port, wait_until_ready
 from bench.local_workers import ServerProcess, stop
@@ -33,10 +36,12 @@ class ServedTenant:
 
 @dataclass(frozen=True, slots=True)
 class ServedGateway:
-    """A running server: its URL and each tenant's API keys (by slug, in creation order)."""
+    """A running server: its URL, each tenant's API keys (by slug, in creation order) and its
+    /readyz as the metrics scraper saw it once ready (the engine's description)."""
 
     url: str
     keys: dict[str, list[str]]
+    ready: dict[str, Any]
 
 
 @contextmanager
@@ -47,16 +52,16 @@ def served_gateway(
     quota_blocks: int,
     max_num_seqs: int,
     tenant: str,
-) -> Iterator[tuple[str, str]]:
+) -> Iterator[ServedGateway]:
     """`prefixgate serve` on a free port with fresh SQLite state and one tenant whose limits
-    no benchmark reaches; yields the server's URL and the tenant's API key."""
+    no benchmark reaches."""
     settings = {
         "KV_CACHE_BYTES": str(kv_cache_bytes),
         "DTYPE": dtype,
         "MAX_NUM_SEQS": str(max_num_seqs),
     }
     with served_tenants(model_dir, settings, [ServedTenant(tenant)], quota_blocks) as served:
-        yield served.url, served.keys[tenant][0]
+        yield served
 
 
 @contextmanager
@@ -71,6 +76,8 @@ def served_tenants(
     variables (`{"DTYPE": "float32"}`), these user-scoped tenants, and `public_prefixes`
     (name -> system prompt text) registered for the model in the default namespace."""
     cli = str(Path(sys.executable).with_name("prefixgate"))
+    # /readyz describes the engine only to the metrics scraper.
+    settings = {"METRICS_TOKEN": secrets.token_urlsafe(24), **settings}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as scratch:
         state, port = Path(scratch), free_port()
         env = {
@@ -125,7 +132,9 @@ def served_tenants(
         try:
             url = f"http://127.0.0.1:{port}"
             wait_until_ready(url, server, log)
-            yield ServedGateway(url, keys)
+            scraper = {"Authorization": f"Bearer {settings['METRICS_TOKEN']}"}
+            ready = httpx.get(f"{url}/readyz", headers=scraper, timeout=30).json()
+            yield ServedGateway(url, keys, ready)
         finally:
             stop(server)
 

@@ -90,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="server-rss-") as scratch:
         model = tiny_chat_model(Path(scratch) / MODEL, embedded_model_dir())
-        with served_gateway(model, 256 << 20, "float32", 4096, 64, "rss") as (url, key):
+        with served_gateway(model, 256 << 20, "float32", 4096, 64, "rss") as served:
+            url, key = served.url, served.keys["rss"][0]
             (server,) = [
                 child
                 for child in psutil.Process().children(recursive=True)

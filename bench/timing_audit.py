@@ -409,7 +409,7 @@ def audit(model: str, samples: int, prompt_tokens: int, cases: str, seed: int) -
         settings = {"KV_CACHE_BYTES": str(KV_CACHE_BYTES)}
         public = {PUBLIC_PREFIX: prompts.public_text}
         with served_tenants(model_dir, settings, tenants, quota, public) as served:
-            engine = httpx.get(f"{served.url}/readyz", timeout=10).json().get("engine", {})
+            engine = served.ready.get("engine", {})
             sender = Sender(served.url, model_dir.name)
             try:
                 who = parties(served)

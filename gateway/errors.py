@@ -27,6 +27,7 @@ from engine.errors import (
     InvalidRequest,
     PoolTimeout,
     RequestFailed,
+    TenantDeleted,
 )
 from engine.sampling.sampler import InvalidSampling
 from tenancy.api_keys import AuthFailure
@@ -116,10 +117,20 @@ class APIError(Exception):
         return cls(403, message, error_type="permission_error", code="forbidden")
 
     @classmethod
-    def account_locked(cls, until: str) -> APIError:
-        """403: too many wrong passwords; the account refuses logins until `until`."""
-        message = f"this account is locked after too many failed logins, until {until}"
-        return cls(403, message, error_type="permission_error", code="account_locked")
+    def login_failed(cls) -> APIError:
+        """401: an operator login whose name, password or one-time code is wrong. One answer
+        for all three (and for unknown names), so that it confirms nothing."""
+        message = "wrong username, password or one-time code"
+        return cls(401, message, error_type="authentication_error", code="invalid_credentials")
+
+    @classmethod
+    def second_factor_required(cls, username: str) -> APIError:
+        """403: an admin with the right password but no second factor, where one is required."""
+        message = (
+            "this admin account needs a TOTP second factor before it can log in: on the "
+            f"gateway's host, run `prefixgate admins enrol-totp {username}`"
+        )
+        return cls(403, message, error_type="permission_error", code="second_factor_required")
 
     @classmethod
     def not_found(cls, message: str) -> APIError:
@@ -232,6 +243,8 @@ def from_engine_error(error: EngineError | InvalidSampling) -> APIError:
         return APIError.internal(str(error), code="request_failed")
     if isinstance(error, EngineStopped):
         return APIError.shutting_down(str(error))
+    if isinstance(error, TenantDeleted):  # the answer the deleted tenant's key gets too
+        return APIError.tenant_suspended()
     return APIError.internal("the request failed inside the engine")
 
 

@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from tenancy.admins import Lockout
 from tenancy.db import check_database_url
 from tenancy.deployment import SecretMismatch, mismatched_secrets
+from tenancy.login_failures import LoginDelays
+from tenancy.private_paths import PRIVATE_FILE, private_directory
 from tenancy.store import Store
 
 _GENERATED_SECRETS = ("key_hash_secret", "audit_signing_key", "jwt_secret")
@@ -207,13 +208,19 @@ class Settings(BaseSettings):
     admin_token_issuer: str = "prefixgate"
     """The `iss` claim admin tokens carry and must carry."""
     admin_login_attempts_per_minute: int = Field(default=10, ge=1)
-    """Login attempts allowed per username and, separately, per client address each minute."""
+    """Operator login attempts allowed per client address each minute, whatever the names
+    (against password spraying); counted by each gateway."""
+    admin_login_free_failures: int = Field(default=5, ge=1)
+    """Failed logins of one (username, client address) pair before each further attempt of
+    that pair must wait; no account is ever locked, other addresses are not slowed."""
+    admin_login_max_delay_s: int = Field(default=900, ge=1, le=86_400)
+    """Longest wait between attempts of one (username, client address) pair: the wait doubles
+    with each failure past admin_login_free_failures (1 s, 2 s, 4 s, ...) up to this."""
+    admin_totp_required: bool = False
+    """Operators with the `admin` role must log in with a TOTP code: an admin without one
+    enrolled is refused until it enrols (`prefixgate admins enrol-totp NAME` on the host)."""
     admin_changes_per_minute: int = Field(default=120, ge=1)
     """Changes one administrator (operator or tenant-admin key) may make each minute."""
-    admin_lockout_failures: int = Field(default=5, ge=1)
-    """Wrong passwords in a row that lock an operator account."""
-    admin_lockout_s: int = Field(default=900, ge=1)
-    """How long a locked operator account refuses every password."""
     usage_sample_s: float = Field(default=2.0, gt=0)
     """How often live cache usage is sampled for the console."""
     usage_window_s: float = Field(default=900.0, gt=0)
@@ -227,6 +234,25 @@ class Settings(BaseSettings):
     worker_secret: SecretStr | None = None
     """Shared secret between gateways and workers (at least 16 characters); `prefixgate worker`
     and a gateway with `workers` both need it."""
+    worker_signing_key: SecretStr | None = None
+    """Key (at least 32 characters) every gateway signs each request's cache scopes and token
+    ids with (HMAC-SHA256) and every worker checks them with: a worker refuses a request whose
+    signature does not match, so the worker secret alone cannot ask for another tenant's
+    cache. `prefixgate worker` and a gateway with `workers` both need it."""
+    worker_tls_cert: Path | None = None
+    """This process's certificate (PEM) for traffic between gateways and workers: a worker's
+    server certificate, a gateway's client certificate (`prefixgate certs issue`)."""
+    worker_tls_key: Path | None = None
+    """The private key (PEM) of worker_tls_cert."""
+    worker_tls_ca: Path | None = None
+    """The certificate (PEM) of the private CA that signs every gateway's and worker's
+    certificate (`prefixgate certs init`): a worker accepts only clients it signed, a gateway
+    only workers it signed."""
+    worker_plaintext: bool = False
+    """Allow plain HTTP between gateways and workers, without certificates: prompts then
+    travel unencrypted and any holder of the worker secret and signing key is a client. For one
+    machine or a test only; a worker or gateway without worker_tls_* refuses to start
+    otherwise."""
     worker_poll_s: float = Field(default=1.0, gt=0)
     """How often a gateway reads each worker's cached block keys and load."""
     worker_timeout_s: float = Field(default=5.0, gt=0)
@@ -243,6 +269,17 @@ class Settings(BaseSettings):
     routing_max_imbalance: int = Field(default=8, ge=1)
     """Cache-aware routing gives up cached tokens for the least loaded worker when the best
     one has this many more requests in flight."""
+
+    # Structured outputs
+    grammar_compile_timeout_s: float = Field(default=2.0, gt=0, le=60, allow_inf_nan=False)
+    """Longest one structured-output grammar may take to compile; its compile runs in a
+    separate process that is killed at the limit, and the request gets a 400."""
+    grammar_compile_memory_mb: int = Field(default=1024, ge=128, le=65_536)
+    """Most memory one grammar compile's process may take (its address space); past it the
+    compile fails and the request gets a 400."""
+    grammar_compile_processes: int = Field(default=2, ge=1, le=16)
+    """Grammar compiles at once, each in its own process; a request waits briefly for one, then
+    gets a 503 to retry."""
 
     # Observability
     otlp_endpoint: str | None = None
@@ -281,9 +318,34 @@ class Settings(BaseSettings):
             raise ValueError("the worker secret must be at least 16 characters")
         return value
 
-    def admin_lockout(self) -> Lockout:
-        """The operator account lockout these settings ask for."""
-        return Lockout(self.admin_lockout_failures, timedelta(seconds=self.admin_lockout_s))
+    @field_validator("worker_signing_key")
+    @classmethod
+    def _signing_key_long_enough(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 32:
+            raise ValueError("the worker signing key must be at least 32 characters")
+        return value
+
+    @model_validator(mode="after")
+    def _worker_tls_complete(self) -> Settings:
+        """worker_tls_cert, worker_tls_key and worker_tls_ca come together or not at all."""
+        given = [
+            name
+            for name in ("worker_tls_cert", "worker_tls_key", "worker_tls_ca")
+            if getattr(self, name) is not None
+        ]
+        if given and len(given) != 3:
+            missing = sorted({"worker_tls_cert", "worker_tls_key", "worker_tls_ca"} - set(given))
+            raise ValueError(
+                "worker TLS needs a certificate, its key and the CA together: set "
+                + " and ".join(f"PREFIXGATE_{name.upper()}" for name in missing)
+            )
+        return self
+
+    def admin_login_delays(self) -> LoginDelays:
+        """The delays between failed operator logins of one (name, source) pair."""
+        return LoginDelays(
+            self.admin_login_free_failures, timedelta(seconds=self.admin_login_max_delay_s)
+        )
 
     def secret(self, name: str) -> str:
         """A configured secret, or the one generated for this state directory."""
@@ -354,11 +416,11 @@ class Settings(BaseSettings):
             stored = json.loads(path.read_text())
         missing = [name for name in _GENERATED_SECRETS if not stored.get(name)]
         if missing:
-            self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_directory(self.state_dir)
             for name in missing:
                 stored[name] = secrets.token_urlsafe(32)
             temporary = path.with_suffix(".tmp")
-            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
             with os.fdopen(descriptor, "w") as handle:
                 json.dump(stored, handle)
             temporary.replace(path)

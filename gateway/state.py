@@ -21,8 +21,10 @@ from gateway.runtime.serving_engine import ServingEngine
 from gateway.runtime.tenancy_sync import TenancySync
 from gateway.runtime.usage_history import UsageHistory
 from gateway.settings import Settings
+from tenancy.admins import SecondFactorRules
 from tenancy.change_feed import ChangeListener
 from tenancy.store import Store
+from tenancy.totp import TotpCipher
 
 
 @dataclass
@@ -48,7 +50,17 @@ class GatewayState:
     usage: UsageHistory  # live cache usage per tenant, for the console's charts
     tenant_names: dict[str, str] = field(default_factory=dict)  # id -> slug, for metrics
     draining: bool = False
+    # Whether the warning that a proxy in front of this gateway is not trusted was logged.
+    untrusted_proxy_warned: bool = False
 
     @cached_property
     def tracer(self) -> Tracer:
         return self.tracer_provider.get_tracer("prefixgate")
+
+    @cached_property
+    def second_factor_rules(self) -> SecondFactorRules:
+        """How operator logins treat TOTP: secrets encrypted under a key derived from the
+        key-hashing secret (which the database never holds and which every gateway shares),
+        and whether an `admin` must have one."""
+        cipher = TotpCipher.from_secret(self.settings.secret("key_hash_secret"))
+        return SecondFactorRules(cipher, self.settings.admin_totp_required)

@@ -1,9 +1,13 @@
-"""Operator accounts for the admin console: passwords (argon2, pwdlib), roles, login lockout.
+"""Operator accounts for the admin console: passwords (argon2, pwdlib), roles, logins with
+an optional TOTP second factor (tenancy/totp.py).
 
 An `admin` runs every tenant; a `tenant-admin` is bound to one tenant. At least one enabled
-`admin` always remains, so nobody can lock every operator out. A login with a wrong password
-counts against the account; at the lockout threshold the account refuses every password until
-its lock ends, and says so. Unknown usernames cost the same argon2 work as known ones.
+`admin` always remains. `login` says why a login is refused, for the audit log; the caller
+answers every refusal that could confirm a name or a password the same way. An unknown name
+costs the same argon2 and TOTP work as a known one. No account ever locks: failed logins slow
+down their own (name, source) pair only (tenancy/login_failures.py). The second factor is
+checked after the password and before the account's state, so that only whoever holds both
+learns that an account is disabled.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from pwdlib.hashers.argon2 import Argon2Hasher
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session, aliased
 
+from tenancy import totp
 from tenancy.errors import Conflict, InvalidInput, NotFound
 from tenancy.models import OPERATOR_ROLES, Admin, AdminSession, Tenant, utcnow
+from tenancy.totp import TotpCipher
 
 _HASHER = PasswordHash((Argon2Hasher(),))
 _USERNAME = re.compile(r"^[A-Za-z0-9_.@-]{1,100}$")
@@ -32,24 +38,37 @@ _DUMMY_HASH = _HASHER.hash("prefixgate-timing-equaliser")
 
 
 class LoginRefused(enum.Enum):
-    WRONG_CREDENTIALS = "wrong_credentials"
-    LOCKED = "locked"
+    """Why a login was refused (the audit event's reason)."""
+
+    UNKNOWN_OPERATOR = "unknown_operator"
+    WRONG_PASSWORD = "wrong_password"
+    MISSING_CODE = "missing_totp_code"
+    WRONG_CODE = "wrong_totp_code"
+    REUSED_CODE = "reused_totp_code"
+    # Only once the password (and code, if enrolled) was right:
     DISABLED = "disabled"
+    SECOND_FACTOR_NOT_ENROLLED = "second_factor_not_enrolled"
+
+    @property
+    def is_failed_guess(self) -> bool:
+        """A wrong name, password or code: counted against its (name, source) pair, and
+        answered exactly like every other failed guess."""
+        return self not in (LoginRefused.DISABLED, LoginRefused.SECOND_FACTOR_NOT_ENROLLED)
 
 
 @dataclass(frozen=True, slots=True)
-class Lockout:
-    """After `failures` wrong passwords in a row, the account locks for `duration`."""
+class SecondFactorRules:
+    """How logins treat the TOTP second factor: the cipher of stored secrets, and whether an
+    `admin` must have one enrolled to log in."""
 
-    failures: int = 5
-    duration: timedelta = timedelta(minutes=15)
+    cipher: TotpCipher
+    required_for_admins: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class LoginResult:
     admin: Admin | None
     refused: LoginRefused | None = None
-    locked_until: datetime | None = None
 
 
 def check_password(password: str) -> None:
@@ -125,17 +144,13 @@ def find_admin(session: Session, username: str) -> Admin:
 
 
 def set_disabled(session: Session, admin_id: uuid.UUID, disabled: bool) -> Admin:
-    """Disable (every session of it revoked at once) or re-enable an operator (which also
-    ends a lockout)."""
+    """Disable (every session of it revoked at once) or re-enable an operator."""
     admin = get_admin(session, admin_id)
     if disabled and admin.role == "admin" and not admin.disabled:
         _disable_unless_last_admin(session, admin)
     admin.disabled = disabled
     if disabled:
         revoke_sessions(session, admin.id)
-    else:  # re-enabling restores access: a lockout ends too
-        admin.failed_logins = 0
-        admin.locked_until = None
     session.flush()
     return admin
 
@@ -143,57 +158,69 @@ def set_disabled(session: Session, admin_id: uuid.UUID, disabled: bool) -> Admin
 def change_password(
     session: Session, admin_id: uuid.UUID, password: str, keep_session: str | None = None
 ) -> Admin:
-    """Set a new password, clear any lockout and end every other session of the account."""
+    """Set a new password and end every other session of the account."""
     check_password(password)
     admin = get_admin(session, admin_id)
     admin.password_hash = _HASHER.hash(_normalized(password))
     admin.password_changed_at = utcnow()
-    admin.failed_logins = 0
-    admin.locked_until = None
     revoke_sessions(session, admin.id, keep=keep_session)
     session.flush()
     return admin
 
 
 def login(
-    session: Session, username: str, password: str, lockout: Lockout, now: datetime | None = None
+    session: Session,
+    username: str,
+    password: str,
+    code: str | None,
+    rules: SecondFactorRules,
+    now: datetime | None = None,
 ) -> LoginResult:
-    """Check a username and password, counting wrong passwords towards the account's lockout."""
-    now = now or utcnow()
-    password = _normalized(password[:MAX_PASSWORD_LENGTH])
+    """Check a username, password and (for an account that has one) TOTP code; the result
+    says the operator, or why not."""
     admin = session.scalar(select(Admin).where(Admin.username == username))
     if admin is None:
+        password_matches(None, password)
+        totp.check_without_secret(code)
+        return LoginResult(None, LoginRefused.UNKNOWN_OPERATOR)
+    if not password_matches(admin, password):
+        totp.check_without_secret(code)
+        return LoginResult(None, LoginRefused.WRONG_PASSWORD)
+    refused = _second_factor(session, admin, code, rules, now)
+    if refused is None and (admin.disabled or not _tenant_active(session, admin)):
+        refused = LoginRefused.DISABLED
+    return LoginResult(None, refused) if refused is not None else LoginResult(admin)
+
+
+def password_matches(admin: Admin | None, password: str) -> bool:
+    """Whether `password` is the operator's; with no operator, the same argon2 work (False)."""
+    password = _normalized(password[:MAX_PASSWORD_LENGTH])
+    if admin is None:
         _HASHER.verify(password, _DUMMY_HASH)
-        return LoginResult(None, LoginRefused.WRONG_CREDENTIALS)
-    locked_until = admin.locked_until
-    if locked_until is not None and locked_until > now:
-        _HASHER.verify(password, _DUMMY_HASH)  # same work whether locked or not
-        return LoginResult(None, LoginRefused.LOCKED, locked_until)
-    if not _HASHER.verify(password, admin.password_hash):
-        # One atomic increment: guesses sent at the same moment each count.
-        failures = session.execute(
-            update(Admin)
-            .where(Admin.id == admin.id)
-            .values(failed_logins=Admin.failed_logins + 1)
-            .returning(Admin.failed_logins)
-            .execution_options(synchronize_session=False)
-        ).scalar_one()
-        if failures >= lockout.failures:
-            until = now + lockout.duration
-            session.execute(
-                update(Admin)
-                .where(Admin.id == admin.id)
-                .values(failed_logins=0, locked_until=until)
-                .execution_options(synchronize_session=False)
-            )
-            return LoginResult(None, LoginRefused.LOCKED, until)
-        return LoginResult(None, LoginRefused.WRONG_CREDENTIALS)
-    if admin.disabled or not _tenant_active(session, admin):
-        return LoginResult(None, LoginRefused.DISABLED)
-    admin.failed_logins = 0
-    admin.locked_until = None
-    session.flush()
-    return LoginResult(admin)
+        return False
+    return _HASHER.verify(password, admin.password_hash)
+
+
+def _second_factor(
+    session: Session,
+    admin: Admin,
+    code: str | None,
+    rules: SecondFactorRules,
+    now: datetime | None,
+) -> LoginRefused | None:
+    """Why the account's second factor refuses this login, or None."""
+    if admin.totp_secret is None:
+        totp.check_without_secret(code)
+        if rules.required_for_admins and admin.role == "admin":
+            return LoginRefused.SECOND_FACTOR_NOT_ENROLLED
+        return None
+    if not code:
+        totp.check_without_secret(code)
+        return LoginRefused.MISSING_CODE
+    refused = totp.accept_code(session, admin, code, rules.cipher, now)
+    if refused is totp.CodeRefused.REUSED:
+        return LoginRefused.REUSED_CODE
+    return None if refused is None else LoginRefused.WRONG_CODE
 
 
 # -- sessions ---------------------------------------------------------------------------------

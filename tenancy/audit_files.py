@@ -10,15 +10,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tenancy.errors import TenancyError
-
-PRIVATE = 0o600
+from tenancy.private_paths import PRIVATE_FILE, private_directory
 
 
 class UnreadableAuditFile(TenancyError):
@@ -55,11 +54,17 @@ def append_lines(path: Path, lines: list[str]) -> None:
         os.fsync(descriptor)
 
 
-def replace_lines(path: Path, lines: list[str]) -> None:
-    """Atomically replace a file's content (temporary file, fsync, rename)."""
+def replace_lines(path: Path, lines: Sequence[str | bytes]) -> None:
+    """Atomically replace a file's content (temporary file, fsync, rename).
+
+    A line given as bytes is written as it is (a line kept verbatim, whatever it holds).
+    """
+    data = b"".join(
+        (line.encode("utf-8") if isinstance(line, str) else line) + b"\n" for line in lines
+    )
     temporary = path.with_name(path.name + ".tmp")
     with _open_private(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC) as descriptor:
-        os.write(descriptor, "".join(line + "\n" for line in lines).encode("utf-8"))
+        os.write(descriptor, data)
         os.fsync(descriptor)
     temporary.replace(path)
 
@@ -102,7 +107,7 @@ def dumps(value: Any) -> str:
 @contextmanager
 def locked(path: Path) -> Iterator[None]:
     """Serialise processes sharing `path` (an exclusive lock on `<path>.lock`)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_directory(path.parent)
     with _open_private(Path(f"{path}.lock"), os.O_RDWR | os.O_CREAT) as descriptor:
         fcntl.flock(descriptor, fcntl.LOCK_EX)
         try:
@@ -153,12 +158,12 @@ def _str(value: Any) -> str:
 
 @contextmanager
 def _open_private(path: Path, flags: int) -> Iterator[int]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path, flags, PRIVATE)
+    private_directory(path.parent)
+    descriptor = os.open(path, flags, PRIVATE_FILE)
     try:
         # A file created by an older version (or another umask) is made private too.
-        if os.fstat(descriptor).st_mode & 0o777 != PRIVATE:
-            os.fchmod(descriptor, PRIVATE)
+        if os.fstat(descriptor).st_mode & 0o777 != PRIVATE_FILE:
+            os.fchmod(descriptor, PRIVATE_FILE)
         yield descriptor
     finally:
         os.close(descriptor)

@@ -10,7 +10,8 @@ of two kinds, told apart in one place (`tenancy.db.is_outage`):
   never duplicates an event, and the spool is cleared only after the database committed.
 - the database refuses the data: the batch is retried one event at a time, and only the
   event still refused goes to the dead-letter file, with a log line; it never blocks the
-  events after it, and since its transaction rolled back the chain never saw it.
+  events after it, and since its transaction rolled back the chain never saw it. After a
+  fix, `resubmit` appends such events (tenancy/audit_replay.py), each once by its id.
 
 Signed checkpoints go to the database and, after it committed, to an append-only checkpoint
 file outside it, so cutting the chain's tail in the database cannot go unnoticed.
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -44,7 +47,23 @@ from tenancy.models import AuditCheckpoint, AuditEvent, AuditHead, utcnow
 
 logger = logging.getLogger(__name__)
 # Events per transaction when writing a spool (bounds the statement's parameters).
-_CHUNK = 500
+BATCH_EVENTS = 500
+
+
+@dataclass(slots=True)
+class Delivery:
+    """What became of events handed to the database, each in exactly one list."""
+
+    written: list[AuditRecord] = field(default_factory=list)
+    already_stored: list[AuditRecord] = field(default_factory=list)  # skipped: stored before
+    refused: list[tuple[AuditRecord, str]] = field(default_factory=list)  # alone, with why
+    unwritten: list[AuditRecord] = field(default_factory=list)  # from the first unreachable one
+    outage: str | None = None  # why the database was unreachable, if it was
+
+    def note_inserted(self, records: list[AuditRecord], stored_before: set[uuid.UUID]) -> None:
+        for record in records:
+            stored = self.already_stored if record.event_id in stored_before else self.written
+            stored.append(record)
 
 
 class AuditLog:
@@ -96,6 +115,14 @@ class AuditLog:
         with self._lock, audit_files.locked(self.spool_path):
             return audit_files.count_lines(self.spool_path)
 
+    def resubmit(self, records: list[AuditRecord]) -> Delivery:
+        """Append events set aside earlier (dead letters) after a fix; one transaction a batch.
+
+        Nothing is dead-lettered or spooled here: the caller keeps what is still refused or
+        unwritten. An event whose id is already stored is skipped, so this is idempotent.
+        """
+        return self._attempt([bounded(record) for record in records])
+
     def dead_letters(self) -> int:
         """Events the database refused, kept in `dead_letter_path` (by any process)."""
         try:
@@ -116,35 +143,51 @@ class AuditLog:
         order, from the first such event), to be spooled. A long outage's spool is written
         in chunks, each a transaction of bounded size.
         """
-        for start in range(0, len(records), _CHUNK):
-            unwritten = self._deliver_chunk(records[start : start + _CHUNK])
+        for start in range(0, len(records), BATCH_EVENTS):
+            unwritten = self._deliver_chunk(records[start : start + BATCH_EVENTS])
             if unwritten:
-                return unwritten + records[start + _CHUNK :]
+                return unwritten + records[start + BATCH_EVENTS :]
         return []
 
     def _deliver_chunk(self, records: list[AuditRecord]) -> list[AuditRecord]:
+        delivery = self._attempt(records)
+        for record, reason in delivery.refused:
+            self._dead_letter(record.to_json(), reason)
+        if delivery.outage is not None:
+            logger.warning("audit database unavailable, spooling: %s", delivery.outage)
+        return delivery.unwritten
+
+    def _attempt(self, records: list[AuditRecord]) -> Delivery:
+        """Insert in one transaction; if the database refuses that, one event at a time.
+
+        Only an event refused alone counts as refused. Once the database is unreachable,
+        that event and the ones after it are left unwritten, in order.
+        """
+        delivery = Delivery()
         try:
-            self._insert(records)
-            return []
+            delivery.note_inserted(records, self._insert(records))
+            return delivery
         except Exception as error:
             if is_outage(error):
-                logger.warning("audit database unavailable, spooling: %s", _describe(error))
-                return records
-        # Something in the chunk was refused: only events refused alone are dead letters.
+                delivery.unwritten, delivery.outage = records, _describe(error)
+                return delivery
         for position, record in enumerate(records):
             try:
-                self._insert([record])
+                delivery.note_inserted([record], self._insert([record]))
             except Exception as error:
                 if is_outage(error):
-                    logger.warning("audit database unavailable, spooling: %s", _describe(error))
-                    return records[position:]
-                self._dead_letter(record.to_json(), error)
-        return []
+                    delivery.unwritten, delivery.outage = records[position:], _describe(error)
+                    return delivery
+                delivery.refused.append((record, _describe(error)))
+        return delivery
 
-    def _insert(self, records: list[AuditRecord]) -> None:
+    def _insert(self, records: list[AuditRecord]) -> set[uuid.UUID]:
         """Chain and insert in one transaction (Core executemany: one round trip).
 
-        Events already stored (a replay after a crash) are skipped, so writing is idempotent.
+        Events already stored (a replay after a crash) are skipped, so writing is idempotent;
+        returns their ids. No event is ever stored twice: `event_id` is unique, and on
+        PostgreSQL the check runs under the head's row lock, so concurrent writers skip an
+        event another one stored rather than collide on it.
         """
         checkpoints: list[SignedCheckpoint] = []
         with self._sessions.begin() as session:
@@ -160,7 +203,7 @@ class AuditLog:
             )
             records = [record for record in records if record.event_id not in known]
             if not records:
-                return
+                return known
             rows = []
             for record in records:
                 prev_hash, seq = digest, seq + 1
@@ -173,6 +216,7 @@ class AuditLog:
                 session.execute(insert(AuditCheckpoint), [_checkpoint_row(c) for c in checkpoints])
             session.execute(update(AuditHead).where(AuditHead.id == 1).values(seq=seq, hash=digest))
         self._keep_outside(checkpoints)
+        return known
 
     def checkpoint_now(self) -> AuditCheckpoint | None:
         """Sign the current head (before exports, periodically, on shutdown); None if no events.
@@ -221,12 +265,12 @@ class AuditLog:
         spooled = audit_files.read_lines(self.spool_path)
         records = []
         for line in spooled.bad_lines:
-            self._dead_letter({"unparsed_spool_line": line}, ValueError("not a spooled event"))
+            self._dead_letter({"unparsed_spool_line": line}, "ValueError: not a spooled event")
         for value in spooled.objects:
             try:
                 records.append(bounded(AuditRecord.from_json(value)))
             except (ValueError, KeyError, TypeError) as error:
-                self._dead_letter({"unparsed_spool_line": value}, error)
+                self._dead_letter({"unparsed_spool_line": value}, _describe(error))
         return records
 
     def _flush_spool(self) -> bool:
@@ -239,20 +283,25 @@ class AuditLog:
         audit_files.replace_lines(self.spool_path, [])
         return True
 
-    def _dead_letter(self, event: dict[str, Any], error: BaseException) -> None:
-        """Keep an event the database refused, so it is out of the way but not lost."""
-        line = {
-            "rejected_at": format_time(datetime.now(UTC)),
-            "error": _describe(error),
-            "event": event,
-        }
-        audit_files.append_lines(self.dead_letter_path, [audit_files.dumps(line)])
+    def _dead_letter(self, event: dict[str, Any], reason: str) -> None:
+        """Keep an event the database refused, so it is out of the way but not lost.
+
+        Under the file's lock: a replay rewriting the file meanwhile must not lose this line.
+        """
+        line = dead_letter_line(event, reason)
+        with audit_files.locked(self.dead_letter_path):
+            audit_files.append_lines(self.dead_letter_path, [audit_files.dumps(line)])
         logger.error(
             "audit event %s refused by the database (%s); kept in %s",
             event.get("event_id", "?"),
-            _describe(error),
+            reason,
             self.dead_letter_path,
         )
+
+
+def dead_letter_line(event: dict[str, Any], reason: str) -> dict[str, Any]:
+    """A line of the dead-letter file: when and why the database refused `event`."""
+    return {"rejected_at": format_time(datetime.now(UTC)), "error": reason, "event": event}
 
 
 def _describe(error: BaseException) -> str:

@@ -8,7 +8,6 @@ and count tenancy changes (`tenancy.change_feed`).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from tenancy import change_feed
 from tenancy.models import Base, check_column_bounds
+from tenancy.private_paths import create_private_file
 
 SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 _EXAMPLES = "sqlite:////path/to/prefixgate.db or postgresql+psycopg://user:password@host/db"
@@ -60,7 +60,9 @@ def make_engine(url: str, **options: Any) -> Engine:
     if url.startswith("sqlite"):
         database = make_url(url).database
         if database and database != ":memory:" and not database.startswith("file:"):
-            _create_private_file(Path(database))
+            # SQLite would create it with the umask's mode (usually 0644), and gives its journal
+            # and WAL files the database file's mode: this keeps them all private too.
+            create_private_file(Path(database))
         options.setdefault("connect_args", {"check_same_thread": False})
         engine = create_engine(url, **options)
         event.listen(engine, "connect", _sqlite_pragmas)
@@ -68,20 +70,6 @@ def make_engine(url: str, **options: Any) -> Engine:
     options.setdefault("pool_pre_ping", True)
     options.setdefault("connect_args", {"connect_timeout": 5})
     return create_engine(url, **options)
-
-
-def _create_private_file(path: Path) -> None:
-    """Create `path` empty and mode 0600 unless it exists; an existing file keeps its mode.
-
-    SQLite would create it with the umask's mode (usually 0644), and gives its journal and
-    WAL files the database file's mode, so this keeps them all private too.
-    """
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    try:
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return
-    os.close(descriptor)
 
 
 def _sqlite_pragmas(connection: Any, _record: Any) -> None:

@@ -68,7 +68,7 @@ def parse_key(presented: str) -> ParsedKey:
     if len(key_id) != KEY_ID_LENGTH or len(tail) != SECRET_LENGTH + CHECKSUM_LENGTH:
         raise MalformedKey("not a PrefixGate API key")
     parsed = ParsedKey(key_id, tail[:SECRET_LENGTH])
-    if not hmac.compare_digest(presented, format_key(parsed)):
+    if not hmac.compare_digest(presented.encode(), format_key(parsed).encode()):
         raise MalformedKey("API key checksum mismatch (a typo?)")
     return parsed
 

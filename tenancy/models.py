@@ -1,6 +1,6 @@
-"""SQLAlchemy models: tenants, API keys, operators and their sessions, public prefixes, the
-audit log, and what the database knows about its deployment (secret fingerprints, the KV pool,
-the gateways serving it, a change counter).
+"""SQLAlchemy models: tenants, API keys, operators (their sessions and failed logins), public
+prefixes, the audit log, and what the database knows about its deployment (secret
+fingerprints, the KV pool, the gateways serving it, a change counter).
 
 Constraint names follow one convention (`NAMING_CONVENTION`) so migrations are static and
 reversible on every database. Times are timezone-aware UTC. Every value written through the
@@ -157,7 +157,6 @@ class Admin(Base):
             "(role = 'tenant-admin' AND tenant_id IS NOT NULL)",
             name="tenant_matches_role",
         ),
-        CheckConstraint("failed_logins >= 0", name="failed_logins_not_negative"),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
@@ -169,10 +168,27 @@ class Admin(Base):
     )
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
-    # Consecutive wrong passwords; at the lockout threshold the account locks until `locked_until`.
-    failed_logins: Mapped[int] = mapped_column(Integer, default=0)
-    locked_until: Mapped[datetime | None] = mapped_column(UTCDateTime)
     password_changed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    # The TOTP second factor (tenancy/totp.py), encrypted (Fernet) under a key derived from the
+    # deployment's key-hashing secret: a database dump alone does not give it away. `pending`
+    # holds a secret whose enrolment is not confirmed yet; `last_step` is the time step of the
+    # last code accepted, so that no code is accepted twice.
+    totp_secret: Mapped[str | None] = mapped_column(String(255))
+    totp_pending_secret: Mapped[str | None] = mapped_column(String(255))
+    totp_last_step: Mapped[int | None] = mapped_column(BigInteger)
+    totp_enabled_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class AdminLoginFailure(Base):
+    """Failed logins of one (operator name as typed, source address) pair
+    (tenancy/login_failures.py); keyed by a digest, so it holds neither names nor addresses."""
+
+    __tablename__ = "admin_login_failures"
+    __table_args__ = (CheckConstraint("failures > 0", name="failures_positive"),)
+
+    pair: Mapped[str] = mapped_column(String(64), primary_key=True)
+    failures: Mapped[int] = mapped_column(Integer)
+    last_failed_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
 
 
 class AdminSession(Base):

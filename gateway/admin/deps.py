@@ -3,7 +3,8 @@
 Admin routes resolve their caller from the `Authorization: Bearer ...` header: an operator's
 session token or a tenant-admin API key (gateway/admin/callers.py checks either, and audits a
 refusal). The bearer scheme is declared here so that the API's schema offers it on every admin
-route; the header itself is read whole, so a missing or malformed one is the API's own 401.
+route; the header itself is read whole, so a missing or malformed one is the API's own 401,
+and one sent twice is a 400 (`single_header`), never first-wins.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gateway.admin.callers import AdminCaller, authenticate_admin
+from gateway.http.deps import single_header
 from gateway.http.middleware import client_ip
 from gateway.state import GatewayState
 
@@ -30,7 +32,7 @@ def get_admin_caller(
 ) -> AdminCaller:
     """The admin caller (sync: FastAPI runs it in a worker thread, it reads the database)."""
     state: GatewayState = request.app.state.gateway
-    authorization = request.headers.get("authorization")
+    authorization = single_header(request.headers, "Authorization")
     return authenticate_admin(state, authorization, client_ip(request.scope))
 
 

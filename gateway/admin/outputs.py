@@ -170,6 +170,6 @@ def operator_out(admin: Admin) -> OperatorOut:
         role=admin.role,
         tenant_id=admin.tenant_id,
         disabled=admin.disabled,
-        locked_until=admin.locked_until,
+        second_factor=admin.totp_secret is not None,
         created_at=admin.created_at,
     )

@@ -70,9 +70,24 @@ class Body(BaseModel):
 # -- requests ---------------------------------------------------------------------------------
 
 
+TotpCode = Annotated[str, StringConstraints(min_length=1, max_length=16)]
+
+
 class LoginBody(Body):
     username: Annotated[str, StringConstraints(min_length=1, max_length=100)]
     password: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+    totp_code: TotpCode | None = Field(
+        default=None, description="The one-time code, for an operator with a second factor"
+    )
+
+
+class TotpConfirm(Body):
+    code: TotpCode = Field(description="The code the authenticator app shows now")
+
+
+class TotpDisable(Body):
+    password: Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+    code: TotpCode = Field(description="The code the authenticator app shows now")
 
 
 class TenantCreate(Body):
@@ -316,8 +331,15 @@ class OperatorOut(BaseModel):
     role: str
     tenant_id: uuid.UUID | None
     disabled: bool
-    locked_until: datetime | None
+    second_factor: bool = Field(description="Whether a TOTP second factor is enrolled")
     created_at: datetime
+
+
+class TotpEnrolmentOut(BaseModel):
+    """A second factor to enrol: show it once, then confirm it with a code from the app."""
+
+    otpauth_uri: str = Field(description="For an authenticator app (as a QR code or pasted)")
+    secret: str = Field(description="The same secret, base32, for typing in by hand")
 
 
 class LoginOut(BaseModel):

@@ -1,15 +1,19 @@
-"""How fast administrators may act, in memory: login attempts per username and per client
-address, password checks at once, and changes per caller.
+"""How fast administrators may act, in memory: login attempts per client address, password
+checks at once, and changes per caller.
 
-The login limits bound how fast one process can be asked to guess passwords (each guess costs
-an argon2 hash); the account lockout in the database (`tenancy.admins.Lockout`) bounds it
-across processes. The change limit keeps one tenant-admin from flooding the tenancy database
-(every change also makes every gateway re-check its cached keys). Keys are kept in bounded
-maps, so a flood of made-up usernames cannot grow them.
+The per-address limit bounds how fast one source can guess across many names (password
+spraying; each guess costs an argon2 hash). It never counts per name: a name's failures slow
+down only the (name, source) pairs that made them, in the database that every gateway shares
+(tenancy/login_failures.py), so nobody can keep an operator from logging in from elsewhere.
+An IPv6 source counts by its /64 network, which one client usually holds whole. The change
+limit keeps one tenant-admin from flooding the tenancy database (every change also makes every
+gateway re-check its cached keys). Keys are kept in bounded maps, so a flood of made-up
+addresses cannot grow them.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import threading
 import time
@@ -59,19 +63,35 @@ class PasswordChecksBusy(Exception):
     """Every password-hashing slot stayed taken for the whole wait."""
 
 
+def login_source(address: str | None) -> str:
+    """The source a login attempt is counted under: its address, or for IPv6 its /64."""
+    if address is None:
+        return "unknown"
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return address[:64]
+    if isinstance(parsed, ipaddress.IPv6Address):
+        if parsed.ipv4_mapped is not None:
+            return str(parsed.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{parsed}/64", strict=False))
+    return str(parsed)
+
+
 class LoginThrottle:
-    """Allows `per_minute` attempts per username and, separately, per address, and at most
-    `concurrent_hashes` password checks at once in the process (each argon2 check costs
-    tens of milliseconds of CPU and 64 MiB of memory: a login flood from many addresses
-    must not take the CPU and memory that inference needs)."""
+    """Allows `per_minute` login attempts per source, and at most `concurrent_hashes` password
+    checks at once in the process (each argon2 check costs tens of milliseconds of CPU and
+    64 MiB of memory: a login flood from many addresses must not take the CPU and memory that
+    inference needs)."""
 
     def __init__(self, per_minute: int, concurrent_hashes: int = 2) -> None:
         self._attempts = SlidingWindow(per_minute)
         self._hashing = threading.BoundedSemaphore(concurrent_hashes)
 
-    def admit(self, username: str, address: str | None) -> int | None:
-        """Count one attempt; None if allowed, else the seconds until the next one is."""
-        return self._attempts.admit(f"user:{username}", f"ip:{address or 'unknown'}")
+    def admit(self, source: str) -> int | None:
+        """Count one attempt from `source` (`login_source`); None if allowed, else the seconds
+        until the next one is."""
+        return self._attempts.admit(f"source:{source}")
 
     @contextmanager
     def password_check(self, wait_s: float = 5.0) -> Iterator[None]:

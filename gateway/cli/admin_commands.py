@@ -1,9 +1,11 @@
-"""Operator commands: `admins create|list|disable|enable|set-password` (audited changes) and
-`db upgrade`.
+"""Operator commands: `admins create|list|disable|enable|set-password|enrol-totp|reset-totp`
+(audited changes) and `db upgrade`.
 
 The console's first operator comes from here (or from `serve --demo`); after that, operators
 can be managed from the console as well. Passwords are read from a file or stdin, never from
-the command line (where `ps` and shell history would keep them).
+the command line (where `ps` and shell history would keep them). The host can enrol an
+operator's TOTP second factor (the way in for an admin where `admin_totp_required` is set)
+and reset a lost one; operators enrol their own from the console or the admin API too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from gateway.cli.common import (
     report_rows,
 )
 from tenancy import admins as admin_service
-from tenancy import tenants
+from tenancy import tenants, totp
 from tenancy.models import Admin
 
 admins_app = typer.Typer(help="Operator accounts for the admin console.", no_args_is_help=True)
@@ -42,7 +44,7 @@ def admin_json(admin: Admin, tenant_slug: str | None = None) -> dict[str, Any]:
         "role": admin.role,
         "tenant": tenant_slug,
         "disabled": admin.disabled,
-        "locked_until": admin.locked_until,
+        "second_factor": admin.totp_secret is not None,
         "created_at": admin.created_at,
     }
 
@@ -83,6 +85,7 @@ def admins_create(
         "admin",
         username,
         create,
+        tenant=tenant,
         details={"role": role, "tenant": tenant},
     )
     report(created, as_json, f"created {role} {username}")
@@ -103,6 +106,7 @@ def admins_list(as_json: JsonOption = False) -> None:
 def _admin_line(row: dict[str, Any]) -> str:
     tenant = f" tenant={row['tenant']}" if row["tenant"] else ""
     state = " disabled" if row["disabled"] else ""
+    state += " totp" if row["second_factor"] else ""
     return f"{row['username']:<24} {row['role']:<12}{tenant}{state}"
 
 
@@ -122,7 +126,7 @@ def admins_enable(username: str) -> None:
 
 @admins_app.command("set-password")
 def admins_set_password(username: str, password_file: PasswordFileOption = None) -> None:
-    """Set an operator's password; it also clears a lockout and ends the account's sessions."""
+    """Set an operator's password; it also ends the account's sessions."""
     password = read_password(password_file)
     audited_change(
         "admin.set_password",
@@ -133,6 +137,49 @@ def admins_set_password(username: str, password_file: PasswordFileOption = None)
         ),
     )
     typer.echo(f"{username}: password changed")
+
+
+@admins_app.command("enrol-totp")
+def admins_enrol_totp(username: str) -> None:
+    """Enrol a TOTP second factor for an operator: shows its secret once, then asks for a
+    code from the authenticator app to confirm it."""
+    cipher = _totp_cipher()
+
+    def begin(session: Any, _: Any) -> tuple[str, str]:
+        admin = admin_service.find_admin(session, username)
+        secret = totp.begin_enrolment(session, admin, cipher)
+        return secret, totp.provisioning_uri(secret, admin.username)
+
+    secret, uri = audited_change("admin.totp_begin", "admin", username, begin)
+    typer.echo(f"add this to the operator's authenticator app:\n  {uri}\n  secret: {secret}")
+    if sys.stdin.isatty():
+        code: str = typer.prompt("Code the app shows now")
+    else:
+        code = sys.stdin.readline().strip()
+
+    def confirm(session: Any, _: Any) -> None:
+        admin = admin_service.find_admin(session, username)
+        totp.confirm_enrolment(session, admin, code, cipher)
+
+    audited_change("admin.totp_enable", "admin", username, confirm)
+    typer.echo(f"{username}: second factor enrolled")
+
+
+@admins_app.command("reset-totp")
+def admins_reset_totp(username: str) -> None:
+    """Remove an operator's TOTP second factor (a lost phone): it logs in with its password
+    until it enrols again (an admin cannot, where admin_totp_required is set)."""
+
+    def reset(session: Any, _: Any) -> bool:
+        return totp.remove(session, admin_service.find_admin(session, username))
+
+    had = audited_change("admin.totp_reset", "admin", username, reset)
+    typer.echo(f"{username}: second factor removed" if had else f"{username}: had no second factor")
+
+
+def _totp_cipher() -> totp.TotpCipher:
+    """The cipher the gateways keep second factors under (from the key-hashing secret)."""
+    return totp.TotpCipher.from_secret(load_settings().secret("key_hash_secret"))
 
 
 def _set_disabled(username: str, disabled: bool) -> None:

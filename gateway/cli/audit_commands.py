@@ -1,18 +1,20 @@
-"""Audit commands: `audit export`, `audit verify`, `audit flush`."""
+"""Audit commands: `audit export`, `audit verify`, `audit flush`, `audit replay-dead-letters`."""
 
 from __future__ import annotations
 
+import sys
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from tqdm import tqdm
 
-from gateway.cli.common import fail, open_store, operator
+from gateway.cli.common import fail, open_store, record_cli_event
 from tenancy import tenants
-from tenancy.audit_chain import AuditRecord
 from tenancy.audit_export import ExportFilter, export_events
 from tenancy.audit_files import UnreadableAuditFile
+from tenancy.audit_replay import ReplayResult, replay_dead_letters
 from tenancy.audit_verification import verify_database, verify_file
 from tenancy.errors import TenancyError
 
@@ -65,16 +67,13 @@ def audit_export(
                 count = export_events(session, selection, out, file_format, store.signing_key)
         except OSError as error:
             fail(f"cannot write {out}: {error.strerror}")
-        store.record(
-            AuditRecord(
-                actor_type="cli",
-                actor_id=operator(),
-                action="audit.export",
-                outcome="success",
-                tenant_id=tenant_id,
-                resource_type="audit_log",
-                details={"events": count, "format": file_format, **selection.as_dict()},
-            )
+        record_cli_event(
+            store,
+            "audit.export",
+            "success",
+            "audit_log",
+            tenant_id=tenant_id,
+            details={"events": count, "format": file_format, **selection.as_dict()},
         )
     typer.echo(f"exported {count} events to {out}")
 
@@ -121,3 +120,67 @@ def audit_flush() -> None:
     typer.echo(f"flushed {pending - (refused - refused_before)} spooled events")
     if refused:
         typer.echo(f"{refused} events the database refused are kept in {path}")
+
+
+@audit_app.command("replay-dead-letters")
+def audit_replay_dead_letters(
+    file: Annotated[
+        Path | None,
+        typer.Option("--file", help="A dead-letter file (default: this host's, in the state dir)."),
+    ] = None,
+) -> None:
+    """Append the events the database refused, after a fix, each exactly once.
+
+    Events still refused, and lines that hold no event, stay in the file; exits 1 then.
+    """
+    with open_store() as store:
+        path = file or store.audit.dead_letter_path
+        if file is None and not path.exists():
+            typer.echo(f"no dead letters: {path} does not exist")
+            return
+        with tqdm(desc="replaying", unit="event", file=sys.stderr, disable=None) as bar:
+
+            def show(done: int, total: int) -> None:
+                bar.total = total
+                bar.update(done - bar.n)
+
+            try:
+                result = replay_dead_letters(store.audit, path, show)
+            except UnreadableAuditFile as error:
+                fail(str(error))
+            except OSError as error:
+                fail(f"cannot replay {path}: {error.strerror}; events replayed so far are stored")
+        record_cli_event(
+            store,
+            "audit.replay_dead_letters",
+            "success" if result.complete else "failure",
+            "audit_log",
+            details={"file": str(path), **replay_counts(result)},
+        )
+    for failing in result.still_failing:
+        typer.echo(
+            f"prefixgate: line {failing.line}: event {failing.event_id} still fails: "
+            f"{failing.reason}",
+            err=True,
+        )
+    for unreadable in result.unreadable:
+        typer.echo(f"prefixgate: line {unreadable.line}: {unreadable.problem}; kept", err=True)
+    counts = replay_counts(result)
+    summary = (
+        f"replayed {counts['replayed']}, already in {counts['already_stored']}, "
+        f"still failing {counts['still_failing']}"
+    )
+    if result.unreadable:
+        summary += f", unreadable lines {counts['unreadable_lines']}"
+    typer.echo(summary if result.complete else f"{summary}; kept in {path}")
+    if not result.complete:
+        raise typer.Exit(1)
+
+
+def replay_counts(result: ReplayResult) -> dict[str, int]:
+    return {
+        "replayed": result.replayed,
+        "already_stored": result.already_stored,
+        "still_failing": len(result.still_failing),
+        "unreadable_lines": len(result.unreadable),
+    }

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 
+from tenancy import tenants
 from tenancy.audit_chain import AuditRecord
 from tenancy.errors import TenancyError
 
@@ -94,7 +95,8 @@ def load_settings(**overrides: Any) -> Settings:
     except ValidationError as error:
         first = error.errors()[0]
         reason = first.get("ctx", {}).get("error") or first["msg"]
-        fail(f"setting {'.'.join(map(str, first['loc']))}: {reason}")
+        where = ".".join(map(str, first["loc"]))  # empty for a rule across settings
+        fail(f"setting {where}: {reason}" if where else f"settings: {reason}")
 
 
 def check_engine_settings(settings: Settings, model: Path | None) -> None:
@@ -177,32 +179,72 @@ def audited_change(
     resource_type: str,
     resource_id: str,
     change: Callable[[Session, Store], T],
-    tenant_of: Callable[[T], str | None] = lambda _: None,
+    tenant: str | None = None,
     details: dict[str, Any] | None = None,
 ) -> T:
-    """Run `change` in one transaction and audit its outcome; errors become one line."""
+    """Run `change` in one transaction and audit its outcome; errors become one line.
+
+    `tenant` is the slug of the tenant the command is about: whatever the outcome, its event
+    carries that tenant's id when the tenant exists, so a refusal is in the tenant's trail too.
+    """
     with open_store() as store:
 
-        def audit(outcome: str, tenant_id: str | None, extra: dict[str, Any]) -> None:
-            store.record(
-                AuditRecord(
-                    actor_type="cli",
-                    actor_id=operator(),
-                    action=action,
-                    outcome=outcome,
-                    tenant_id=tenant_id,
-                    resource_type=resource_type,
-                    resource_id=resource_id,
-                    details={**(details or {}), **extra},
-                )
+        def audit(outcome: str, extra: dict[str, Any]) -> None:
+            record_cli_event(
+                store,
+                action,
+                outcome,
+                resource_type,
+                resource_id,
+                tenant_id=tenant_id_of(store, tenant),
+                details={**(details or {}), **extra},
             )
 
         try:
             with store.transaction() as session:
                 result = change(session, store)
-                tenant_id = tenant_of(result)
         except TenancyError as error:
-            audit("failure", None, {"error": str(error)})
+            audit("failure", {"error": str(error)})
             fail(str(error))
-        audit("success", tenant_id, {})
+        audit("success", {})
         return result
+
+
+def record_cli_event(
+    store: Store,
+    action: str,
+    outcome: str,
+    resource_type: str,
+    resource_id: str | None = None,
+    *,
+    tenant_id: str | None = None,
+    details: dict[str, Any] | None = None,
+) -> None:
+    """Audit something a command did, as the operator who ran it."""
+    store.record(
+        AuditRecord(
+            actor_type="cli",
+            actor_id=operator(),
+            action=action,
+            outcome=outcome,
+            tenant_id=tenant_id,
+            resource_type=resource_type,
+            resource_id=resource_id,
+            details=details or {},
+        )
+    )
+
+
+def tenant_id_of(store: Store, slug: str | None) -> str | None:
+    """The id of the tenant called `slug` (a deleted one too), or None if there is none.
+
+    Read after the change committed or rolled back: a tenant just created has its id, and
+    one a failed change named but never reached still has its own.
+    """
+    if slug is None:
+        return None
+    with store.transaction() as session:
+        try:
+            return str(tenants.get_tenant(session, slug, include_deleted=True).id)
+        except TenancyError:
+            return None

@@ -42,7 +42,7 @@ def key_json(key: ApiKey, tenant: Tenant) -> dict[str, Any]:
 
 
 def created_key_json(created: api_keys.CreatedKey, owner: Tenant, **extra: str) -> dict[str, Any]:
-    """A new key for output: the secret (this once), its row, and the owner's id for audit."""
+    """A new key for output: the secret (this once), its row, and the owner's id."""
     return {
         "key": created.secret,
         **key_json(created.key, owner),
@@ -73,7 +73,7 @@ def keys_create(
         resource_type="api_key",
         resource_id=f"{tenant}/{name}",
         change=create,
-        tenant_of=lambda r: r["tenant_id"],
+        tenant=tenant,
         details={"role": role},
     )
     report(
@@ -115,12 +115,10 @@ def _key_line(row: dict[str, Any]) -> str:
 def keys_revoke(tenant: TenantOption, key_id: Annotated[str, typer.Argument()]) -> None:
     """Revoke a key now."""
 
-    def revoke(session: Session, _: Store) -> str:
-        owner = tenants.get_tenant(session, tenant)
-        api_keys.revoke_key(session, owner.id, key_id)
-        return str(owner.id)
+    def revoke(session: Session, _: Store) -> None:
+        api_keys.revoke_key(session, tenants.get_tenant(session, tenant).id, key_id)
 
-    audited_change("key.revoke", "api_key", key_id, revoke, tenant_of=lambda t: t)
+    audited_change("key.revoke", "api_key", key_id, revoke, tenant=tenant)
     typer.echo(f"revoked {key_id}")
 
 
@@ -144,7 +142,7 @@ def keys_rotate(
         resource_type="api_key",
         resource_id=key_id,
         change=rotate,
-        tenant_of=lambda r: r["tenant_id"],
+        tenant=tenant,
         details={"grace": grace},
     )
     report(

@@ -103,7 +103,7 @@ def tenants_create(
         lambda s, _: with_pool(
             s, tenants.create_tenant(s, slug, name, sharing, limits, not no_public_prefixes)
         ),
-        tenant_of=lambda t: t["id"],
+        tenant=slug,
         details={
             "sharing": sharing,
             "quota": quota,
@@ -159,7 +159,7 @@ def tenants_set_quota(
         "tenant",
         slug,
         lambda s, _: with_pool(s, tenants.set_quota(s, slug, quota, reservation)),
-        tenant_of=lambda t: t["id"],
+        tenant=slug,
         details={"quota": quota, "reservation": reservation},
     )
     report(
@@ -182,7 +182,7 @@ def tenants_set_sharing(
         "tenant",
         slug,
         lambda s, _: tenant_json(tenants.set_sharing(s, slug, mode)),
-        tenant_of=lambda t: t["id"],
+        tenant=slug,
         details={"sharing": mode},
     )
     report(tenant, as_json, f"{slug}: sharing {mode}")
@@ -201,7 +201,7 @@ def tenants_set_weight(
         "tenant",
         slug,
         lambda s, _: tenant_json(tenants.set_scheduling_weight(s, slug, weight)),
-        tenant_of=lambda t: t["id"],
+        tenant=slug,
         details={"scheduling_weight": weight},
     )
     weight_shown = tenants.weight_text(tenant["scheduling_weight"])
@@ -220,7 +220,7 @@ def tenants_suspend(
         "tenant",
         slug,
         lambda s, _: tenant_json(tenants.set_status(s, slug, status)),
-        tenant_of=lambda t: t["id"],
+        tenant=slug,
     )
     typer.echo(f"{slug}: {status}")
 
@@ -233,6 +233,6 @@ def tenants_delete(slug: str) -> None:
         "tenant",
         slug,
         lambda s, _: tenant_json(tenants.delete_tenant(s, slug)),
-        tenant_of=lambda t: t["id"],
+        tenant=slug,
     )
     typer.echo(f"{slug}: deleted")

@@ -1,9 +1,10 @@
 """Logging in and out of the console, and its front door.
 
-Login posts the username and password to the admin service's `create_session` (throttled per
-username and address, lockout, audited), as the admin API's login does, and the session token
-it returns goes into the HttpOnly cookie. A refusal (wrong password, locked or disabled
-account, too many attempts) shows the login form again with the reason. Logout is the admin
+Login posts the username, password and (for an operator with a second factor) one-time code
+to the admin service's `create_session` (throttled per address and per (name, address), never
+locked, audited), as the admin API's login does, and the session token it returns goes into
+the HttpOnly cookie. A refusal (wrong credentials, a disabled account, too many attempts)
+shows the login form again with the reason. Logout is the admin
 service's `end_session`: the session is revoked in the database, so the cookie is worthless
 even if it was copied.
 """
@@ -78,9 +79,11 @@ def login(
     try:
         body = form.body(LoginBody)
         source_ip = client_ip(request.scope)
-        answer = sessions.create_session(state, body.username, body.password, source_ip)
+        answer = sessions.create_session(
+            state, body.username, body.password, source_ip, body.totp_code
+        )
     except APIError as error:
-        errors = FormErrors.of(error, {}, {"username", "password"})
+        errors = FormErrors.of(error, {}, {"username", "password", "totp_code"})
         status = error.status if error.status in (401, 403, 429) else 400
         response = _login_form(request, state, None, errors, username, status)
         response.headers.update(error.headers)

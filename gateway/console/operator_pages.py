@@ -3,10 +3,10 @@
 An admin creates operators (an `admin`, or a `tenant-admin` bound to one tenant, named by its
 slug), disables and re-enables them and sets their passwords; every operator changes its own
 password on its account page, giving its current one (the admin API's rule: a session left
-open cannot take the account over; a wrong one counts toward the lockout). All of it is the
-admin service's operator functions (`gateway.admin.service.operators`): at least one
-enabled admin always remains, a disabled account's sessions end at once, and no password
-reaches an answer, a page or the audit log.
+open cannot take the account over; a wrong one counts against the caller's (name, address)
+pair, like a failed login). All of it is the admin service's operator functions
+(`gateway.admin.service.operators`): at least one enabled admin always remains, a disabled
+account's sessions end at once, and no password reaches an answer, a page or the audit log.
 """
 
 from __future__ import annotations

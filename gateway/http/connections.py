@@ -13,6 +13,15 @@ own httptools protocol plus bounds on what a client can hold before it has sent 
   the client is not the one stalling, and its clock restarts when reading resumes.
 - served or idle: uvicorn's own rules (keep-alive timeout after a response) apply.
 
+A request the HTTP parser refuses (a malformed request line or header, a bad chunk, a
+conflicting Content-Length) is answered in OpenAI's error shape, a JSON 400 coded
+`invalid_http_request` with `Connection: close`, instead of uvicorn's plain-text one, wherever
+an answer can still be placed on the connection. Where it cannot, the connection just closes:
+when a response to an earlier request on it is still being sent (pipelining: the earlier
+answers are finished first), or when the request's own response has already started (a body
+that breaks after the app answered). Such requests never reach the app, so they leave no
+audit event; a bad chunk in a body the app was reading is audited as that request's 400.
+
 `X-Forwarded-For` is believed only from `trusted_proxies`; with none, it is ignored.
 """
 
@@ -22,13 +31,16 @@ import asyncio
 import ipaddress
 import json
 import logging
+import sys
 import time
 from asyncio import TimerHandle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import httptools
 import uvicorn
+from starlette.types import Receive, Scope, Send
 from uvicorn.config import Config
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -125,6 +137,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_timer: TimerHandle | None = None
         self._body_timer: TimerHandle | None = None
         self._body_progress_at = 0.0
+        self._unreadable = False  # the parser refused a request: nothing more is read
 
     @property
     def _peer(self) -> str:
@@ -153,6 +166,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._unreadable:  # a parser in its error state would only refuse again
+            return
         idle = self.cycle is None or self.cycle.response_complete
         if idle and not self._pending and not self._awaiting_body:
             # Bytes on an idle keep-alive connection begin the next request, even bytes the
@@ -175,7 +190,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             else:
                 piece, data = data[:cap], data[cap:]
             super().data_received(piece)
-            if self.transport.is_closing():  # the parser refused the request and answered
+            if self.transport.is_closing() or self._unreadable:  # the parser refused it
                 return
 
     # Parser callbacks
@@ -199,6 +214,33 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._stop_waiting_for_body()
         super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """Answer a request the parser refused, in OpenAI's shape where the connection allows
+        (uvicorn calls this from inside its `except httptools.HttpParserError`)."""
+        self._unreadable = True
+        self._stop_waiting_for_headers()
+        error = APIError.invalid(_parse_failure(sys.exception()), code="invalid_http_request")
+        cycle = self.cycle
+        if not self._awaiting_body:  # a request's head: no request of its own was started
+            self._give_up_on_headers(error)
+            return
+        # The body of `cycle`, the newest request, broke (a bad chunk, say).
+        self._stop_waiting_for_body()
+        queued = [index for index, (waiting, _) in enumerate(self.pipeline) if waiting is cycle]
+        if queued:  # it waits behind an earlier request: answered in its turn, then closed
+            cycle.keep_alive = False
+            # uvicorn types its apps with its own TypedDicts; any ASGI app runs there.
+            self.pipeline[queued[0]] = (cycle, _Answer(error))  # type: ignore[assignment]
+            return
+        cycle.disconnected = True  # its app reads a disconnect; what it sends is dropped
+        cycle.message_event.set()
+        if cycle.response_started:  # answered already (early, without its body): cut short
+            self.transport.close()
+            return
+        told = cycle.scope.setdefault("state", {})  # for its audit event (the app's side)
+        told["status_sent"], told["api_error"] = 400, error
+        self._answer_and_close(error)
 
     # Headers
 
@@ -303,6 +345,26 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         head = b"".join(name + b": " + value + b"\r\n" for name, value in headers)
         self.transport.write(STATUS_LINE[error.status] + head + b"\r\n" + body)
         self.transport.close()
+
+
+class _Answer:
+    """An ASGI app that answers only with an error (a refused request's turn in a pipeline)."""
+
+    def __init__(self, error: APIError) -> None:
+        self.error = error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.error.response()(scope, receive, send)
+
+
+def _parse_failure(error: BaseException | None) -> str:
+    """What was wrong with a refused request: the parser's reason (llhttp's fixed texts, such
+    as "Invalid header value char"), never an exception of our own callbacks."""
+    if isinstance(error, httptools.HttpParserError) and not isinstance(
+        error, httptools.HttpParserCallbackError
+    ):
+        return f"the request is not valid HTTP/1.1: {error}"
+    return "the request is not valid HTTP/1.1"
 
 
 def trusted_proxy_networks(entries: list[str]) -> list[str]:

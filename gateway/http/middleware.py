@@ -7,12 +7,17 @@ from the headers before a byte of the body is read (a bad key never costs a body
 an inference request against its tenant's limits, and settles the request exactly once when it
 ends, whatever the outcome.
 
+The gate also logs, once, when requests come through a proxy that `trusted_proxies` does not
+name (`warn_of_untrusted_proxy`).
+
 `BodySizeLimit` reads the body within its size limit and deadline before any route runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import ipaddress
 import logging
 import time
 import uuid
@@ -22,6 +27,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.auth.key_auth import AuthenticationFailed, Caller
 from gateway.errors import APIError, from_auth_failure
+from gateway.http.connections import trusted_proxy_networks
+from gateway.http.deps import single_header
 from gateway.http.settlement import Settlement, settle
 from gateway.state import GatewayState
 
@@ -40,13 +47,14 @@ class RequestGate:
         scope.setdefault("state", {})["arrived"] = time.perf_counter()
         path: str = scope["path"]
         settlement = None
+        state: GatewayState = scope["app"].state.gateway
+        if not state.untrusted_proxy_warned:
+            warn_of_untrusted_proxy(state, scope)
         if path == "/v1" or path.startswith("/v1/"):
             settlement = Settlement.for_request(scope["method"], path, client_ip(scope))
             scope["state"]["settlement"] = settlement
         started = False
         request_id = f"req_{uuid.uuid4().hex}"
-
-        state: GatewayState = scope["app"].state.gateway
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
@@ -70,10 +78,13 @@ class RequestGate:
                 _note_client_request_id(settlement, headers)
                 # An inference request takes the tenant's concurrency slot before its body is
                 # read: one key's slow uploads hold at most its own share of the server. Other
-                # routes under /v1 (the model list) cost nothing to count.
+                # routes under /v1 (the model list) hold nothing while they run: they take one
+                # request of the tenant's window and no slot.
+                settlement.admission = state.limiter.admission(settlement.caller)
                 if settlement.endpoint in INFERENCE_ENDPOINTS:
-                    settlement.admission = state.limiter.admission(settlement.caller)
                     await settlement.admission.enter()
+                else:
+                    await settlement.admission.count()
             await self.app(scope, receive, tracking_send)
         except APIError as error:  # refused at the gate (bad key, draining)
             if settlement is not None:
@@ -103,8 +114,8 @@ MAX_CLIENT_REQUEST_ID = 512
 def _response_headers(
     state: GatewayState, scope: Scope, settlement: Settlement | None, request_id: str
 ) -> list[tuple[bytes, bytes]]:
-    """`x-request-id` on every response; under /v1 also `openai-processing-ms` and, for
-    inference, OpenAI's rate-limit headers from the tenant's own windows."""
+    """`x-request-id` on every response; under /v1 also `openai-processing-ms` and, once the
+    key is known, OpenAI's rate-limit headers from the tenant's own windows."""
     if settlement is None:
         return [(b"x-request-id", request_id.encode())]
     # The id the client sees is the one its audit event records: the completion's own id
@@ -115,7 +126,7 @@ def _response_headers(
         (b"x-request-id", settlement.request_id.encode()),
         (b"openai-processing-ms", str(elapsed_ms).encode()),
     ]
-    if settlement.admission is not None and settlement.endpoint in INFERENCE_ENDPOINTS:
+    if settlement.admission is not None:
         headers += settlement.admission.headers()
     return headers
 
@@ -137,7 +148,7 @@ async def _authenticate(state: GatewayState, settlement: Settlement, headers: He
     """The tenant behind the bearer key, from the headers alone; 401/403/503 otherwise."""
     if state.draining:
         raise APIError.shutting_down()
-    scheme, _, presented = (headers.get("authorization") or "").partition(" ")
+    scheme, _, presented = (single_header(headers, "Authorization") or "").partition(" ")
     if scheme.lower() != "bearer" or not presented.strip():
         settlement.auth_failure = "missing_key"
         raise APIError.unauthorized("missing API key: send Authorization: Bearer <key>")
@@ -163,6 +174,50 @@ def client_ip(scope: Scope) -> str | None:
     """The peer's address (a trusted proxy's X-Forwarded-For is applied by the server)."""
     client = scope.get("client")
     return str(client[0]) if client else None
+
+
+_FORWARDING_HEADERS = (b"x-forwarded-for", b"forwarded")
+
+
+def warn_of_untrusted_proxy(state: GatewayState, scope: Scope) -> None:
+    """Log once per gateway when a request carries X-Forwarded-For or Forwarded from a peer
+    that is not one of `trusted_proxies`: a proxy in front of the gateway that is not trusted
+    makes every client behind it one address (one login throttle, one audit source)."""
+    forwarded = [value for name, value in scope["headers"] if name in _FORWARDING_HEADERS]
+    if not forwarded:
+        return
+    peer = client_ip(scope)
+    networks = _networks(tuple(state.settings.trusted_proxies))
+    if networks and peer is not None:
+        # uvicorn has already replaced a trusted proxy's address by its client's, one taken
+        # from X-Forwarded-For; an untrusted peer keeps its own address.
+        listed = {
+            part.strip() for value in forwarded for part in value.decode("latin-1").split(",")
+        }
+        if peer in listed or _within(peer, networks):
+            return
+    state.untrusted_proxy_warned = True
+    logger.warning(
+        "the gateway is reached through a proxy that is not trusted (a request from %s "
+        "carried X-Forwarded-For or Forwarded): set PREFIXGATE_TRUSTED_PROXIES to the proxy's "
+        "address or network, else every client behind it is seen as that one address (one "
+        "login throttle, one source in the audit log) and the forwarded address is ignored",
+        peer or "an unknown address",
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _networks(entries: tuple[str, ...]) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """The trusted proxies as networks (parsed once: behind a trusted proxy every request asks)."""
+    return [ipaddress.ip_network(network) for network in trusted_proxy_networks(list(entries))]
+
+
+def _within(address: str, networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> bool:
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(parsed in network for network in networks)
 
 
 class BodySizeLimit:

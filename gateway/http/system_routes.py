@@ -1,4 +1,14 @@
-"""GET /v1/models, /healthz, /readyz, /metrics."""
+"""GET /v1/models, /healthz, /readyz, /metrics.
+
+/healthz and /readyz answer anyone, for probes: alive, and ready or not (200 or 503). What
+/readyz knows besides (the engine's description, its step cost, workers, where limits are
+counted, the audit backlog) describes the deployment, so it is shown only to the scraper: a
+caller with `Authorization: Bearer <metrics_token>`, the token that also unlocks /metrics'
+per-tenant series. With no metrics token configured nobody sees the details. A wrong token
+gets /readyz's short answer, never a 401: a readiness probe must not fail for a header it
+carries by accident (an API key in a client's default headers, say); on /metrics it is a 401,
+so a misconfigured scraper learns it at once.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +17,14 @@ import hmac
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 from starlette.concurrency import run_in_threadpool
 
 from gateway.errors import APIError
-from gateway.http.deps import StateDep
+from gateway.http.deps import StateDep, single_header
 from gateway.http.openapi import API_RESPONSES, error_response
 from gateway.state import GatewayState
 
@@ -55,8 +65,27 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", responses={503: {"description": "Not ready (the checks say which part)"}})
-async def readyz(state: StateDep) -> Response:
+async def get_authorization(
+    request: Request,
+    _authorization: Annotated[str | None, Header(alias="Authorization")] = None,
+) -> str | None:
+    """The Authorization header, if one came (a 400 for two)."""
+    return single_header(request.headers, "Authorization")
+
+
+AuthorizationDep = Annotated[str | None, Depends(get_authorization)]
+
+
+@router.get(
+    "/readyz",
+    responses={
+        200: {"description": "Ready; the details only with the metrics token"},
+        503: {"description": "Not ready (with the metrics token, the checks say which part)"},
+    },
+)
+async def readyz(state: StateDep, authorization: AuthorizationDep) -> Response:
+    """`{"status": "ready"}` (200) or `{"status": "not_ready"}` (503); with
+    `Authorization: Bearer <metrics token>` also the checks and what serves."""
     checks = {"engine": state.engine.running and not state.draining, "database": False}
     try:
         await asyncio.wait_for(run_in_threadpool(_ping, state), timeout=3)
@@ -64,17 +93,17 @@ async def readyz(state: StateDep) -> Response:
     except Exception:  # any failure means not ready; the reason is not the client's business
         checks["database"] = False
     ready = all(checks.values())
-    audit = await run_in_threadpool(_audit_backlog, state)
-    body = {
-        "status": "ready" if ready else "not_ready",
-        "checks": checks,
-        "engine": state.engine.describe(),
-        "limits": _limits(state),
-        "gateways": state.peers.count,
-        # How tenancy changes made elsewhere arrive: notified at once, or by polling alone.
-        "tenancy_changes": "notified" if state.tenancy_listener.listening else "polled",
-        "audit": audit,
-    }
+    body: dict[str, object] = {"status": "ready" if ready else "not_ready"}
+    if authorization is not None and _metrics_token_valid(state, authorization):
+        body |= {
+            "checks": checks,
+            "engine": state.engine.describe(),
+            "limits": _limits(state),
+            "gateways": state.peers.count,
+            # How tenancy changes made elsewhere arrive: notified at once, or by polling alone.
+            "tenancy_changes": "notified" if state.tenancy_listener.listening else "polled",
+            "audit": await run_in_threadpool(_audit_backlog, state),
+        }
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
@@ -121,9 +150,7 @@ def _ping(state: GatewayState) -> None:
         401: _METRICS_401,
     },
 )
-async def metrics(
-    state: StateDep, authorization: Annotated[str | None, Header()] = None
-) -> Response:
+async def metrics(state: StateDep, authorization: AuthorizationDep) -> Response:
     """Prometheus text; per-tenant series need `Authorization: Bearer <metrics token>`."""
     include_tenants = authorization is not None
     if include_tenants and not _metrics_token_valid(state, authorization or ""):

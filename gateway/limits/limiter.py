@@ -1,13 +1,16 @@
 """Admission: each request's concurrency slots, requests and tokens, taken from its tenant's
 limits in the configured store.
 
-Admission has two steps. `Admission.enter` takes a concurrency slot and a request from the
-window as soon as the key is known, before the request is templated or tokenized, so one
-tenant's requests never occupy more of that work than its concurrency allows. `charge` then
-takes the tokens the request may cost, once they are counted, and one more slot for each
-choice past the first: a request for n choices runs n sequences, and counts as n requests
-against the tenant's concurrency. `release`, called once when the request is settled, gives
-the slots back and refunds the tokens it did not use.
+An inference request's admission has two steps. `Admission.enter` takes a concurrency slot
+and a request from the window as soon as the key is known, before the request is templated or
+tokenized, so one tenant's requests never occupy more of that work than its concurrency
+allows. `charge` then takes the tokens the request may cost, once they are counted, and one
+more slot for each choice past the first: a request for n choices runs n sequences, and counts
+as n requests against the tenant's concurrency. `release`, called once when the request is
+settled, gives the slots back and refunds the tokens it did not use. Any other request of a
+tenant's (listing models) is `count`ed: one request of the window and no slot, so a tenant
+flooding it meets the same 429 and rate-limit headers as its completions, and never waits on
+its own streams' slots.
 
 Where limits live: with `redis_url`, in Redis (redis_store.py), shared by every gateway, so a
 tenant's limits hold once however many gateways serve it; without it, in this process
@@ -87,6 +90,15 @@ class Admission:
         _raise_if_refused(verdict)
         self.slots = 1
         self.limiter.hold(self)
+
+    async def count(self) -> None:
+        """Take one request and no slot, for a request that holds nothing while it runs
+        (listing models), or raise a 429 with Retry-After; there is nothing to release."""
+        self.store, verdict = await self.limiter.step(
+            None, lambda store: store.count(self.caller.tenant_id, self.lease_id, self.limits)
+        )
+        self.usage = verdict.usage
+        _raise_if_refused(verdict)
 
     async def charge(self, tokens: int, choices: int = 1) -> None:
         """Take `tokens` from the tenant's per-minute budget and a concurrency slot for each

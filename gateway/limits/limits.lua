@@ -60,25 +60,41 @@ local function take_slots(from, count, lease_ms)
   end
 end
 
+-- The refusal (2) when the window already holds `per_minute` requests, else nil.
+local function requests_refusal(per_minute)
+  if redis.call('ZCARD', KEYS[1]) < per_minute then return nil end
+  -- The caller works out the wait from the window's entries (time, 1), oldest first.
+  local times = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+  local entries = {}
+  for i = 1, #times, 2 do
+    entries[#entries + 1] = times[i + 1]
+    entries[#entries + 1] = 1
+  end
+  return answer(2, 0, entries)
+end
+
 local step = ARGV[1]
 
 if step == 'enter' then
   local per_minute, most, lease_ms = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
   forget_old()
   if redis.call('ZCARD', KEYS[5]) >= most then return answer(1, 1000, {}) end
-  if redis.call('ZCARD', KEYS[1]) >= per_minute then
-    -- The caller works out the wait from the window's entries (time, 1), oldest first.
-    local times = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-    local entries = {}
-    for i = 1, #times, 2 do
-      entries[#entries + 1] = times[i + 1]
-      entries[#entries + 1] = 1
-    end
-    return answer(2, 0, entries)
-  end
+  local refused = requests_refusal(per_minute)
+  if refused then return refused end
   redis.call('ZADD', KEYS[1], now, lease)
   take_slots(0, 1, lease_ms)
   keep_for(window + lease_ms)
+  return answer(0, 0, {})
+end
+
+if step == 'count' then
+  local per_minute = tonumber(ARGV[4])
+  forget_old()
+  local refused = requests_refusal(per_minute)
+  if refused then return refused end
+  redis.call('ZADD', KEYS[1], now, lease)
+  -- Only the window's key: the others may hold leases that must outlive it.
+  if redis.call('PTTL', KEYS[1]) < window then redis.call('PEXPIRE', KEYS[1], window) end
   return answer(0, 0, {})
 end
 

@@ -78,12 +78,20 @@ class ProcessLimits:
             now, tenant = self._tenant(tenant_id)
             if tenant.slots >= limits.max_concurrent:
                 return self._refused(tenant, now, Refusal.CONCURRENCY, CONCURRENCY_RETRY_S)
-            requests = tenant.requests
-            if requests.total + 1 > limits.requests_per_minute:
-                wait = self._wait(requests, 1, limits.requests_per_minute, now)
-                return self._refused(tenant, now, Refusal.REQUESTS, wait)
-            requests.add(now, 1, lease_id)
+            refused = self._requests_refusal(tenant, now, limits)
+            if refused is not None:
+                return refused
+            tenant.requests.add(now, 1, lease_id)
             tenant.slots += 1
+            return Verdict(self._usage(tenant, now))
+
+    async def count(self, tenant_id: str, lease_id: str, limits: Limits) -> Verdict:
+        with self._lock:
+            now, tenant = self._tenant(tenant_id)
+            refused = self._requests_refusal(tenant, now, limits)
+            if refused is not None:
+                return refused
+            tenant.requests.add(now, 1, lease_id)
             return Verdict(self._usage(tenant, now))
 
     async def charge(
@@ -133,6 +141,14 @@ class ProcessLimits:
         tenant.requests.forget_until(now - self._window_s)
         tenant.tokens.forget_until(now - self._window_s)
         return now, tenant
+
+    def _requests_refusal(self, tenant: _Tenant, now: float, limits: Limits) -> Verdict | None:
+        """The refusal when the window already holds the tenant's requests per minute."""
+        requests = tenant.requests
+        if requests.total + 1 <= limits.requests_per_minute:
+            return None
+        wait = self._wait(requests, 1, limits.requests_per_minute, now)
+        return self._refused(tenant, now, Refusal.REQUESTS, wait)
 
     def _wait(self, window: _Window, wanted: int, limit: int, now: float) -> float:
         entries = [(when, amount) for when, amount, _ in window.entries]

@@ -101,6 +101,10 @@ class RedisLimits:
         )
         return self._verdict(reply, 1, limits.requests_per_minute)
 
+    async def count(self, tenant_id: str, lease_id: str, limits: Limits) -> Verdict:
+        reply = await self._run(tenant_id, "count", lease_id, limits.requests_per_minute)
+        return self._verdict(reply, 1, limits.requests_per_minute)
+
     async def charge(
         self, tenant_id: str, lease_id: str, tokens: int, extra_slots: int, limits: Limits
     ) -> Verdict:

@@ -95,6 +95,11 @@ class LimitStore(Protocol):
         """Take one concurrency slot and one request of the window, or neither."""
         ...
 
+    async def count(self, tenant_id: str, lease_id: str, limits: Limits) -> Verdict:
+        """Take one request of the window and no slot (a request that holds nothing while it
+        runs, such as listing models), or nothing."""
+        ...
+
     async def charge(
         self, tenant_id: str, lease_id: str, tokens: int, extra_slots: int, limits: Limits
     ) -> Verdict:

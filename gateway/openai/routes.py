@@ -40,14 +40,14 @@ Preparation = Callable[[GatewayState, Body, RequestContext], Prepared]
 
 @router.post("/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
 async def chat_completions(
-    request: Request, state: StateDep, settlement: SettlementDep, user: UserHeaderDep = None
+    request: Request, state: StateDep, settlement: SettlementDep, user: UserHeaderDep
 ) -> Response:
     return await _serve(state, request, settlement, user, ChatCompletionRequest, prepare_chat)
 
 
 @router.post("/completions", openapi_extra=json_body(CompletionRequest))
 async def completions(
-    request: Request, state: StateDep, settlement: SettlementDep, user: UserHeaderDep = None
+    request: Request, state: StateDep, settlement: SettlementDep, user: UserHeaderDep
 ) -> Response:
     return await _serve(state, request, settlement, user, CompletionRequest, prepare_completion)
 

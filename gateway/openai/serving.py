@@ -4,6 +4,11 @@ The first delta is awaited before any response starts, so failures that happen b
 first token (quota timeouts, overload) still get their proper HTTP status. After that, a
 streamed error is an `{"error": ...}` event. A client that goes away cancels the engine
 request, which frees its KV blocks at the next engine step.
+
+`request_timeout_s` bounds the whole request, counted from its arrival at the gate: one
+deadline serves the wait for the first token and every token after it, so a stream that keeps
+producing tokens still ends at the deadline (a 504 before the response starts, an error event
+`timeout` after it).
 """
 
 from __future__ import annotations
@@ -56,9 +61,10 @@ async def respond(state: GatewayState, prepared: Prepared, http_request: Request
     except APIError as error:
         _conclude(state, prepared, "rejected", error=error)
         raise
+    deadline = _deadline(state, prepared)
     stream = prepared.model.engine.generate(prepared.request)
     try:
-        first = await _first_delta(state, prepared, stream, http_request)
+        first = await _first_delta(prepared, stream, http_request, deadline)
     except APIError as error:
         _conclude(state, prepared, "failure" if error.status >= 500 else "rejected", error=error)
         raise
@@ -72,23 +78,30 @@ async def respond(state: GatewayState, prepared: Prepared, http_request: Request
         # On shutdown, let in-flight streams finish (within uvicorn's graceful timeout).
         grace = max(0.0, state.settings.shutdown_grace_s - 1)
         return _StreamResponse(
-            _events(state, prepared, first, stream),
+            _events(state, prepared, first, stream, deadline),
             cleanup=lambda: _abandon(state, prepared, stream),
             ping=15,
             sep="\n",
             shutdown_grace_period=grace,
         )
-    return await _complete(state, prepared, first, stream, http_request)
+    return await _complete(state, prepared, first, stream, http_request, deadline)
+
+
+def _deadline(state: GatewayState, prepared: Prepared) -> float:
+    """The event loop's time at which the request's `request_timeout_s` runs out, counted from
+    when the gate opened its settlement (its parsing and preparation count too)."""
+    elapsed = time.perf_counter() - prepared.context.settlement.started
+    return asyncio.get_running_loop().time() + state.settings.request_timeout_s - elapsed
 
 
 async def _first_delta(
-    state: GatewayState,
     prepared: Prepared,
     stream: AsyncIterator[GenerationDelta],
     http_request: Request,
+    deadline: float,
 ) -> GenerationDelta:
     try:
-        return await _unless_disconnected(state, anext(stream), stream, http_request)
+        return await _unless_disconnected(anext(stream), stream, http_request, deadline)
     except StopAsyncIteration as error:  # pragma: no cover - the engine always ends with usage
         raise APIError.internal("the engine produced no output") from error
     except (APIError, _ClientGone):
@@ -98,15 +111,14 @@ async def _first_delta(
 
 
 async def _unless_disconnected(
-    state: GatewayState,
     work: Awaitable[T],
     stream: AsyncIterator[GenerationDelta],
     http_request: Request,
+    deadline: float,
 ) -> T:
-    """Await `work`, giving up (and cancelling the request) if the client leaves or time runs
-    out. One task for the whole wait, not one per token."""
+    """Await `work`, giving up (and cancelling the request) if the client leaves or the
+    request's deadline passes. One task for the whole wait, not one per token."""
     task = asyncio.ensure_future(work)
-    deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
@@ -160,6 +172,7 @@ async def _complete(
     first: GenerationDelta,
     stream: AsyncIterator[GenerationDelta],
     http_request: Request,
+    deadline: float,
 ) -> Response:
     choices = Choices(prepared.request.n)
     choices.add(first)
@@ -169,7 +182,7 @@ async def _complete(
             choices.add(await anext(stream))
 
     try:
-        await _unless_disconnected(state, rest(), stream, http_request)
+        await _unless_disconnected(rest(), stream, http_request, deadline)
     except _ClientGone:
         _conclude(state, prepared, "cancelled")
         return Response(status_code=CLIENT_CLOSED)
@@ -213,6 +226,7 @@ async def _events(
     prepared: Prepared,
     first: GenerationDelta,
     stream: AsyncIterator[GenerationDelta],
+    deadline: float,
 ) -> AsyncIterator[dict[str, Any]]:
     model, response_id, created = prepared.model.name, prepared.response_id, prepared.created
     chat = prepared.context.endpoint == "chat"
@@ -289,7 +303,6 @@ async def _events(
                 role = {"role": "assistant", "content": ""}
                 yield event(chat_chunk(response_id, created, model, role, index=index))
         delta = first
-        deadline = asyncio.get_running_loop().time() + state.settings.request_timeout_s
         while True:
             choices.add(delta)
             if (
@@ -308,6 +321,10 @@ async def _events(
                     yield item
             if choices.done:
                 break
+            # Checked before each wait too: a delta already queued is taken without a pause,
+            # where the timeout below could not interrupt it.
+            if asyncio.get_running_loop().time() >= deadline:
+                raise APIError.timeout()
             try:
                 async with asyncio.timeout_at(deadline):
                     delta = await anext(stream)

@@ -658,7 +658,7 @@ def test_a_wrong_password_shows_the_login_form_again(console_gateway: Gateway) -
                                                    "username": ADMIN_USER,
                                                    "password": "not the password"})  # fmt: skip
         assert refused.status_code == 401
-        assert "wrong username or password" in refused.text
+        assert "wrong username, password or one-time code" in refused.text
         assert 'value="root"' in refused.text and "not the password" not in refused.text
         assert "pg_admin" not in refused.headers.get("set-cookie", "")
 

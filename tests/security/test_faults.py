@@ -29,8 +29,17 @@ from tenancy.tenants import TenantLimits
 from tests.support import gateway as gateway_support
 from tests.support.admin import admin_client, login
 from tests.support.cli import Cli
-from tests.support.gateway import KEY_SECRET, MODEL, SIGNING_KEY, Gateway, start_gateway
+from tests.support.gateway import (
+    KEY_SECRET,
+    METRICS_TOKEN,
+    MODEL,
+    SIGNING_KEY,
+    Gateway,
+    start_gateway,
+)
 from tests.support.tcp_proxy import TcpProxy
+
+SCRAPER = {"Authorization": f"Bearer {METRICS_TOKEN}"}  # /readyz's details are the scraper's
 
 EOS = 2  # the tiny model's end-of-sequence token, banned so requests run until the crash
 IN_FLIGHT = 4  # two streams and two blocking requests when the crash comes
@@ -149,7 +158,7 @@ def test_an_engine_crash_fails_in_flight_requests_cleanly_then_the_engine_serves
         assert not engine.pool.kv.any()
         assert engine.cache_stats().cached_keys == 0
 
-        ready = httpx.get(gateway.server.url + "/readyz")
+        ready = httpx.get(gateway.server.url + "/readyz", headers=SCRAPER)
         assert ready.status_code == 200, ready.text
         body = ready.json()
         assert body["checks"] == {"engine": True, "database": True}
@@ -212,7 +221,8 @@ def wait_until(condition: Callable[[], bool], timeout_s: float) -> bool:
 
 
 def readyz(gateway: Gateway) -> dict[str, Any]:
-    body: dict[str, Any] = httpx.get(gateway.server.url + "/readyz", timeout=10).json()
+    answer = httpx.get(gateway.server.url + "/readyz", headers=SCRAPER, timeout=10)
+    body: dict[str, Any] = answer.json()
     return body
 
 

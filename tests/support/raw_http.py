@@ -17,3 +17,11 @@ def exchange(sock: socket.socket, request: bytes) -> bytes:
     while len(body) < length:
         body += sock.recv(65536)
     return head + b"\r\n\r\n" + body
+
+
+def read_to_close(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received

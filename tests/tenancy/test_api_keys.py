@@ -38,6 +38,13 @@ def test_a_new_key_parses_back_to_its_parts_and_a_typo_fails_its_checksum() -> N
         parse_key("sk-not-ours")
 
 
+def test_a_key_of_the_right_shape_with_non_ascii_characters_is_malformed_not_a_crash() -> None:
+    full, parts = new_key()
+    lookalike = full.replace(parts.key_id[0], "é", 1)  # a header's latin-1 byte, decoded
+    with pytest.raises(MalformedKey):
+        parse_key(lookalike)
+
+
 def test_a_created_key_authenticates_its_tenant_and_role_and_near_misses_fail_typed(
     store: Any,
 ) -> None:

@@ -15,7 +15,7 @@ from tenancy.models import Base
 
 TABLES = {"tenants", "api_keys", "admins", "public_prefixes", "audit_events", "audit_head",
           "audit_checkpoints", "secret_fingerprints", "deployment", "tenancy_changes",
-          "admin_sessions", "gateway_instances"}  # fmt: skip
+          "admin_sessions", "gateway_instances", "admin_login_failures"}  # fmt: skip
 
 
 def tables(url: str) -> set[str]:
@@ -88,7 +88,7 @@ def test_0002_adds_deployment_state_to_a_0001_database_and_removes_only_it(
         downgrade(empty_postgres_url, "0001")
         assert tables(empty_postgres_url) == TABLES - {
             "secret_fingerprints", "deployment", "tenancy_changes", "admin_sessions",
-            "gateway_instances",
+            "gateway_instances", "admin_login_failures",
         }  # fmt: skip
         with engine.connect() as connection:
             assert connection.execute(text("SELECT slug FROM tenants")).all() == [("old",)]
@@ -120,8 +120,7 @@ def test_0003_keeps_existing_admins_and_its_downgrade_removes_only_what_it_added
                 "VALUES ('00000000000000000000000000000001', 'old', 'x', 'admin', "
                 "CURRENT_TIMESTAMP, false)"
             ))  # fmt: skip
-        upgrade(url)
-        assert schema_drift(url) == []
+        upgrade(url, "0003")
         with engine.connect() as connection:
             row = connection.execute(
                 text("SELECT username, role, failed_logins, tenant_id FROM admins")
@@ -144,7 +143,7 @@ def test_0004_adds_the_gateway_list_and_its_downgrade_removes_only_it(
     assert tables(empty_postgres_url) == TABLES
     assert schema_drift(empty_postgres_url) == []
     downgrade(empty_postgres_url, "0003")
-    assert tables(empty_postgres_url) == TABLES - {"gateway_instances"}
+    assert tables(empty_postgres_url) == TABLES - {"gateway_instances", "admin_login_failures"}
 
 
 def test_0005_gives_existing_tenants_weight_one_and_its_downgrade_removes_only_the_weight(
@@ -177,5 +176,37 @@ def test_0005_gives_existing_tenants_weight_one_and_its_downgrade_removes_only_t
         assert "scheduling_weight" not in columns and "max_concurrent" in columns
         with engine.connect() as connection:
             assert connection.execute(text("SELECT slug FROM tenants")).all() == [("old",)]
+    finally:
+        engine.dispose()
+
+
+def test_0006_drops_the_account_lock_keeps_operators_and_its_downgrade_brings_it_back_empty(
+    empty_database: str,
+) -> None:
+    from sqlalchemy import text
+
+    url = empty_database
+    upgrade(url, "0005")
+    engine = make_engine(url)
+    try:
+        with engine.begin() as connection:  # an operator locked before the upgrade
+            connection.execute(text(
+                "INSERT INTO admins (id, username, password_hash, role, created_at, disabled, "
+                "failed_logins, locked_until) VALUES ('00000000000000000000000000000001', "
+                "'old', 'x', 'admin', CURRENT_TIMESTAMP, false, 3, CURRENT_TIMESTAMP)"
+            ))  # fmt: skip
+        upgrade(url)
+        assert schema_drift(url) == []
+        assert "admin_login_failures" in tables(url)
+        with engine.connect() as connection:
+            row = connection.execute(text("SELECT username, totp_secret FROM admins")).all()
+            assert row == [("old", None)]
+        downgrade(url, "0005")
+        assert "admin_login_failures" not in tables(url)
+        with engine.connect() as connection:
+            row = connection.execute(
+                text("SELECT username, failed_logins, locked_until FROM admins")
+            ).all()
+            assert row == [("old", 0, None)]
     finally:
         engine.dispose()

@@ -1,4 +1,6 @@
-"""Operator accounts: roles, the last admin, lockout and sessions (PostgreSQL and SQLite)."""
+"""Operator accounts: roles, the last admin, why a login is refused, and sessions (PostgreSQL
+and SQLite). No account ever locks: failures count per (name, source) pair
+(tests/tenancy/test_login_failures.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ from typing import Any
 import pytest
 
 from tenancy import admins, tenants
-from tenancy.admins import Lockout, LoginRefused
+from tenancy.admins import LoginRefused, SecondFactorRules
 from tenancy.errors import Conflict, InvalidInput
 from tenancy.models import utcnow
+from tenancy.totp import TotpCipher
 
 PASSWORD = "a long enough password"
+RULES = SecondFactorRules(TotpCipher.from_secret("key-secret"))
 
 
 def test_the_last_enabled_admin_cannot_be_disabled(store: Any) -> None:
@@ -38,24 +42,35 @@ def test_tenant_admin_operators_need_exactly_one_tenant(store: Any) -> None:
         assert (bound.role, bound.tenant_id) == ("tenant-admin", tenant.id)
 
 
-def test_wrong_passwords_lock_the_account_even_for_the_right_one(store: Any) -> None:
-    lockout = Lockout(failures=3, duration=timedelta(minutes=5))
+def test_wrong_passwords_never_lock_the_account(store: Any) -> None:
     with store.transaction() as session:
         admins.create_admin(session, "ops", PASSWORD)
-    for _ in range(2):
+    for _ in range(20):
         with store.transaction() as session:
-            refused = admins.login(session, "ops", "wrong password!!", lockout).refused
-            assert refused is LoginRefused.WRONG_CREDENTIALS
+            refused = admins.login(session, "ops", "wrong password!!", None, RULES).refused
+            assert refused is LoginRefused.WRONG_PASSWORD
     with store.transaction() as session:
-        third = admins.login(session, "ops", "wrong password!!", lockout)
-        assert third.refused is LoginRefused.LOCKED
+        assert admins.login(session, "ops", PASSWORD, None, RULES).admin is not None
+
+
+def test_a_refusal_says_why_and_only_right_credentials_learn_that_an_account_is_disabled(
+    store: Any,
+) -> None:
     with store.transaction() as session:
-        right = admins.login(session, "ops", PASSWORD, lockout)
-        assert right.refused is LoginRefused.LOCKED
-        assert right.locked_until is not None and right.locked_until > utcnow()
-    later = utcnow() + timedelta(minutes=6)
-    with store.transaction() as session:
-        assert admins.login(session, "ops", PASSWORD, lockout, now=later).admin is not None
+        admins.create_admin(session, "keep", PASSWORD)
+        ops = admins.create_admin(session, "ops", PASSWORD)
+        admins.set_disabled(session, ops.id, True)
+        unknown = admins.login(session, "nobody", PASSWORD, None, RULES).refused
+        wrong = admins.login(session, "ops", "wrong password!!", None, RULES).refused
+        right = admins.login(session, "ops", PASSWORD, None, RULES).refused
+    assert (unknown, wrong, right) == (
+        LoginRefused.UNKNOWN_OPERATOR, LoginRefused.WRONG_PASSWORD, LoginRefused.DISABLED
+    )  # fmt: skip
+    assert (
+        LoginRefused.UNKNOWN_OPERATOR.is_failed_guess
+        and LoginRefused.WRONG_PASSWORD.is_failed_guess
+    )
+    assert not LoginRefused.DISABLED.is_failed_guess
 
 
 def test_disabling_or_a_new_password_ends_sessions(store: Any) -> None:
@@ -77,24 +92,6 @@ def test_an_expired_session_is_not_active(store: Any) -> None:
         ops = admins.create_admin(session, "ops", PASSWORD)
         admins.open_session(session, ops, "old", utcnow() + timedelta(seconds=1))
         assert admins.active_session(session, "old", now=utcnow() + timedelta(seconds=2)) is None
-
-
-def test_concurrent_wrong_passwords_each_count_toward_the_lockout(store: Any) -> None:
-    lockout = Lockout(failures=5, duration=timedelta(minutes=5))
-    with store.transaction() as session:
-        admins.create_admin(session, "ops", PASSWORD)
-    barrier = threading.Barrier(8)
-
-    def guess(index: int) -> LoginRefused | None:
-        barrier.wait()
-        with store.transaction() as session:
-            return admins.login(session, "ops", f"wrong guess {index:04d}", lockout).refused
-
-    with ThreadPoolExecutor(8) as pool:
-        outcomes = list(pool.map(guess, range(8)))
-    assert LoginRefused.LOCKED in outcomes, outcomes
-    with store.transaction() as session:
-        assert admins.login(session, "ops", PASSWORD, lockout).refused is LoginRefused.LOCKED
 
 
 def test_two_admins_disabling_each_other_at_once_leave_one_enabled(store: Any) -> None:
@@ -127,7 +124,7 @@ def test_passwords_are_normalised_and_blank_or_control_ones_refused(store: Any) 
     composed, decomposed = "p\u00e4ssw\u00f6rd-unicode-1", "pa\u0308ssw\u00f6rd-unicode-1"
     with store.transaction() as session:
         admins.create_admin(session, "ops", composed)
-        assert admins.login(session, "ops", decomposed, Lockout()).admin is not None
+        assert admins.login(session, "ops", decomposed, None, RULES).admin is not None
         for bad in (" " * 12, "\x00" * 12, "tab\tinside-password"):
             with pytest.raises(InvalidInput):
                 admins.create_admin(session, "other", bad)
@@ -144,5 +141,5 @@ def test_a_tenant_admin_of_a_suspended_tenant_cannot_log_in_or_keep_its_session(
         admins.open_session(session, ops, "live", utcnow() + timedelta(minutes=5))
         tenants.set_status(session, "acme", "suspended")
         assert admins.active_session(session, "live") is None
-        refused = admins.login(session, "acme-ops", PASSWORD, Lockout()).refused
+        refused = admins.login(session, "acme-ops", PASSWORD, None, RULES).refused
         assert refused is LoginRefused.DISABLED

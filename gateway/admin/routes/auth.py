@@ -1,7 +1,7 @@
 """POST /admin/api/login, POST /admin/api/logout, GET /admin/api/me.
 
-Login is throttled and audited, logout revokes the session in every gateway at once
-(gateway/admin/service/sessions.py).
+Login is throttled per source and per (name, source), never locked, and audited; logout
+revokes the session in every gateway at once (gateway/admin/service/sessions.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,15 @@ from gateway.http.openapi import ADMIN_RESPONSES, error_response
 router = APIRouter(prefix="/admin/api", tags=["admin: sessions"], responses=ADMIN_RESPONSES)
 
 _LOGIN_RESPONSES: dict[int | str, dict[str, Any]] = {
-    401: error_response("Wrong username or password"),
-    403: error_response("The account is locked (until when) or disabled"),
-    429: error_response("Too many login attempts for this username or address"),
+    401: error_response(
+        "Wrong username, password or one-time code (`invalid_credentials`, one answer for all)"
+    ),
+    403: error_response(
+        "Right credentials, but the account is disabled, or an admin must enrol a second factor"
+    ),
+    429: error_response(
+        "Too many attempts from this address, or too many failures of this name from it"
+    ),
     503: error_response("Too many logins at once; retry shortly"),
 }
 
@@ -31,7 +37,7 @@ _LOGIN_RESPONSES: dict[int | str, dict[str, Any]] = {
 def login(body: Annotated[LoginBody, Body()], request: Request, state: StateDep) -> LoginOut:
     """Trade an operator's username and password for a short-lived session token."""
     source_ip = client_ip(request.scope)
-    return sessions.create_session(state, body.username, body.password, source_ip)
+    return sessions.create_session(state, body.username, body.password, source_ip, body.totp_code)
 
 
 @router.post("/logout", status_code=204)

@@ -18,7 +18,7 @@ from gateway.admin.audited_change import Action, Changed, apply_change, refuse
 from gateway.admin.callers import AdminCaller
 from gateway.admin.outputs import operator_out
 from gateway.admin.schemas import OperatorCreate, OperatorOut, OperatorUpdate, PasswordChange
-from gateway.auth.login_throttle import PasswordChecksBusy
+from gateway.admin.service.credential_checks import CheckRefused, guarded_check
 from gateway.errors import APIError
 from gateway.state import GatewayState
 from tenancy import admins
@@ -84,18 +84,26 @@ def set_password(
 
 
 def _check_current_password(state: GatewayState, caller: AdminCaller, password: str) -> None:
-    """Refuse (audited) a wrong current password; a wrong guess counts towards the lockout,
-    in its own transaction so that the refusal does not roll the count back."""
-    lockout = state.settings.admin_lockout()
+    """Refuse (audited) a wrong current password; a wrong guess counts against the caller's
+    (name, source) pair like a failed login, in a transaction of its own so that the refusal
+    does not roll the count back."""
+    operator_id = caller.operator_id
+    action = Action("operator.set_password", "operator", str(operator_id))
+
+    def check(session: Session) -> bool:
+        return admins.password_matches(session.get(Admin, operator_id), password)
+
     try:
-        with state.login_throttle.password_check(), state.store.transaction() as session:
-            result = admins.login(session, caller.actor_id, password, lockout)
-    except PasswordChecksBusy as busy:
-        raise APIError.overloaded("too many password checks at once; retry shortly", 2) from busy
-    if result.admin is None:
-        action = Action("operator.set_password", "operator", str(caller.operator_id))
-        refusal = APIError.invalid("the current password is wrong", "current_password")
-        refuse(state, caller, action, refusal)
+        right = guarded_check(state, caller.actor_id, caller.source_ip, check, lambda ok: not ok)
+    except CheckRefused as refused:
+        refuse(state, caller, action, refused.error)
+    if not right:
+        refuse(
+            state,
+            caller,
+            action,
+            APIError.invalid("the current password is wrong", "current_password"),
+        )
 
 
 def _tenant(admin: Admin) -> str | None:

@@ -1,29 +1,42 @@
 """/admin/api/login and /logout: a session token works until logout; every failed login is one
-audited event in OpenAI's error shape; wrong passwords lock the account (and it says until
-when); attempts are throttled per username and per address; a tenant-admin operator sees its
-own tenant only.
+audited event; an unknown name, a wrong password and a wrong one-time code get one identical
+401 `invalid_credentials`; failures slow down only their own (name, source) pair, so nobody can
+lock an operator out from elsewhere; attempts per source are capped; a TOTP second factor is
+enrolled with a code, then needed at every login, each code once; a tenant-admin operator sees
+its own tenant only.
 
 On a gateway of its own, behind a trusted proxy so that each test logs in from addresses of
-its own (`X-Forwarded-For`): the throttle counts per address, and these tests exhaust it.
+its own (`X-Forwarded-For`).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime
 from pathlib import Path
 
 import httpx
+import pyotp
 import pytest
+from sqlalchemy.orm import Session
 
+from tenancy import admins, totp
+from tenancy.db import make_engine
 from tenancy.tenants import TenantLimits
 from tests.support.admin import admin_client
-from tests.support.gateway import ADMIN_PASSWORD, ADMIN_USER, Gateway, start_gateway
+from tests.support.gateway import (
+    ADMIN_PASSWORD,
+    ADMIN_USER,
+    KEY_SECRET,
+    Gateway,
+    start_gateway,
+)
 
-LOCKOUT_FAILURES = 3
-ATTEMPTS_PER_MINUTE = 5
+FREE_FAILURES = 3
+ATTEMPTS_PER_MINUTE = 8
 PASSWORD = "a long enough operator password"
 _addresses = (f"198.51.100.{n}" for n in itertools.count(1))
 
@@ -39,26 +52,34 @@ def sessions_gateway(
         state_dir,
         [("acme", "user", TenantLimits())],
         trusted_proxies=["127.0.0.1"],
-        admin_lockout_failures=LOCKOUT_FAILURES,
+        admin_login_free_failures=FREE_FAILURES,
+        admin_login_max_delay_s=600,
         admin_login_attempts_per_minute=ATTEMPTS_PER_MINUTE,
     ) as started:
         yield started
 
 
 def _login(
-    gateway: Gateway, username: str, password: str, address: str | None = None
+    gateway: Gateway,
+    username: str,
+    password: str,
+    address: str | None = None,
+    code: str | None = None,
 ) -> httpx.Response:
     """One login attempt from `address` (default: an address no other attempt used)."""
+    body = {"username": username, "password": password}
+    if code is not None:
+        body["totp_code"] = code
     return httpx.post(
         f"{gateway.admin_url}/login",
-        json={"username": username, "password": password},
+        json=body,
         headers={"X-Forwarded-For": address or next(_addresses)},
     )
 
 
 @pytest.fixture(scope="module")
 def root(sessions_gateway: Gateway) -> Iterator[httpx.Client]:
-    """One root session for the module: the throttle counts root's logins too."""
+    """One root session for the module."""
     with admin_client(sessions_gateway, _token(sessions_gateway)) as client:
         yield client
 
@@ -71,7 +92,7 @@ def _token(gateway: Gateway, username: str = ADMIN_USER, password: str = ADMIN_P
 
 
 def _operator(root: httpx.Client, **fields: object) -> dict[str, str]:
-    """A new operator, created through the API (so that root is never locked out)."""
+    """A new operator, created through the API."""
     body = {"username": f"op-{uuid.uuid4().hex[:8]}", "password": PASSWORD, **fields}
     answer = root.post("/operators", json=body)
     assert answer.status_code == 201, answer.text
@@ -99,69 +120,166 @@ def test_a_session_works_until_logout(sessions_gateway: Gateway) -> None:
     assert _me(gateway, token).status_code == 401
 
 
-def test_each_wrong_password_is_a_401_and_one_audited_failure(
+def test_unknown_names_wrong_passwords_and_wrong_codes_get_one_identical_401(
     sessions_gateway: Gateway, root: httpx.Client
 ) -> None:
     gateway = sessions_gateway
     operator = _operator(root)
     before = gateway.last_audit_seq()
-    for _ in range(LOCKOUT_FAILURES - 1):
-        answer = _login(gateway, operator["username"], "not the password at all")
+    wrong = _login(gateway, operator["username"], "not the password at all")
+    unknown = _login(gateway, f"nobody-{uuid.uuid4().hex[:6]}", "not the password at all")
+    with_code = _login(gateway, operator["username"], "not the password at all", code="123456")
+    for answer in (wrong, unknown, with_code):
         assert answer.status_code == 401
-        error = answer.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"}
-        assert error["type"] == "authentication_error"
-    unknown = _login(gateway, f"nobody-{uuid.uuid4().hex[:6]}", "whatever it is")
-    assert unknown.status_code == 401
-    assert unknown.json()["error"]["message"] == answer.json()["error"]["message"]
+        assert answer.json() == wrong.json()
+        assert "retry-after" not in answer.headers
+    error = wrong.json()["error"]
+    assert error["code"] == "invalid_credentials" and error["type"] == "authentication_error"
     logins = [e for e in gateway.audit_events(before) if e.action == "admin.login"]
-    assert [e.outcome for e in logins] == ["failure"] * LOCKOUT_FAILURES
-    assert [e.actor_id for e in logins[:-1]] == [operator["username"]] * (LOCKOUT_FAILURES - 1)
+    assert [(e.outcome, e.details["reason"]) for e in logins] == [
+        ("failure", "wrong_password"), ("failure", "unknown_operator"),
+        ("failure", "wrong_password"),
+    ]  # fmt: skip
     assert all(e.source_ip and e.source_ip.startswith("198.51.100.") for e in logins)
     assert not [e for e in logins if "not the password" in str(e.details)]
-    # A right password clears the count: the account is not one failure from a lock.
-    assert _login(gateway, operator["username"], PASSWORD).status_code == 200
-    assert _login(gateway, operator["username"], "wrong again, once").status_code == 401
-    assert _login(gateway, operator["username"], PASSWORD).status_code == 200
 
 
-def test_wrong_passwords_lock_the_account_and_it_says_until_when(
+def test_an_anonymous_caller_cannot_lock_the_admin_out(sessions_gateway: Gateway) -> None:
+    gateway = sessions_gateway
+    attacker = next(_addresses)
+    answers = [_login(gateway, ADMIN_USER, f"guess {n:04d} of many", attacker) for n in range(6)]
+    statuses = [answer.status_code for answer in answers]
+    assert statuses == [401] * FREE_FAILURES + [429] * (6 - FREE_FAILURES)
+    # Many more attackers, each to its own limit: none of it reaches the admin's own address.
+    for _ in range(4):
+        source = next(_addresses)
+        for n in range(FREE_FAILURES + 1):
+            _login(gateway, ADMIN_USER, f"another guess {n:04d}", source)
+    assert _login(gateway, ADMIN_USER, ADMIN_PASSWORD).status_code == 200
+
+
+def test_a_waiting_pair_gets_the_same_429_for_a_known_and_an_unknown_name(
     sessions_gateway: Gateway, root: httpx.Client
 ) -> None:
     gateway = sessions_gateway
-    operator = _operator(root)
-    answers = [
-        _login(gateway, operator["username"], "guess number one") for _ in range(LOCKOUT_FAILURES)
-    ]
-    assert [a.status_code for a in answers] == [401] * (LOCKOUT_FAILURES - 1) + [403]
-    locked = _login(gateway, operator["username"], PASSWORD)
-    assert locked.status_code == 403
-    error = locked.json()["error"]
-    assert error["code"] == "account_locked" and error["type"] == "permission_error"
-    until = datetime.fromisoformat(error["message"].rsplit("until ", 1)[1])
-    assert until.tzinfo is not None and until > datetime.now(until.tzinfo)
-    listed = root.get("/operators").json()
-    shown = next(row for row in listed if row["id"] == operator["id"])
-    assert shown["locked_until"] is not None
+    source = next(_addresses)
+    known, unknown = _operator(root)["username"], f"nobody-{uuid.uuid4().hex[:6]}"
+    answers = {}
+    for name in (known, unknown):
+        for n in range(FREE_FAILURES):
+            assert _login(gateway, name, f"wrong guess {n:04d}", source).status_code == 401
+        answers[name] = _login(gateway, name, "one more wrong guess", source)
+    assert answers[known].status_code == answers[unknown].status_code == 429
+    assert answers[known].json() == answers[unknown].json()
+    assert answers[known].json()["error"]["code"] == "too_many_login_attempts"
+    assert 1 <= int(answers[known].headers["Retry-After"]) <= 1 + 600
+    # From another source the name is like any other: a wrong password is the plain 401.
+    elsewhere = _login(gateway, known, "wrong from elsewhere")
+    assert elsewhere.status_code == 401
+    assert elsewhere.json()["error"]["code"] == "invalid_credentials"
 
 
-def test_logins_are_throttled_per_username_and_per_address(sessions_gateway: Gateway) -> None:
+def test_the_wait_grows_with_each_failure(sessions_gateway: Gateway, root: httpx.Client) -> None:
     gateway = sessions_gateway
-    username = f"op-{uuid.uuid4().hex[:8]}"  # no such account: the throttle comes first
-    for _ in range(ATTEMPTS_PER_MINUTE):
-        assert _login(gateway, username, "some password").status_code == 401
-    throttled = _login(gateway, username, "some password")
-    assert throttled.status_code == 429
-    assert throttled.json()["error"]["code"] == "too_many_login_attempts"
-    assert 1 <= int(throttled.headers["Retry-After"]) <= 60
+    source, name = next(_addresses), _operator(root)["username"]
+    waits = []
+    for n in range(FREE_FAILURES + 2):
+        answer = _login(gateway, name, f"wrong guess {n:04d}", source)
+        if answer.status_code == 429:  # wait its turn, then fail again
+            waits.append(int(answer.headers["Retry-After"]))
+            time.sleep(int(answer.headers["Retry-After"]))
+            assert _login(gateway, name, f"retried guess {n:04d}", source).status_code == 401
+    assert waits == [1, 2]
 
+
+def test_attempts_are_capped_per_source_whatever_the_names(sessions_gateway: Gateway) -> None:
+    gateway = sessions_gateway
     address = next(_addresses)
     for _ in range(ATTEMPTS_PER_MINUTE):
         other = f"op-{uuid.uuid4().hex[:8]}"
         assert _login(gateway, other, "some password", address).status_code == 401
     from_there = _login(gateway, f"op-{uuid.uuid4().hex[:8]}", "some password", address)
     assert from_there.status_code == 429
+    assert from_there.json()["error"]["code"] == "too_many_login_attempts"
     assert "Retry-After" in from_there.headers
+    assert _login(gateway, ADMIN_USER, ADMIN_PASSWORD).status_code == 200
+
+
+def test_a_second_factor_is_enrolled_with_a_code_and_each_code_works_once(
+    sessions_gateway: Gateway, root: httpx.Client
+) -> None:
+    gateway = sessions_gateway
+    operator = _operator(root)
+    name = operator["username"]
+    before = gateway.last_audit_seq()
+    with admin_client(gateway, _token(gateway, name, PASSWORD)) as own:
+        begun = own.post("/operators/me/totp")
+        assert begun.status_code == 200, begun.text
+        secret = begun.json()["secret"]
+        assert begun.json()["otpauth_uri"].startswith("otpauth://totp/PrefixGate:")
+        assert own.post("/operators/me/totp/confirm", json={"code": "000000"}).status_code == 400
+        earlier = pyotp.TOTP(secret).at(time.time() - 30)  # leaves the current code unused
+        confirmed = own.post("/operators/me/totp/confirm", json={"code": earlier})
+        assert confirmed.status_code == 204, confirmed.text
+    listed = next(row for row in root.get("/operators").json() if row["id"] == operator["id"])
+    assert listed["second_factor"] is True
+    without = _login(gateway, name, PASSWORD)
+    wrong = _login(gateway, name, "not the password at all")
+    assert without.status_code == 401 and without.json() == wrong.json()  # no password oracle
+    code = pyotp.TOTP(secret).now()
+    assert _login(gateway, name, PASSWORD, code=code).status_code == 200
+    replayed = _login(gateway, name, PASSWORD, code=code)
+    assert replayed.status_code == 401 and replayed.json() == wrong.json()
+    events = [(e.action, e.outcome) for e in gateway.audit_events(before)]
+    assert ("operator.totp_begin", "success") in events
+    assert ("operator.totp_enable", "failure") in events
+    assert ("operator.totp_enable", "success") in events
+    reasons = [e.details.get("reason") for e in gateway.audit_events(before)]
+    assert {"missing_totp_code", "reused_totp_code"} <= set(reasons)
+    assert not [e for e in gateway.audit_events(before) if secret in str(e.details)]
+
+
+def test_removing_a_second_factor_needs_the_password_and_a_code(
+    sessions_gateway: Gateway, root: httpx.Client
+) -> None:
+    gateway = sessions_gateway
+    name = _operator(root)["username"]
+    with admin_client(gateway, _token(gateway, name, PASSWORD)) as own:
+        secret = own.post("/operators/me/totp").json()["secret"]
+        earlier = pyotp.TOTP(secret).at(time.time() - 30)
+        assert own.post("/operators/me/totp/confirm", json={"code": earlier}).status_code == 204
+        code = pyotp.TOTP(secret).now()
+        refused = own.post(
+            "/operators/me/totp/disable", json={"password": "wrong one!", "code": code}
+        )
+        assert refused.status_code == 400
+        removed = own.post("/operators/me/totp/disable", json={"password": PASSWORD, "code": code})
+        assert removed.status_code == 204, removed.text
+    assert _login(gateway, name, PASSWORD).status_code == 200
+
+
+def test_behind_a_trusted_proxy_no_proxy_warning_is_logged(sessions_gateway: Gateway) -> None:
+    assert _login(sessions_gateway, ADMIN_USER, ADMIN_PASSWORD).status_code == 200
+    assert sessions_gateway.server.gateway.untrusted_proxy_warned is False
+
+
+def test_an_untrusted_proxy_is_warned_of_once(
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The shared gateway trusts no proxy: forwarded headers mean one it does not trust."""
+    gateway.server.gateway.untrusted_proxy_warned = False
+    with caplog.at_level(logging.WARNING, logger="gateway.http.middleware"):
+        assert httpx.get(gateway.server.url + "/healthz").status_code == 200
+        assert not _proxy_warnings(caplog)  # nothing forwarded: nothing to say
+        for header in ("X-Forwarded-For", "Forwarded", "X-Forwarded-For"):
+            value = "203.0.113.9" if header == "X-Forwarded-For" else "for=203.0.113.9"
+            httpx.get(gateway.server.url + "/healthz", headers={header: value})
+    (warning,) = _proxy_warnings(caplog)
+    assert "PREFIXGATE_TRUSTED_PROXIES" in warning
+
+
+def _proxy_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "proxy that is not trusted" in r.getMessage()]
 
 
 def test_a_tenant_admin_operator_sees_only_its_tenant(
@@ -187,3 +305,40 @@ def test_a_tenant_admin_operator_sees_only_its_tenant(
             assert client.get(f"/tenants/{other['id']}").status_code == 404
             assert client.get(f"/tenants/{other['id']}/keys").status_code == 404
         assert client.get("/operators").status_code == 403
+
+
+def test_where_a_second_factor_is_required_an_admin_needs_one_to_log_in(
+    migrated_template: str, tiny_chat_dir: Path, tmp_path: Path
+) -> None:
+    with start_gateway(
+        migrated_template,
+        tiny_chat_dir,
+        tmp_path,
+        [("acme", "user", TenantLimits())],
+        trusted_proxies=["127.0.0.1"],
+        admin_totp_required=True,
+    ) as gateway:
+        # A wrong password is the plain 401: the requirement confirms nothing to a guesser.
+        wrong = _login(gateway, ADMIN_USER, "not the password")
+        assert (wrong.status_code, wrong.json()["error"]["code"]) == (401, "invalid_credentials")
+        refused = _login(gateway, ADMIN_USER, ADMIN_PASSWORD)
+        assert refused.status_code == 403, refused.text
+        error = refused.json()["error"]
+        assert error["code"] == "second_factor_required"
+        assert f"prefixgate admins enrol-totp {ADMIN_USER}" in error["message"]
+        assert "token" not in refused.json()
+
+        # Enrolled on the host (what `prefixgate admins enrol-totp` does), it logs in with a code.
+        cipher = totp.TotpCipher.from_secret(KEY_SECRET)
+        engine = make_engine(gateway.database_url)
+        try:
+            with Session(engine) as session, session.begin():
+                admin = admins.find_admin(session, ADMIN_USER)
+                secret = totp.begin_enrolment(session, admin, cipher)
+                totp.confirm_enrolment(session, admin, pyotp.TOTP(secret).now(), cipher)
+        finally:
+            engine.dispose()
+        without_code = _login(gateway, ADMIN_USER, ADMIN_PASSWORD)
+        assert without_code.status_code == 401  # now a missing code, like a wrong one
+        next_code = pyotp.TOTP(secret).at(time.time() + 30)  # the confirming code is used
+        assert _login(gateway, ADMIN_USER, ADMIN_PASSWORD, code=next_code).status_code == 200

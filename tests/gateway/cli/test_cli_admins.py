@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
+import pyotp
 from sqlalchemy import select
 
 from tenancy.db import make_engine
@@ -47,3 +49,39 @@ def test_operators_are_created_listed_disabled_and_reset_from_the_cli(
         ("admin.disable", "failure"), ("admin.disable", "success"),
         ("admin.set_password", "success"), ("admin.enable", "failure"),
     ])  # fmt: skip
+
+
+def test_a_second_factor_is_enrolled_and_reset_from_the_cli(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    cli = Cli(postgres_url, tmp_path / "state")
+    cli.ok("admins", "create", "root", stdin=PASSWORD)
+    # The code is typed after the secret is shown: answer as an authenticator app would.
+    enrol = subprocess.Popen(
+        [cli.executable, "admins", "enrol-totp", "root"], env=cli.env, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert enrol.stdout is not None and enrol.stdin is not None
+    secret = ""
+    while not secret:
+        line = enrol.stdout.readline()
+        assert line, enrol.stderr.read() if enrol.stderr else "no secret shown"
+        if line.strip().startswith("secret:"):
+            secret = line.split(":", 1)[1].strip()
+    enrol.stdin.write(pyotp.TOTP(secret).now() + "\n")
+    enrol.stdin.close()
+    assert enrol.wait(timeout=60) == 0
+    assert "second factor enrolled" in enrol.stdout.read()
+    listed = {row["username"]: row for row in cli.json("admins", "list")}
+    assert listed["root"]["second_factor"] is True
+
+    assert "second factor removed" in cli.ok("admins", "reset-totp", "root")
+    assert "had no second factor" in cli.ok("admins", "reset-totp", "root")
+    listed = {row["username"]: row for row in cli.json("admins", "list")}
+    assert listed["root"]["second_factor"] is False
+    assert "no operator named" in cli.error("admins", "reset-totp", "nobody")
+    # A wrong code confirms nothing: the operator stays without a second factor.
+    cli.run("admins", "enrol-totp", "root", stdin="000000\n")
+    listed = {row["username"]: row for row in cli.json("admins", "list")}
+    assert listed["root"]["second_factor"] is False
+    cli.ok("audit", "verify", "--database")

@@ -161,3 +161,48 @@ def test_serve_refuses_a_schema_that_is_behind_in_one_line(tmp_path: Path) -> No
     cli = Cli(url, tmp_path / "state")
     line = cli.error("serve", "--port", "0")
     assert "run `prefixgate db upgrade`" in line
+
+
+def test_a_refused_change_is_audited_with_the_tenant_it_was_about(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    cli = Cli(postgres_url, tmp_path / "state")
+    acme = cli.json("tenants", "create", "acme")["id"]
+    cli.ok("tenants", "create", "gone")
+    cli.ok("tenants", "delete", "gone")
+    refusals = [
+        ["tenants", "create", "acme"],  # the slug is taken: by acme
+        ["tenants", "set-quota", "acme", "--quota", "-5"],
+        ["tenants", "set-weight", "acme", "100.5"],
+        ["tenants", "set-sharing", "acme", "everyone"],
+        ["keys", "create", "--tenant", "acme", "--name", "n" * 201],
+        ["keys", "revoke", "--tenant", "acme", "no-such-key"],
+        ["keys", "rotate", "--tenant", "acme", "no-such-key"],
+        ["tenants", "suspend", "gone"],  # deleted, yet its id is known
+        ["keys", "create", "--tenant", "nobody"],  # no such tenant: no id to give
+    ]
+    for args in refusals:
+        cli.error(*args)
+    store = Store.open(postgres_url, tmp_path / "spool", "cli-key-secret", "s", 100)
+    with store.transaction() as session:
+        deleted = select(AuditEvent.tenant_id).where(AuditEvent.action == "tenant.delete")
+        gone = session.scalar(deleted)
+        failures = [
+            (event.action, event.tenant_id)
+            for event in session.scalars(
+                select(AuditEvent).where(AuditEvent.outcome == "failure").order_by(AuditEvent.seq)
+            )
+        ]
+    store.close()
+    assert failures == [
+        ("tenant.create", acme),
+        ("tenant.set_quota", acme),
+        ("tenant.set_weight", acme),
+        ("tenant.set_sharing", acme),
+        ("key.create", acme),
+        ("key.revoke", acme),
+        ("key.rotate", acme),
+        ("tenant.suspend", gone),
+        ("key.create", None),
+    ]
+    assert gone is not None

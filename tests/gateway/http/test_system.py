@@ -13,9 +13,23 @@ from engine.precision import resolve_dtype
 from tests.support.gateway import METRICS_TOKEN, MODEL, Gateway, openai_client
 
 
-def test_healthz_is_ok_and_readyz_reports_every_check_passing(gateway: Gateway) -> None:
+def test_healthz_is_ok_and_readyz_tells_anyone_only_that_it_is_ready(gateway: Gateway) -> None:
     assert httpx.get(gateway.server.url + "/healthz").json() == {"status": "ok"}
     ready = httpx.get(gateway.server.url + "/readyz")
+    assert ready.status_code == 200
+    assert ready.json() == {"status": "ready"}  # no engine, workers or limits for strangers
+    # A wrong token, or a tenant's API key, is not the scraper's: the same short answer (a
+    # probe must not fail over a header it carries by accident).
+    for credential in ("nope", gateway.keys["acme"]):
+        other = httpx.get(
+            gateway.server.url + "/readyz", headers={"Authorization": f"Bearer {credential}"}
+        )
+        assert (other.status_code, other.json()) == (200, {"status": "ready"})
+
+
+def test_readyz_reports_every_check_passing_to_the_scraper(gateway: Gateway) -> None:
+    scraper = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    ready = httpx.get(gateway.server.url + "/readyz", headers=scraper)
     assert ready.status_code == 200
     body = ready.json()
     engine = gateway.server.gateway.engine

@@ -82,6 +82,18 @@ async def test_no_more_requests_than_the_limit_in_a_window(store: LimitStore) ->
     assert (await store.enter("t", lease(), limits)).allowed
 
 
+async def test_a_counted_request_takes_one_of_the_window_and_no_slot(store: LimitStore) -> None:
+    limits = Limits(requests_per_minute=4, tokens_per_minute=100, max_concurrent=1)
+    for used in (1, 2):
+        counted = await store.count("t", lease(), limits)
+        assert counted.allowed and counted.usage.requests_used == used
+    assert (await store.enter("t", lease(), limits)).allowed  # the one slot was still free
+    assert (await store.count("t", lease(), limits)).allowed  # and is not needed to count
+    refused = await store.count("t", lease(), limits)
+    assert refused.refusal is Refusal.REQUESTS and refused.usage.requests_used == 4
+    assert 0 < refused.retry_after_s <= WINDOW_S
+
+
 async def test_tokens_are_charged_up_front_and_refunded(store: LimitStore) -> None:
     first, second = lease(), lease()
     assert (await store.enter("t", first, LIMITS)).allowed
@@ -194,7 +206,7 @@ LIMIT_CHOICES = [
 ]
 STEPS = st.lists(
     st.tuples(
-        st.sampled_from(["enter", "enter", "charge", "charge", "release"]),
+        st.sampled_from(["enter", "enter", "count", "charge", "charge", "release"]),
         st.sampled_from(["a", "b"]),
         st.integers(0, 6),  # which earlier admission (charge, release)
         st.integers(0, 80),  # tokens
@@ -230,6 +242,9 @@ async def test_both_stores_give_the_same_answers(
                 answers = [await s.enter(tenant, lease_id, limits) for s in stores]
                 if answers[0].allowed:
                     admitted.append((tenant, lease_id, 1, False))
+            elif step == "count":
+                lease_id = lease()
+                answers = [await s.count(tenant, lease_id, limits) for s in stores]
             elif not admitted:
                 continue
             elif step == "charge":
