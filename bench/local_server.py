@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -29,18 +30,24 @@ from gateway.state import GatewayState
 
 
 def wait_until_ready(
-    url: str, process: subprocess.Popen[bytes], log: Path, timeout_s: float = 300
+    url: str,
+    process: subprocess.Popen[bytes],
+    log: Path,
+    timeout_s: float = 300,
+    verify: ssl.SSLContext | bool = True,
 ) -> None:
     """Until `url`/readyz answers 200; RuntimeError with the end of the process's log if it
-    exits or takes longer than `timeout_s`."""
+    exits or takes longer than `timeout_s`. `verify` is the TLS context to call it with (a
+    worker over mutual TLS asks for a client certificate before it answers anything)."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    with httpx.Client(verify=verify, timeout=2) as client:
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if client.get(f"{url}/readyz").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
     why = "exited" if process.poll() is not None else f"was not ready within {timeout_s:g} s"
     raise RuntimeError(f"{url} {why}:\n{log.read_text(errors='replace')[-3000:]}")
 

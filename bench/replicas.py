@@ -125,7 +125,7 @@ def main() -> None:
 @contextmanager
 def cluster(scratch: Path, redis_url: str, prefix: str) -> Iterator[Cluster]:
     from bench.local_server import tiny_chat_model
-    from bench.local_workers import worker_processes
+    from bench.local_workers import session_certificates, worker_processes
     from engine.model.loader import embedded_model_dir
 
     model_dir = tiny_chat_model(scratch / BENCH_MODEL, embedded_model_dir())
@@ -140,6 +140,7 @@ def cluster(scratch: Path, redis_url: str, prefix: str) -> Iterator[Cluster]:
             "DATABASE_URL": url, "KEY_HASH_SECRET": KEY_SECRET, "AUDIT_SIGNING_KEY": SIGNING_KEY,
             "WORKER_SECRET": SECRET, "WORKERS": ",".join(worker.url for worker in workers),
             "REDIS_URL": redis_url, "REDIS_KEY_PREFIX": prefix,
+            **session_certificates().gateway_environment(),
         }  # fmt: skip
         gateways = []
         for index in range(2):

@@ -183,7 +183,7 @@ def routed_gateway(
     """Two fresh workers and a gateway routing to them in `mode`; tenants (slug, sharing
     mode) with one key each: (server, workers, keys)."""
     from bench.local_server import serve
-    from bench.local_workers import worker_processes
+    from bench.local_workers import session_certificates, worker_processes
     from tenancy import api_keys
     from tenancy import tenants as tenancy
     from tenancy.migrate import upgrade
@@ -214,7 +214,7 @@ def routed_gateway(
             "database_url": database, "state_dir": run_dir, "key_hash_secret": "bench-key",
             "audit_signing_key": "bench-signing", "model_dir": model_dir,
             "workers": [worker.url for worker in ws], "worker_secret": WORKER_SECRET,
-            "routing": mode, "worker_poll_s": 0.5,
+            "routing": mode, "worker_poll_s": 0.5, **session_certificates().gateway_settings(),
         }  # fmt: skip
         with serve(settings) as server:
             yield server, ws, keys

@@ -1,9 +1,14 @@
 """`prefixgate worker`: one engine behind an internal HTTP API that only gateways call.
 
-Every route but /healthz and /readyz needs `Authorization: Bearer <worker secret>`, compared in
-constant time. A worker holds no tenant state and never touches the database: each request
-carries its tenant's budget, and a gateway pushes quota changes, purges and dropped public
-prefixes to every worker.
+Only gateways reach a worker: it serves HTTPS and takes only clients whose certificate the
+gateways' private CA signed (gateway/workers/tls.py; `prefixgate worker` sets that up).
+Every route but /healthz and /readyz also needs `Authorization: Bearer <worker secret>`,
+compared in constant time, and every POST but /drain a gateway's signature
+(`X-PrefixGate-Signature`, gateway/workers/signing.py) over the scopes, tenant, budget, model
+and prompt digest it acts on: a bad secret is a 401, a signature that does not match a 403,
+both before anything is parsed further or queued. A worker holds no tenant state and never
+touches the database: each request carries its tenant's budget, and a gateway pushes quota
+changes, purges and dropped public prefixes to every worker.
 
 - `POST /internal/v1/generate`: a request (gateway/workers/wire.py) in, newline-delimited JSON
   out, one `{"delta": ...}` per delta and at most one `{"error": ...}`. A request the engine
@@ -17,7 +22,7 @@ prefixes to every worker.
   (gateway/workers/models.py).
 - `POST /internal/v1/budgets`, `/purge`, `/drop-public-prefix`: the engine's admin actions.
 - `POST /internal/v1/drain`: take no new requests (503, so gateways route elsewhere); those
-  in flight finish.
+  in flight finish. Unsigned: it names no tenant and reveals nothing (SIGTERM does the same).
 """
 
 from __future__ import annotations
@@ -49,6 +54,13 @@ from gateway.settings import Settings
 from gateway.workers import wire
 from gateway.workers.activity import activity_json
 from gateway.workers.key_log import KeyLog
+from gateway.workers.link import SIGNING_KEY_MISSING
+from gateway.workers.signing import (
+    SIGNATURE_HEADER,
+    RequestSigner,
+    action_view,
+    generation_view,
+)
 
 logger = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 0.1
@@ -63,6 +75,8 @@ _STATUS: dict[type[errors.EngineError], int] = {
     errors.EngineRestarted: 503,
     errors.EngineStopped: 503,
     errors.RequestFailed: 500,
+    # Not 403: a worker's 403 tells a gateway that it refused the gateway's signature.
+    errors.TenantDeleted: 410,
 }
 
 
@@ -93,7 +107,10 @@ def create_worker_app(
     (`announce`) which model it serves, under which name."""
     if settings.worker_secret is None:
         raise ValueError("a worker needs PREFIXGATE_WORKER_SECRET (the gateways' shared secret)")
+    if settings.worker_signing_key is None:
+        raise ValueError(SIGNING_KEY_MISSING)
     secret = settings.worker_secret.get_secret_value().encode()
+    signer = RequestSigner(settings.worker_signing_key.get_secret_value())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -118,6 +135,16 @@ def create_worker_app(
     def worker(request: Request) -> WorkerState:
         state: WorkerState = request.app.state.worker
         return state
+
+    def check_signature(request: Request, view: dict[str, Any]) -> None:
+        if not signer.verify(view, request.headers.get(SIGNATURE_HEADER)):
+            raise _Refused(403, "the request's signature does not match what it asks for")
+
+    async def signed_body(request: Request, action: str) -> dict[str, Any]:
+        """An admin action's body, once its signature matched."""
+        body = await _json(request)
+        check_signature(request, action_view(action, body))
+        return body
 
     app = FastAPI(  # internal: nothing to advertise
         title="PrefixGate worker",
@@ -149,6 +176,7 @@ def create_worker_app(
         if state.draining:
             return _error(errors.EngineStopped("the worker is draining"))
         body = await _json(request)
+        check_signature(request, generation_view(body, state.engine.loaded.fingerprint))
         try:
             generation = await run_in_threadpool(
                 wire.read_request, body, state.engine.grammars.compile_serialized
@@ -215,7 +243,7 @@ def create_worker_app(
 
     @app.post("/internal/v1/budgets", dependencies=guarded)
     async def budgets(request: Request) -> dict[str, int]:
-        body = await _json(request)
+        body = await signed_body(request, "budgets")
         try:
             changes = {
                 wire.read_owner(str(item["owner"])): wire.read_budget(item["budget"])
@@ -231,7 +259,7 @@ def create_worker_app(
 
     @app.post("/internal/v1/purge", dependencies=guarded)
     async def purge(request: Request) -> dict[str, int]:
-        body = await _json(request)
+        body = await signed_body(request, "purge")
         tenant_id = body.get("tenant_id")
         if not isinstance(tenant_id, str) or not tenant_id:
             raise _Refused(400, "tenant_id must be a non-empty string")
@@ -240,7 +268,7 @@ def create_worker_app(
 
     @app.post("/internal/v1/drop-public-prefix", dependencies=guarded)
     async def drop_public_prefix(request: Request) -> dict[str, int]:
-        body = await _json(request)
+        body = await signed_body(request, "drop-public-prefix")
         namespace, token_ids = body.get("namespace"), body.get("token_ids")
         if not isinstance(namespace, str) or not isinstance(token_ids, list):
             raise _Refused(400, "namespace must be a string and token_ids a list")

@@ -15,6 +15,7 @@ from typer._click.exceptions import NoArgsIsHelpError, UsageError
 from gateway.cli import engine_commands, serve_command, settings_command, worker_command
 from gateway.cli.admin_commands import admins_app, db_app
 from gateway.cli.audit_commands import audit_app
+from gateway.cli.cert_commands import certs_app
 from gateway.cli.common import app, one_line
 from gateway.cli.key_commands import keys_app
 from gateway.cli.prefix_commands import prefixes_app
@@ -29,6 +30,7 @@ COMMAND_GROUPS = {
     "admins": admins_app,
     "db": db_app,
     "prefixes": prefixes_app,
+    "certs": certs_app,
 }
 for name, group in COMMAND_GROUPS.items():
     app.add_typer(group, name=name)

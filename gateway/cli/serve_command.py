@@ -97,11 +97,12 @@ def serve(
 
 def _wait_for_a_worker(settings: Any) -> None:
     """Before anything starts: a worker answers (with the secret), or one line says why not."""
+    from gateway.workers.link import worker_link
     from gateway.workers.membership import WorkerSet
 
     probe = WorkerSet(
         settings.workers,
-        settings.worker_secret.get_secret_value(),
+        worker_link(settings),
         settings.worker_poll_s,
         settings.worker_timeout_s,
         load_models=False,

@@ -26,7 +26,8 @@ def worker(
         typer.Option(help="The model id clients send for it (default: the directory's name)."),
     ] = None,
 ) -> None:
-    """Serve one engine to gateways (needs PREFIXGATE_WORKER_SECRET; no database).
+    """Serve one engine to gateways over mutual TLS (needs PREFIXGATE_WORKER_SECRET,
+    PREFIXGATE_WORKER_SIGNING_KEY and PREFIXGATE_WORKER_TLS_CERT/_KEY/_CA; no database).
 
     Gateways started with `--workers` (or PREFIXGATE_WORKERS) route requests here, for the
     model it announces; workers of several models may serve one gateway. The worker API is
@@ -35,6 +36,8 @@ def worker(
     import uvicorn
 
     from gateway.worker_app import create_worker_app
+    from gateway.workers.link import SIGNING_KEY_MISSING
+    from gateway.workers.tls import WorkerTLSError, worker_tls
 
     overrides: dict[str, Any] = {
         "host": host,
@@ -45,6 +48,13 @@ def worker(
     settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
     if settings.worker_secret is None:
         fail("a worker needs PREFIXGATE_WORKER_SECRET, the secret its gateways share")
+    if settings.worker_signing_key is None:
+        fail(SIGNING_KEY_MISSING)
+    try:
+        tls = worker_tls(settings)
+        https = {} if tls is None else tls.server_options()
+    except WorkerTLSError as error:
+        fail(str(error))
     check_engine_settings(settings, model)
     application = create_worker_app(settings, announce=typer.echo)
     config = uvicorn.Config(
@@ -55,6 +65,7 @@ def worker(
         log_level="info",
         access_log=False,  # gateways poll every worker each second
         ws="none",
+        **https,
     )
     server = uvicorn.Server(config)
     server.run()

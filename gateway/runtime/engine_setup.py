@@ -16,9 +16,11 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.model.loader import EMBEDDED_MODEL_NAME, LoadedModel, ModelLoadError, load_model
 from engine.precision import resolve_device, resolve_dtype
+from engine.structured.compile_limits import CompileLimits
 from gateway.runtime.local_engine import LocalEngine
 from gateway.settings import Settings
 from gateway.workers.addresses import parse_worker_spec
+from gateway.workers.link import worker_link
 from gateway.workers.membership import WorkerSet
 from gateway.workers.remote_engine import RemoteEngine
 from gateway.workers.routing import RoutingConfig
@@ -31,12 +33,13 @@ def check_engine(settings: Settings) -> None:
 
 
 def check_workers(settings: Settings) -> None:
-    """Refuse, before anything starts, worker addresses that cannot be read or routing without
-    the worker secret: ValueError saying why, in one line."""
+    """Refuse, before anything starts, worker addresses that cannot be read, or routing
+    without the worker secret, the signing key, or TLS (unless plain HTTP was chosen):
+    ValueError saying why, in one line."""
     for spec in settings.workers:
         parse_worker_spec(spec)
-    if settings.workers and settings.worker_secret is None:
-        raise ValueError("routing to workers needs PREFIXGATE_WORKER_SECRET")
+    if settings.workers:
+        worker_link(settings)  # its certificates load here, once, to be checked
 
 
 def load_configured_model(
@@ -83,6 +86,16 @@ def engine_config(settings: Settings) -> EngineConfig:
         enable_prefix_caching=settings.enable_prefix_caching,
         attention_backend=settings.attention_backend,
         public_budget=public_budget,
+        compile_limits=compile_limits(settings),
+    )
+
+
+def compile_limits(settings: Settings) -> CompileLimits:
+    """How long, with how much memory and how many at once grammars compile."""
+    return CompileLimits(
+        timeout_s=settings.grammar_compile_timeout_s,
+        memory_mb=settings.grammar_compile_memory_mb,
+        processes=settings.grammar_compile_processes,
     )
 
 
@@ -115,11 +128,9 @@ def served_name(settings: Settings) -> str:
 def start_routing(settings: Settings) -> RemoteEngine:
     """The workers, once one of them answers: a routing gateway serves whatever models they
     announce (it loads each one's tokenizer and shape from a worker, never weights)."""
-    if settings.worker_secret is None:
-        raise ValueError("routing to workers needs PREFIXGATE_WORKER_SECRET")
     workers = WorkerSet(
         settings.workers,
-        settings.worker_secret.get_secret_value(),
+        worker_link(settings),
         poll_s=settings.worker_poll_s,
         timeout_s=settings.worker_timeout_s,
     )
@@ -128,4 +139,5 @@ def start_routing(settings: Settings) -> RemoteEngine:
         load_tokens=settings.routing_load_tokens,
         max_imbalance=settings.routing_max_imbalance,
     )
-    return RemoteEngine(workers, config).start(settings.worker_start_timeout_s)
+    engine = RemoteEngine(workers, config, compile_limits(settings))
+    return engine.start(settings.worker_start_timeout_s)

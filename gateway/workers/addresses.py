@@ -1,8 +1,9 @@
 """Where the workers are: the `workers` setting's entries, read and resolved.
 
 An entry is `http(s)://host:port` (one worker) or `dns://name:port` (every address the name
-resolves to now: a headless Service lists one address per ready pod). Parsing happens before
-anything starts, so a bad entry is refused in one line; resolving happens at every poll.
+resolves to now: a headless Service lists one address per ready pod; reached by https when
+worker TLS is configured, gateway/workers/tls.py). Parsing happens before anything starts, so
+a bad entry is refused in one line; resolving happens at every poll.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def parse_worker_spec(spec: str) -> tuple[str, str, int]:
     return parts.scheme, parts.hostname, port
 
 
-def resolve(spec: str) -> list[str] | None:
+def resolve(spec: str, dns_scheme: str = "http") -> list[str] | None:
     """Base URLs of the workers `spec` names now: itself, or every address a dns:// name
-    resolves to (None when the resolver fails: the caller keeps what it had)."""
+    resolves to, by `dns_scheme` (None when the resolver fails: the caller keeps what it had)."""
     scheme, host, port = parse_worker_spec(spec)
     if scheme != "dns":
         return [f"{scheme}://{host}:{port}"]
@@ -48,5 +49,5 @@ def resolve(spec: str) -> list[str] | None:
     urls = []
     for address in sorted({str(info[4][0]) for info in infos}):
         shown = f"[{address}]" if ":" in address else address
-        urls.append(f"http://{shown}:{port}")
+        urls.append(f"{dns_scheme}://{shown}:{port}")
     return urls

@@ -4,9 +4,10 @@ A request goes to the best worker of its model that `routing.rank` finds. If tha
 cannot take it (it is unreachable, draining, overloaded or restarting) or its stream ends
 before the first delta, the request goes to the next one: nothing had been streamed, so
 nothing is lost or repeated. A worker that fails after the first delta fails that request
-cleanly. A worker whose polls get no answer (a hung machine) ends the streams still waiting on
-it within a second, so no request hangs on it; one that only drains or leaves DNS finishes its
-streams.
+cleanly. Each request is signed once (signing.py) for the model it is for, and sent with the
+worker secret over the gateway's TLS link (link.py). A worker whose polls get no answer (a
+hung machine) ends the streams still waiting on it within a second, so no request hangs on
+it; one that only drains or leaves DNS finishes its streams.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import httpx
 
 from engine import errors
 from engine.request import GenerationDelta, GenerationRequest
-from gateway.workers import routing, wire
+from gateway.workers import routing, signing, wire
 from gateway.workers.membership import WorkerSet
 from gateway.workers.routing import RoutingConfig
 from gateway.workers.worker import PENDING_KEYS_S, Worker
@@ -55,11 +56,14 @@ class Dispatcher:
     ) -> AsyncIterator[GenerationDelta]:
         """Stream the request's deltas from the best worker of its model that takes it."""
         body = await asyncio.to_thread(wire.request_json, request)
+        link = self.workers.link
+        signature = link.signer.sign(signing.generation_view(body, fingerprint))
+        headers = {**link.headers, signing.SIGNATURE_HEADER: signature}
         tried: set[str] = set()
         while True:
             worker = self._pick(request, tried, fingerprint)
             tried.add(worker.url)
-            stream = self._attempt(worker, body, request.tenant_id, request.n)
+            stream = self._attempt(worker, body, headers, request.tenant_id, request.n)
             try:
                 first = await anext(stream)
             except _TryElsewhere:
@@ -145,7 +149,12 @@ class Dispatcher:
         )
 
     async def _attempt(
-        self, worker: Worker, body: dict[str, Any], tenant_id: str, sequences: int
+        self,
+        worker: Worker,
+        body: dict[str, Any],
+        headers: dict[str, str],
+        tenant_id: str,
+        sequences: int,
     ) -> AsyncIterator[GenerationDelta]:
         """One worker's stream. Raises `_TryElsewhere` where nothing was streamed and another
         worker may serve the request; an engine error where no worker could."""
@@ -156,7 +165,7 @@ class Dispatcher:
                 "POST",
                 f"{worker.url}/internal/v1/generate",
                 json=body,
-                headers=self.workers.headers,
+                headers=headers,
             )
             try:  # a hung worker accepts the connection (the kernel does) and never answers
                 sending = client.send(request, stream=True)
@@ -213,13 +222,16 @@ class Dispatcher:
         if status == 401:
             self.workers.mark_down(worker, "it refused the worker secret")
             return _TryElsewhere()
+        if status == 403:  # another signing key there: a misconfigured worker, not the request
+            self.workers.mark_down(worker, "it refused this gateway's request signature")
+            return _TryElsewhere()
         return error
 
     def _http(self) -> httpx.AsyncClient:
         if self._client is None:
             timeout = httpx.Timeout(None, connect=self.workers.timeout_s)
             limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-            self._client = httpx.AsyncClient(timeout=timeout, limits=limits)
+            self._client = self.workers.link.async_client(timeout=timeout, limits=limits)
         return self._client
 
 

@@ -1,7 +1,9 @@
 """The workers a gateway routes to: who they are, what they serve, whether they answer, what
 they hold.
 
-A thread polls every worker each `worker_poll_s`: it re-resolves `dns://` names (addresses.py),
+Every request to a worker goes over the gateway's `WorkerLink` (link.py: mutual TLS, the
+worker secret, and a signature on each admin action). A thread polls every worker each
+`worker_poll_s`: it re-resolves `dns://` names (addresses.py),
 reads each worker's model, load, cache statistics, cached keys' changes and report (tenants'
 work, service, step times: activity.py), and keeps what it learnt of each (worker.py). A worker
 of a model this gateway has not met yet is first introduced to it (models.py). A worker that
@@ -33,6 +35,7 @@ from engine.cache.budget import Owner, TenantBudget
 from gateway.workers import wire
 from gateway.workers.activity import read_activity
 from gateway.workers.addresses import parse_worker_spec, resolve
+from gateway.workers.link import WorkerLink
 from gateway.workers.models import ModelCatalog
 from gateway.workers.worker import Worker
 
@@ -54,7 +57,7 @@ class WorkerSet:
     def __init__(
         self,
         specs: list[str],
-        secret: str,
+        link: WorkerLink,
         poll_s: float,
         timeout_s: float,
         load_models: bool = True,
@@ -72,8 +75,8 @@ class WorkerSet:
         self._deleted: frozenset[str] = frozenset()
         self._tenants_known = False
         self.version = 0  # moves whenever what a poll or a failure told of a worker changes
-        self.headers = {"Authorization": f"Bearer {secret}"}
-        self._client = httpx.Client(headers=self.headers, timeout=timeout_s)
+        self.link = link  # the scheme, TLS, secret and signer every request to a worker uses
+        self._client = link.sync_client(timeout_s)
         self.models = ModelCatalog(self._client) if load_models else None
         self._pollers = ThreadPoolExecutor(_POLLERS, thread_name_prefix="prefixgate-poll")
         self._resolved: dict[str, list[str]] = {}  # the last good answer for each spec
@@ -129,7 +132,7 @@ class WorkerSet:
         """Resolve the workers, then read each one's state (one round)."""
         listed: list[str] = []
         for spec in self._specs:
-            urls = resolve(spec)
+            urls = resolve(spec, self.link.scheme)
             if urls is not None:
                 self._resolved[spec] = urls
             listed += self._resolved.get(spec, [])
@@ -367,7 +370,9 @@ class WorkerSet:
     def _post(self, worker: Worker, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST to a worker; `WorkerRefused` for a change it refuses (4xx), an httpx error
         when it cannot be reached or fails."""
-        response = self._client.post(f"{worker.url}/internal/v1/{path}", json=body)
+        response = self._client.post(
+            f"{worker.url}/internal/v1/{path}", json=body, headers=self.link.signed(path, body)
+        )
         if response.status_code in (400, 422):
             raise WorkerRefused(_message(response))
         response.raise_for_status()

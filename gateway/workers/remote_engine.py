@@ -23,6 +23,7 @@ from engine.cache.stats import CacheStats, OwnerStats
 from engine.metrics import TenantService
 from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest
+from engine.structured.compile_limits import CompileLimits
 from gateway.workers.activity import quantiles, total_service
 from gateway.workers.dispatch import Dispatcher
 from gateway.workers.membership import WorkerSet
@@ -88,11 +89,14 @@ class RemoteEngine:
     # No CPU threads of this process compute: the workers govern their own.
     threads = None
 
-    def __init__(self, workers: WorkerSet, config: RoutingConfig) -> None:
+    def __init__(
+        self, workers: WorkerSet, config: RoutingConfig, compile_limits: CompileLimits | None = None
+    ) -> None:
         assert workers.models is not None  # a routing gateway learns its models from workers
         self.workers = workers
         self.catalog: ModelCatalog = workers.models
         self.config = config
+        self.compile_limits = compile_limits or CompileLimits()
         self.pool = RemotePool(self)
         self.metrics = _Counters(workers)
         self._dispatcher = Dispatcher(workers, config)
@@ -115,8 +119,12 @@ class RemoteEngine:
         return bool(self.workers.routable())
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop polling (in-flight streams finish on their own)."""
+        """Stop polling (in-flight streams finish on their own) and end the models' grammar
+        compile processes."""
         self.workers.stop()
+        with self._models_lock:
+            for model in self._models.values():
+                model.grammars.close()
 
     async def close_connections(self) -> None:
         """Close the connections to the workers (on the event loop that opened them)."""
@@ -144,7 +152,7 @@ class RemoteEngine:
             best[name] = max(best.get(name, (0, -(1 << 63), "")), rank)
         with self._models_lock:
             for key in [key for key in self._models if self.catalog.get(key[1]) is None]:
-                del self._models[key]  # no worker serves it any more
+                self._models.pop(key).grammars.close()  # no worker serves it any more
         served: dict[str, RemoteModel] = {}
         for name, (_, _, fingerprint) in sorted(best.items()):
             model = self._model(name, fingerprint)
@@ -159,7 +167,8 @@ class RemoteEngine:
                 loaded = self.catalog.get(fingerprint, name)
                 if loaded is None:
                     return None
-                model = self._models[(name, fingerprint)] = RemoteModel(self, loaded)
+                model = RemoteModel(self, loaded, self.compile_limits)
+                self._models[(name, fingerprint)] = model
             return model
 
     def routable_states(

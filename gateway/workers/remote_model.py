@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from engine.cache.kv_spec import KVSpec
 from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest
+from engine.structured.compile_limits import CompileLimits
 from engine.structured.grammar import Grammars
 
 _KV_DTYPES = frozenset({"bfloat16", "float32", "float16"})
@@ -96,12 +97,12 @@ class RemoteModel:
     serves it.
     """
 
-    def __init__(self, engine: Workers, loaded: LoadedModel) -> None:
+    def __init__(self, engine: Workers, loaded: LoadedModel, limits: CompileLimits) -> None:
         self._engine = engine
         self.loaded = loaded
         self.name = loaded.name
         self.fingerprint = loaded.fingerprint
-        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        self.grammars = Grammars(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids, limits)
         self.pool = RemotePool(engine, loaded.fingerprint)
 
     @property

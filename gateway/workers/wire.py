@@ -227,6 +227,7 @@ _ERRORS: dict[str, type[errors.EngineError]] = {
         errors.EngineOverloaded,
         errors.EngineRestarted,
         errors.EngineStopped,
+        errors.TenantDeleted,
     )
 }
 

@@ -1,13 +1,17 @@
 """deploy/compose.yaml (and its GPU override): valid Compose files by the Compose
 Specification's own JSON schema (the copy check-jsonschema bundles; `docker compose config`
 needs the compose plugin, which this machine lacks), before and after interpolation, wired as
-the README says: migration first, workers and Redis only on internal networks that the
-gateways share, both gateways keeping their limits in that Redis, secrets from the env file and
-never written into the compose file."""
+the README says: certificates and migration first, workers and Redis only on internal networks
+that the gateways share, gateways reaching workers over mutual TLS with the files the `certs`
+service makes (its script is run here, and what it writes completes a handshake), the CA's key
+in no volume but the CA's, both gateways keeping their limits in that Redis, secrets from the
+env file and never written into the compose file."""
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +20,23 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.deploy.tools import DEPLOY, REPO, redis_check_passes, run
+from gateway.workers.tls import WorkerTLS
+from tests.deploy.tools import DEPLOY, REPO, handshake, prefixgate, redis_check_passes, run
 
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yaml"
 ENV_EXAMPLE = DEPLOY / "compose.env.example"
 GATEWAYS = ("gateway", "gateway-2")
 WORKERS = ("worker-1", "worker-2")
-PREFIXGATE_SERVICES = ("migrate", *GATEWAYS, *WORKERS)
+PREFIXGATE_SERVICES = ("certs", "migrate", *GATEWAYS, *WORKERS)
 SECRETISH = re.compile(r"SECRET|KEY|TOKEN|PASSWORD|DATABASE_URL|REDIS_URL|_AUTH$")
+# Paths, not secrets: the files of a role's TLS volume.
+TLS_FILES = {
+    "PREFIXGATE_WORKER_TLS_CERT": "tls.crt",
+    "PREFIXGATE_WORKER_TLS_KEY": "tls.key",
+    "PREFIXGATE_WORKER_TLS_CA": "ca.crt",
+}
+SHARED_SECRETS = ("PREFIXGATE_WORKER_SECRET", "PREFIXGATE_WORKER_SIGNING_KEY")
 # Compose's ${NAME}, ${NAME:-default}, ${NAME-default}, ${NAME:?error}, ${NAME?error}
 VARIABLE = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?])(?P<arg>[^}]*))?\}")
 
@@ -115,7 +127,7 @@ def test_secrets_come_from_the_env_file(env: dict[str, str]) -> None:
     raw = yaml.safe_load(COMPOSE.read_text())
     for name, service in raw["services"].items():
         for variable, value in service.get("environment", {}).items():
-            if SECRETISH.search(variable):
+            if SECRETISH.search(variable) and variable not in TLS_FILES:
                 assert "${" in str(value), f"{name}: {variable} is written into compose.yaml"
     command = raw["services"]["redis"]["command"]
     assert command[command.index("--requirepass") + 1].startswith("${REDIS_PASSWORD")
@@ -133,20 +145,150 @@ def test_migration_runs_before_the_gateway(compose: dict[str, Any]) -> None:
             assert needs[dependency]["condition"] == "service_healthy", (gateway, dependency)
 
 
-def test_gateway_routes_to_both_workers_on_their_port(compose: dict[str, Any]) -> None:
+def test_gateway_routes_to_both_workers_on_their_port_over_https(compose: dict[str, Any]) -> None:
     services = compose["services"]
     for gateway in GATEWAYS:
         workers = services[gateway]["environment"]["PREFIXGATE_WORKERS"].split(",")
-        assert workers == [f"http://{worker}:8001" for worker in WORKERS], gateway
+        assert workers == [f"https://{worker}:8001" for worker in WORKERS], gateway
     for worker in WORKERS:
         command = services[worker]["command"]
         assert command[0] == "worker" and command[command.index("--port") + 1] == "8001"
         # The health check reads PREFIXGATE_PORT; the worker listens on --port.
         assert services[worker]["environment"]["PREFIXGATE_PORT"] == "8001"
-        assert (
-            services[worker]["environment"]["PREFIXGATE_WORKER_SECRET"]
-            == (services["gateway"]["environment"]["PREFIXGATE_WORKER_SECRET"])
-        )
+        for shared in SHARED_SECRETS:
+            value = services[worker]["environment"][shared]
+            assert value == services["gateway"]["environment"][shared], (worker, shared)
+    assert len(services["gateway"]["environment"]["PREFIXGATE_WORKER_SIGNING_KEY"]) >= 32
+
+
+def test_nobody_chooses_plain_http_to_workers(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        assert "PREFIXGATE_WORKER_PLAINTEXT" not in service.get("environment", {}), name
+
+
+def mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """The service's volumes (short syntax, `volume:target[:ro]`): target -> (volume, read-only)."""
+    found = {}
+    for entry in service.get("volumes", []):
+        volume, target, *mode = entry.split(":")
+        found[target] = (volume, mode == ["ro"])
+    return found
+
+
+def tls_files(service: dict[str, Any]) -> dict[str, tuple[str, str, bool]]:
+    """Each TLS setting of a gateway or worker: (volume, file in it, mounted read-only)."""
+    found = {}
+    for setting in TLS_FILES:
+        path = Path(service["environment"][setting])
+        (volume, read_only) = mounts(service)[str(path.parent)]
+        found[setting] = (volume, path.name, read_only)
+    return found
+
+
+def test_certificates_are_made_before_anything_uses_them(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    certs = services["certs"]
+    assert certs["restart"] == "no" and certs["network_mode"] == "none"
+    for name in (*GATEWAYS, *WORKERS):
+        assert services[name]["depends_on"]["certs"]["condition"] == (
+            "service_completed_successfully"
+        ), name
+
+
+def test_each_role_reads_its_own_tls_volume_and_only_the_certs_service_the_cas(
+    compose: dict[str, Any],
+) -> None:
+    """Gateways and workers each read a certificate, its key and the CA's certificate from a
+    volume of their role, read-only; the volume the CA's key is in is mounted by the certs
+    service alone."""
+    services = compose["services"]
+    role_volumes = {}
+    for role, names in (("gateway", GATEWAYS), ("worker", WORKERS)):
+        volumes = set()
+        for name in names:
+            for setting, (volume, file, read_only) in tls_files(services[name]).items():
+                assert file == TLS_FILES[setting] and read_only, (name, setting)
+                volumes.add(volume)
+        (role_volumes[role],) = volumes  # one for the role: every worker serves one certificate
+    assert role_volumes["gateway"] != role_volumes["worker"]
+    issued = {volume for volume, _ in mounts(services["certs"]).values()}
+    (ca_volume,) = issued - set(role_volumes.values())
+    for name, service in services.items():
+        if name != "certs":
+            assert ca_volume not in {volume for volume, _ in mounts(service).values()}, name
+
+
+def run_certs_service(compose: dict[str, Any], volumes: Path) -> None:
+    """Run the certs service's command as its container would, each volume it mounts a
+    directory volumes/NAME, with this checkout's `prefixgate` on the PATH."""
+    certs = compose["services"]["certs"]
+    (script,) = certs["command"]
+    for target, (volume, _) in sorted(mounts(certs).items(), key=lambda item: -len(item[0])):
+        (volumes / volume).mkdir(exist_ok=True)
+        script = script.replace(target, str(volumes / volume))
+    assert "/etc/" not in script, "the script writes where no volume is mounted"
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    done = subprocess.run(
+        [*certs["entrypoint"], script],
+        env={**os.environ, "PATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def role_tls(compose: dict[str, Any], name: str, volumes: Path) -> WorkerTLS:
+    """The files a gateway or worker service loads, where run_certs_service wrote them."""
+    placed = tls_files(compose["services"][name])
+    return WorkerTLS(*(volumes / placed[setting][0] / placed[setting][1] for setting in TLS_FILES))
+
+
+def test_the_certs_service_makes_what_gateways_and_workers_need(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    """Its script, run for real: each worker and gateway finds its files, they complete mutual
+    TLS (and neither certificate serves the other role), keys are 0600, and the CA's key is
+    in the CA's volume alone."""
+    run_certs_service(compose, tmp_path)
+    worker, gateway = (
+        role_tls(compose, "worker-1", tmp_path),
+        role_tls(compose, "gateway", tmp_path),
+    )
+    assert role_tls(compose, "worker-2", tmp_path) == worker
+    assert role_tls(compose, "gateway-2", tmp_path) == gateway
+    assert handshake(server=worker, client=gateway) is None
+    assert handshake(server=worker, client=worker) is not None
+    assert handshake(server=gateway, client=gateway) is not None
+    ca_keys = list(tmp_path.glob("*/ca.key"))
+    assert len(ca_keys) == 1
+    for held in (worker, gateway):
+        assert {path.name for path in held.cert.parent.iterdir()} == set(TLS_FILES.values())
+        assert stat.S_IMODE(held.key.stat().st_mode) == 0o600
+        assert held.cert.parent != ca_keys[0].parent
+
+
+def test_the_certs_service_keeps_what_it_made_and_passes_on_a_renewal(
+    compose: dict[str, Any], tmp_path: Path
+) -> None:
+    """Run again (every `up`), it keeps the CA and the certificates; after
+    `prefixgate certs issue ... --force` in its CA volume (deploy/README.md), it hands the new
+    certificate to the role, which still completes mutual TLS with the other."""
+    run_certs_service(compose, tmp_path)
+    worker, gateway = (
+        role_tls(compose, "worker-1", tmp_path),
+        role_tls(compose, "gateway", tmp_path),
+    )
+    first = {path: path.read_bytes() for path in (worker.cert, worker.ca, gateway.cert)}
+    run_certs_service(compose, tmp_path)
+    assert {path: path.read_bytes() for path in first} == first
+    (ca_key,) = tmp_path.glob("*/ca.key")
+    prefixgate("certs", "issue", "worker", "--dir", str(ca_key.parent), "--server", "--force")
+    run_certs_service(compose, tmp_path)
+    assert worker.cert.read_bytes() != first[worker.cert]
+    assert worker.ca.read_bytes() == first[worker.ca]
+    assert handshake(server=worker, client=gateway) is None
 
 
 def test_workers_are_isolated_from_the_database_and_the_outside(compose: dict[str, Any]) -> None:
@@ -157,8 +299,12 @@ def test_workers_are_isolated_from_the_database_and_the_outside(compose: dict[st
         assert not joined & database_networks
         assert all(networks[network].get("internal") for network in joined)
         assert "ports" not in services[worker]
-        secret_names = {name for name in services[worker]["environment"] if SECRETISH.search(name)}
-        assert secret_names == {"PREFIXGATE_WORKER_SECRET"}
+        secret_names = {
+            name
+            for name in services[worker]["environment"]
+            if SECRETISH.search(name) and name not in TLS_FILES
+        }
+        assert secret_names == set(SHARED_SECRETS)
     for gateway in GATEWAYS:
         assert set(services[gateway]["networks"]) >= database_networks | set(
             services["worker-1"]["networks"]
@@ -175,7 +321,9 @@ def test_the_gateways_share_one_redis_that_only_they_reach(
     assert redis["networks"], "redis joins no network"
     for network in redis["networks"]:
         assert networks[network].get("internal") is True, network
-        on_it = {name for name, service in services.items() if network in service["networks"]}
+        on_it = {
+            name for name, service in services.items() if network in service.get("networks", [])
+        }
         assert on_it == {"redis", *GATEWAYS}, f"{network} is shared with {on_it - set(GATEWAYS)}"
     assert "ports" not in redis
     url = f"redis://:{env['REDIS_PASSWORD']}@redis:6379/0"
@@ -236,6 +384,11 @@ def test_services_are_hardened_and_checked(compose: dict[str, Any]) -> None:
     for name in (*GATEWAYS, *WORKERS):
         test = services[name]["healthcheck"]["test"]
         assert test[:3] == ["CMD", "python", "/opt/prefixgate/healthcheck.py"], name
+    # A worker completes a TLS handshake only with a gateway's certificate: its check connects.
+    for name in WORKERS:
+        assert services[name]["healthcheck"]["test"][3:] == ["--tcp"], name
+    for name in GATEWAYS:
+        assert services[name]["healthcheck"]["test"][3:] == ["/readyz"], name
 
 
 def test_gpu_override_gives_each_worker_a_gpu_and_the_cuda_image(env: dict[str, str]) -> None:
@@ -247,3 +400,7 @@ def test_gpu_override_gives_each_worker_a_gpu_and_the_cuda_image(env: dict[str, 
         (device,) = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
         assert service["environment"]["PREFIXGATE_DEVICE"] == "cuda"
+        # Compose merges volumes by target and environment by name: the TLS files stay.
+        assert "/etc/prefixgate/tls" not in mounts(service)
+        assert not set(TLS_FILES) & set(service["environment"])
+        assert "healthcheck" not in service

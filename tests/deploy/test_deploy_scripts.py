@@ -1,5 +1,5 @@
-"""The two scripts deploy/ ships: the container health check (run against a real HTTP server on
-loopback) and the secret-file generator."""
+"""The two scripts deploy/ ships: the container health check (run against a real HTTP server and
+a real listening socket on loopback) and the secret-file generator."""
 
 from __future__ import annotations
 
@@ -53,11 +53,23 @@ def test_healthcheck_passes_on_200_and_fails_on_503(server_port: int) -> None:
     assert healthcheck(server_port, "/readyz") == 1
 
 
-def test_healthcheck_fails_when_nothing_listens() -> None:
+def free_port() -> int:
     with socket.socket() as probe:  # a loopback port that was free a moment ago
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
-    assert healthcheck(port) == 1
+    return port
+
+
+def test_healthcheck_fails_when_nothing_listens() -> None:
+    assert healthcheck(free_port()) == 1
+
+
+def test_tcp_healthcheck_passes_when_the_port_accepts_connections() -> None:
+    """A worker's check (`--tcp`): it asks nothing over the connection, since only a gateway's
+    certificate gets through the worker's TLS handshake."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        assert healthcheck(listener.getsockname()[1], "--tcp") == 0
+    assert healthcheck(free_port(), "--tcp") == 1
 
 
 def generate(example: Path, output: Path) -> subprocess.CompletedProcess[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.deploy.tools import DEPLOY, REPO, python_module, run
 
@@ -75,6 +76,29 @@ def test_runtime_runs_as_a_non_root_user_with_a_health_check(name: str) -> None:
     assert command == ["python", HEALTHCHECK_PATH]
     assert f"deploy/healthcheck.py {HEALTHCHECK_PATH}" in values(runtime, "COPY")
     assert "8000 8001" in values(runtime, "EXPOSE")
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_certificate_mount_points_belong_to_the_serving_user(name: str) -> None:
+    """Every directory compose mounts a TLS volume on exists in the image, owned by the user
+    that serves: a new named volume takes its owner from it, and the certs service (that
+    user) writes there."""
+    *_, runtime = stages(name)
+    created = set()
+    for value in values(runtime, "RUN"):
+        for command in value.split("&&"):
+            words = shlex.split(command.replace("\\\n", " "))
+            if words[:2] == ["install", "-d"] and words[words.index("-o") + 1] == "prefixgate":
+                created |= {word for word in words[2:] if word.startswith("/")}
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    targets = {
+        entry.split(":")[1]
+        for service in compose["services"].values()
+        for entry in service.get("volumes", [])
+        if "/etc/prefixgate" in entry
+    }
+    assert targets, "compose mounts no certificates"
+    assert targets <= created, f"not made for the serving user: {targets - created}"
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)

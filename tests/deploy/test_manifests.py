@@ -1,13 +1,16 @@
-"""The Kubernetes manifests (deploy/k8s): every overlay renders with kustomize, as shipped and
-with the second model's workers enabled (k8s/models/), every object passes the Kubernetes API's
-own schema (kubernetes-validate's bundled OpenAPI-derived schemas, strict: an unknown field
-fails), and the rendered objects keep the promises an operator relies on: non-root and
-read-only pods with probes, workers and Redis reachable only from gateways, one Deployment per
-model whose pods the headless Service and the NetworkPolicy find, secrets referenced and never
-inlined, and the images each overlay names.
+"""The Kubernetes manifests (deploy/k8s): every overlay renders with kustomize, as shipped,
+with the second model's workers enabled (k8s/models/) and with cert-manager making the TLS
+Secrets; every object passes the Kubernetes API's own schema (kubernetes-validate's bundled
+OpenAPI-derived schemas, strict: an unknown field fails), and the rendered objects keep the
+promises an operator relies on: non-root and read-only pods with probes, workers and Redis
+reachable only from gateways, one Deployment per model whose pods the headless Service and the
+NetworkPolicy find, gateways and workers given their own certificate, the CA's and the
+signing key (and never the CA's key), secrets referenced and never inlined, and the images
+each overlay names.
 
-The ServiceMonitor is a CRD the Kubernetes schemas do not hold: it is checked against a schema
-of the fields we use, written here from prometheus-operator's monitoring.coreos.com/v1 API.
+The ServiceMonitor (prometheus-operator's monitoring.coreos.com/v1) and cert-manager's Issuer
+and Certificate (cert-manager.io/v1) are CRDs the Kubernetes schemas do not hold: each is
+checked against a schema of the fields we use, written here from its project's API.
 """
 
 from __future__ import annotations
@@ -27,21 +30,37 @@ from urllib.parse import urlsplit
 import jsonschema
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from tests.deploy.tools import DEPLOY, python_module, redis_check_passes, run
+from gateway.workers.certificates import WORKER_SERVER_NAME
+from gateway.workers.tls import WorkerTLS
+from tests.deploy.tools import (
+    DEPLOY,
+    handshake,
+    make_certificates,
+    python_module,
+    redis_check_passes,
+    run,
+)
 
 # The second model's directory, and the line each overlay carries, commented out, to enable it.
 SECOND_MODEL = "smollm2-360m-instruct"
 SECOND_MODEL_LINE = f"  - ../../models/{SECOND_MODEL}"
-# What is rendered: each overlay as shipped, and with the second model's line enabled.
+# Where the TLS Secrets come from: `prefixgate certs` files (as shipped) or cert-manager.
+FILES, CERT_MANAGER = "tls-from-files", "tls-cert-manager"
+# What is rendered: each overlay as shipped, with the second model's line enabled, and with
+# cert-manager's component in place of the files'.
 RENDERS = {
-    "cpu": ("cpu", False),
-    "gpu": ("gpu", False),
-    "cpu-two-models": ("cpu", True),
-    "gpu-two-models": ("gpu", True),
+    "cpu": ("cpu", False, FILES),
+    "gpu": ("gpu", False, FILES),
+    "cpu-two-models": ("cpu", True, FILES),
+    "gpu-two-models": ("gpu", True, FILES),
+    "cpu-cert-manager": ("cpu", False, CERT_MANAGER),
+    "gpu-two-models-cert-manager": ("gpu", True, CERT_MANAGER),
 }
-GPU_RENDERS = tuple(name for name, (overlay, _) in RENDERS.items() if overlay == "gpu")
-CPU_RENDERS = tuple(name for name, (overlay, _) in RENDERS.items() if overlay == "cpu")
+GPU_RENDERS = tuple(name for name, (overlay, *_) in RENDERS.items() if overlay == "gpu")
+CPU_RENDERS = tuple(name for name, (overlay, *_) in RENDERS.items() if overlay == "cpu")
 # The oldest Kubernetes the manifests promise to work on, and the newest the validator knows.
 KUBERNETES_VERSIONS = ("1.29", "latest")
 WORKER_PORT = 8001
@@ -50,6 +69,16 @@ EMBEDDED_MODEL = "smollm2-135m-instruct"
 MODEL_LABEL = "prefixgate.io/model"
 SECRETISH = re.compile(r"SECRET|KEY|TOKEN|PASSWORD|DATABASE_URL|REDIS_URL|_AUTH$")
 POD_OWNERS = ("Deployment", "StatefulSet", "Job")
+# Paths, not secrets: the files of the mounted TLS Secret (kubernetes.io/tls's keys).
+TLS_FILES = {
+    "PREFIXGATE_WORKER_TLS_CERT": "tls.crt",
+    "PREFIXGATE_WORKER_TLS_KEY": "tls.key",
+    "PREFIXGATE_WORKER_TLS_CA": "ca.crt",
+}
+# Each role's TLS Secret, and the certificate use it must carry (and not the other).
+TLS_SECRETS = {"worker": "prefixgate-worker-tls", "gateway": "prefixgate-gateway-tls"}
+TLS_USE = {"worker": "server auth", "gateway": "client auth"}
+SIGNING_KEY = "PREFIXGATE_WORKER_SIGNING_KEY"
 
 Obj = dict[str, Any]
 
@@ -120,15 +149,120 @@ SERVICE_MONITOR_SCHEMA: Obj = {
     },
 }
 
+# cert-manager.io/v1: the fields of Issuer and Certificate we use, with their types and values.
+_KEY_USAGES = [
+    "signing", "digital signature", "content commitment", "key encipherment", "key agreement",
+    "data encipherment", "cert sign", "crl sign", "encipher only", "decipher only", "any",
+    "server auth", "client auth", "code signing", "email protection", "s/mime",
+    "ipsec end system", "ipsec tunnel", "ipsec user", "timestamping", "ocsp signing",
+    "microsoft sgc", "netscape sgc",
+]  # fmt: skip
+_GO_DURATION = r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$"
+_CERT_MANAGER_METADATA = {
+    "type": "object",
+    "required": ["name"],
+    "properties": {"name": {"type": "string", "minLength": 1}},
+}
+ISSUER_SCHEMA: Obj = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "cert-manager.io/v1"},
+        "kind": {"const": "Issuer"},
+        "metadata": _CERT_MANAGER_METADATA,
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "minProperties": 1,
+            "maxProperties": 1,  # one kind of issuer
+            "properties": {
+                "selfSigned": {"type": "object", "additionalProperties": False},
+                "ca": {
+                    "type": "object",
+                    "required": ["secretName"],
+                    "additionalProperties": False,
+                    "properties": {"secretName": {"type": "string", "minLength": 1}},
+                },
+            },
+        },
+    },
+}
+CERTIFICATE_SCHEMA: Obj = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "additionalProperties": False,
+    "properties": {
+        "apiVersion": {"const": "cert-manager.io/v1"},
+        "kind": {"const": "Certificate"},
+        "metadata": _CERT_MANAGER_METADATA,
+        "spec": {
+            "type": "object",
+            "required": ["secretName", "issuerRef"],
+            "additionalProperties": False,
+            "properties": {
+                "secretName": {"type": "string", "minLength": 1},
+                "commonName": {"type": "string", "minLength": 1, "maxLength": 64},
+                "dnsNames": {"type": "array", "items": {"type": "string"}},
+                "isCA": {"type": "boolean"},
+                "usages": {"type": "array", "items": {"enum": _KEY_USAGES}},
+                "duration": {"type": "string", "pattern": _GO_DURATION},
+                "renewBefore": {"type": "string", "pattern": _GO_DURATION},
+                "privateKey": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "algorithm": {"enum": ["RSA", "ECDSA", "Ed25519"]},
+                        "size": {"type": "integer"},
+                        "encoding": {"enum": ["PKCS1", "PKCS8"]},
+                        "rotationPolicy": {"enum": ["Never", "Always"]},
+                    },
+                },
+                "issuerRef": {
+                    "type": "object",
+                    "required": ["name"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1},
+                        "kind": {"enum": ["Issuer", "ClusterIssuer"]},
+                        "group": {"const": "cert-manager.io"},
+                    },
+                },
+            },
+        },
+    },
+}
+# Custom resources, checked against the schemas above instead of the Kubernetes API's.
+CRD_SCHEMAS = {
+    "ServiceMonitor": SERVICE_MONITOR_SCHEMA,
+    "Issuer": ISSUER_SCHEMA,
+    "Certificate": CERTIFICATE_SCHEMA,
+}
+
 
 # ---- rendering --------------------------------------------------------------------------------
 
 
+_certificates: list[Path] = []  # made once per session: `prefixgate certs` takes a second
+
+
+def operator_certificates(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA's directory with a worker's and a gateway's certificate, made by `prefixgate certs`."""
+    if not _certificates:
+        _certificates.append(make_certificates(tmp_path_factory.mktemp("ca") / "ca"))
+    return _certificates[0]
+
+
 def operator_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A copy of deploy/k8s whose secret env files are made from the committed examples
-    (never a developer's own), as an operator would make them."""
+    """A copy of deploy/k8s whose secret env files are made from the committed examples and
+    whose certificates by `prefixgate certs` (never a developer's own), as an operator would
+    make them: the files components/tls-from-files names are copied from the CA's directory,
+    and ca.key is not."""
     root = tmp_path_factory.mktemp("deploy") / "k8s"
-    shutil.copytree(DEPLOY / "k8s", root, ignore=shutil.ignore_patterns("*.env"))
+    shutil.copytree(DEPLOY / "k8s", root, ignore=shutil.ignore_patterns("*.env", "*.pem", "*.key"))
+    ca = operator_certificates(tmp_path_factory)
+    for name in ("ca.pem", "worker.pem", "worker.key", "gateway.pem", "gateway.key"):
+        shutil.copy2(ca / name, root / "components" / FILES / "certs" / name)
     for example in sorted((root / "base" / "secrets").glob("*.env.example")):
         subprocess.run(
             [
@@ -154,14 +288,18 @@ def renders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Obj]]:
     """Each overlay rendered as shipped, and with the second model enabled as deploy/README.md
     says: by uncommenting its line in the overlay's resources."""
     rendered = {}
-    for name, (overlay, second_model) in RENDERS.items():
+    for name, (overlay, second_model, tls) in RENDERS.items():
         root = operator_copy(tmp_path_factory)
         kustomization = root / "overlays" / overlay / "kustomization.yaml"
+        text = kustomization.read_text()
         if second_model:
-            text = kustomization.read_text()
             commented = SECOND_MODEL_LINE.replace("- ", "# - ", 1)
             assert commented + "\n" in text, f"overlays/{overlay} lacks `{commented.strip()}`"
-            kustomization.write_text(text.replace(commented, SECOND_MODEL_LINE))
+            text = text.replace(commented, SECOND_MODEL_LINE)
+        files_line = f"  - ../../components/{FILES}\n"
+        assert files_line in text, f"overlays/{overlay} lacks the {FILES} component"
+        text = text.replace(files_line, f"  - ../../components/{tls}\n")
+        kustomization.write_text(text)
         rendered[name] = render(kustomization.parent)
     return rendered
 
@@ -219,7 +357,8 @@ def template_labels(owner: Obj) -> dict[str, str]:
 
 
 def component(obj: Obj) -> str | None:
-    return obj["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+    found: str | None = obj["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+    return found
 
 
 def workers(objects: list[Obj]) -> list[Obj]:
@@ -274,9 +413,30 @@ def test_every_object_passes_the_kubernetes_schema(
 ) -> None:
     objects = renders[overlay]
     errors = [
-        error for obj in objects if obj["kind"] != "ServiceMonitor" for error in schema_errors(obj)
+        error for obj in objects if obj["kind"] not in CRD_SCHEMAS for error in schema_errors(obj)
     ]
     assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_every_custom_resource_matches_its_schema(
+    renders: dict[str, list[Obj]], overlay: str
+) -> None:
+    for obj in renders[overlay]:
+        if obj["kind"] in CRD_SCHEMAS:
+            jsonschema.validate(obj, CRD_SCHEMAS[obj["kind"]])
+
+
+def test_the_certificate_schema_rejects_a_misspelt_field(renders: dict[str, list[Obj]]) -> None:
+    objects = renders["cpu-cert-manager"]
+    broken = copy.deepcopy(named(objects, "Certificate", TLS_SECRETS["worker"]))
+    broken["spec"]["dnsName"] = broken["spec"].pop("dnsNames")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, CERTIFICATE_SCHEMA)
+    broken = copy.deepcopy(named(objects, "Certificate", TLS_SECRETS["worker"]))
+    broken["spec"]["usages"] = ["server-auth"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, CERTIFICATE_SCHEMA)
 
 
 def test_the_schema_check_rejects_a_misspelt_field(renders: dict[str, list[Obj]]) -> None:
@@ -369,7 +529,9 @@ def test_writable_paths_are_volumes(renders: dict[str, list[Obj]], overlay: str)
 def test_long_running_pods_have_probes_and_drain_in_their_grace_period(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
-    """PrefixGate's own (Redis has its probes checked below)."""
+    """PrefixGate's own (Redis has its probes checked below). A gateway's are HTTP; a
+    worker's connect over TCP: it completes a TLS handshake only with a gateway's client
+    certificate, which the kubelet cannot present (an httpGet, HTTP or HTTPS, never passes)."""
     deployments = [obj for obj in renders[overlay] if obj["kind"] in ("Deployment", "StatefulSet")]
     assert {component(owner) for owner in deployments} == {"gateway", "worker", "redis"}
     for owner in deployments:
@@ -383,9 +545,15 @@ def test_long_running_pods_have_probes_and_drain_in_their_grace_period(
                 ("livenessProbe", "/healthz"),
                 ("readinessProbe", "/readyz"),
             ):
-                check = container[probe]["httpGet"]
-                assert check["path"] == path, f"{container['name']} {probe}"
-                assert check["port"] in port_names, f"{container['name']} {probe}"
+                where = f"{owner['metadata']['name']} {probe}"
+                if component(owner) == "worker":
+                    assert set(container[probe]) & {"httpGet", "exec", "grpc"} == set(), where
+                    check = container[probe]["tcpSocket"]
+                else:
+                    check = container[probe]["httpGet"]
+                    assert check["path"] == path, where
+                    assert check.get("scheme", "HTTP") == "HTTP", where
+                assert check["port"] in port_names, where
             pause = container["lifecycle"]["preStop"]["exec"]["command"]
             assert pause[0] == "sleep"
             grace = env_value(container, "PREFIXGATE_SHUTDOWN_GRACE_S")
@@ -460,7 +628,7 @@ def test_each_model_is_one_deployment_owning_only_its_own_pods(
         for spread in pod_spec(owner).get("topologySpreadConstraints", []):
             assert spread["labelSelector"]["matchLabels"].get(MODEL_LABEL) == model, name
     assert len(set(models)) == len(models), f"two Deployments serve one model: {models}"
-    _, second_model = RENDERS[overlay]
+    _, second_model, _ = RENDERS[overlay]
     assert sorted(models) == sorted([EMBEDDED_MODEL] + ([SECOND_MODEL] if second_model else []))
 
 
@@ -565,6 +733,173 @@ def test_migration_job_upgrades_the_schema(renders: dict[str, list[Obj]], overla
     assert pod_spec(job)["restartPolicy"] in ("OnFailure", "Never")
 
 
+# ---- traffic between gateways and workers ------------------------------------------------------
+
+
+def tls_roles(objects: list[Obj]) -> Iterator[tuple[str, Obj, Obj]]:
+    """(role, owner, container) of every gateway and every model's workers."""
+    owners = [("gateway", one(objects, "Deployment", "gateway"))]
+    owners += [("worker", owner) for owner in workers(objects)]
+    for role, owner in owners:
+        yield role, owner, pod_spec(owner)["containers"][0]
+
+
+def mounted_secret(owner: Obj, container: Obj, path: str) -> tuple[str, str, Obj, Obj]:
+    """(Secret name, key, mount, volume) of the file at `path`, which must be in a Secret
+    volume the container mounts."""
+    spec = pod_spec(owner)
+    for mount in container.get("volumeMounts", []):
+        if path.startswith(mount["mountPath"].rstrip("/") + "/"):
+            (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+            assert "secret" in volume, f"{path}: {mount['name']} is not a Secret volume"
+            key = path[len(mount["mountPath"].rstrip("/")) + 1 :]
+            return volume["secret"]["secretName"], key, mount, volume
+    raise AssertionError(f"{path} is on no volume the container mounts")
+
+
+def tls_secret_source(objects: list[Obj], tls: str, name: str) -> Obj:
+    """What makes the TLS Secret `name` (the Deployments' reference, after kustomize's
+    renaming): the generated Secret (files) or the Certificate that writes it (cert-manager)."""
+    if tls == FILES:
+        secret = named(objects, "Secret", name)
+        assert secret["type"] == "kubernetes.io/tls"
+        return secret
+    (certificate,) = [
+        obj for obj in objects if obj["kind"] == "Certificate" and obj["spec"]["secretName"] == name
+    ]
+    return certificate
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_gateways_and_workers_get_their_certificate_the_ca_and_the_signing_key(
+    renders: dict[str, list[Obj]], overlay: str
+) -> None:
+    """Every TLS setting is a file of the role's own TLS Secret (tls.crt, tls.key, ca.crt),
+    mounted read-only and readable by the pod's group alone; the signing key and the worker
+    secret come from the Secret both roles share; workers are dialled by dns:// (over HTTPS)."""
+    objects = renders[overlay]
+    tls = RENDERS[overlay][2]
+    for role, owner, container in tls_roles(objects):
+        where = f"{owner['metadata']['name']} ({role})"
+        secrets_used = set()
+        for setting, key in TLS_FILES.items():
+            path = env_value(container, setting)
+            assert path is not None, f"{where}: no {setting}"
+            secret, file, mount, volume = mounted_secret(owner, container, path)
+            assert file == key, f"{where}: {setting}={path}"
+            assert mount.get("readOnly") is True, where
+            assert volume["secret"]["defaultMode"] == 0o440, where
+            secrets_used.add(secret)
+        (secret,) = secrets_used
+        source = tls_secret_source(objects, tls, secret)
+        assert source["metadata"]["name"].startswith(TLS_SECRETS[role]), where
+        sources = env_sources(objects, container)
+        for shared in (SIGNING_KEY, "PREFIXGATE_WORKER_SECRET"):
+            assert set(sources[shared]) == {"secretRef"}, f"{where}: {shared}"
+        signing_secret = sources[SIGNING_KEY]["secretRef"]
+        assert len(secret_data(objects, signing_secret)[SIGNING_KEY]) >= 32
+    gateway = pod_spec(one(objects, "Deployment", "gateway"))["containers"][0]
+    assert (env_value(gateway, "PREFIXGATE_WORKERS") or "").startswith("dns://")
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_nobody_chooses_plain_http_to_workers(renders: dict[str, list[Obj]], overlay: str) -> None:
+    objects = renders[overlay]
+    for owner in pod_owners(objects):
+        for container in containers(owner):
+            assert "PREFIXGATE_WORKER_PLAINTEXT" not in env_sources(objects, container)
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_no_pod_gets_the_cas_key(renders: dict[str, list[Obj]], overlay: str) -> None:
+    """From files, no Secret holds the CA's key (or any CA's); with cert-manager, the CA's
+    Secret (the CA Issuer's) is mounted by no pod and read by no container."""
+    objects = renders[overlay]
+    ca_secrets = {
+        obj["spec"]["ca"]["secretName"] for obj in objects if obj["kind"] == "Issuer"
+        and "ca" in obj["spec"]
+    }  # fmt: skip
+    for obj in objects:
+        if obj["kind"] == "Secret" and obj["type"] == "kubernetes.io/tls":
+            data = secret_data(objects, obj["metadata"]["name"])
+            assert set(data) == {"tls.crt", "tls.key", "ca.crt"}, obj["metadata"]["name"]
+            certificate = x509.load_pem_x509_certificate(data["tls.crt"].encode())
+            constraints = certificate.extensions.get_extension_for_class(x509.BasicConstraints)
+            assert constraints.value.ca is False, f"{obj['metadata']['name']} holds a CA's key"
+    for owner in pod_owners(objects):
+        spec = pod_spec(owner)
+        used = {v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v}
+        for container in containers(owner):
+            used |= {s["secretRef"]["name"] for s in container.get("envFrom", [])}
+            used |= {
+                v["valueFrom"]["secretKeyRef"]["name"]
+                for v in container.get("env", [])
+                if "secretKeyRef" in v.get("valueFrom", {})
+            }
+        assert not used & ca_secrets, owner["metadata"]["name"]
+    if RENDERS[overlay][2] == CERT_MANAGER:
+        assert ca_secrets, "no CA Issuer"
+
+
+@pytest.mark.parametrize("overlay", [name for name, (*_, tls) in RENDERS.items() if tls == FILES])
+def test_the_tls_secrets_let_a_gateway_and_a_worker_complete_mutual_tls(
+    renders: dict[str, list[Obj]], overlay: str, tmp_path: Path
+) -> None:
+    """The files each role gets, written out as the Secret volume would and loaded as the code
+    loads them: a gateway's and a worker's connect; a worker's cannot pose as a gateway, nor a
+    gateway's as a worker (each certificate is for its use alone)."""
+    objects = renders[overlay]
+    held: dict[str, WorkerTLS] = {}
+    for role, owner, container in tls_roles(objects):
+        secret, _, _, _ = mounted_secret(
+            owner, container, env_value(container, "PREFIXGATE_WORKER_TLS_CERT") or ""
+        )
+        directory = tmp_path / secret
+        directory.mkdir(exist_ok=True)
+        for key, value in secret_data(objects, secret).items():
+            (directory / key).write_text(value)
+        held[role] = WorkerTLS(directory / "tls.crt", directory / "tls.key", directory / "ca.crt")
+    assert handshake(server=held["worker"], client=held["gateway"]) is None
+    assert handshake(server=held["worker"], client=held["worker"]) is not None
+    assert handshake(server=held["gateway"], client=held["gateway"]) is not None
+    worker = x509.load_pem_x509_certificate(held["worker"].cert.read_bytes())
+    names = worker.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert WORKER_SERVER_NAME in names.get_values_for_type(x509.DNSName)
+    usage = worker.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert list(usage) == [ExtendedKeyUsageOID.SERVER_AUTH]
+
+
+@pytest.mark.parametrize(
+    "overlay", [name for name, (*_, tls) in RENDERS.items() if tls == CERT_MANAGER]
+)
+def test_cert_manager_issues_each_role_its_certificate_from_a_private_ca(
+    renders: dict[str, list[Obj]], overlay: str
+) -> None:
+    """A self-signed Issuer signs the CA; the CA Issuer signs the worker's certificate (server
+    auth only, valid for the name gateways check) and the gateway's (client auth only), into
+    the Secrets the pods mount."""
+    objects = renders[overlay]
+    issuers = {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == "Issuer"}
+    certificates = [obj for obj in objects if obj["kind"] == "Certificate"]
+    (ca,) = [c for c in certificates if c["spec"].get("isCA")]
+    assert "selfSigned" in issuers[ca["spec"]["issuerRef"]["name"]]["spec"]
+    (ca_issuer,) = [i for i in issuers.values() if "ca" in i["spec"]]
+    assert ca_issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
+    for role, owner, container in tls_roles(objects):
+        path = env_value(container, "PREFIXGATE_WORKER_TLS_CERT") or ""
+        secret, _, _, _ = mounted_secret(owner, container, path)
+        certificate = tls_secret_source(objects, CERT_MANAGER, secret)
+        spec = certificate["spec"]
+        where = f"{owner['metadata']['name']}: {certificate['metadata']['name']}"
+        assert spec["issuerRef"]["name"] == ca_issuer["metadata"]["name"], where
+        assert spec["issuerRef"].get("kind", "Issuer") == "Issuer", where
+        assert not spec.get("isCA"), where
+        other = "client auth" if role == "worker" else "server auth"
+        assert TLS_USE[role] in spec["usages"] and other not in spec["usages"], where
+        if role == "worker":
+            assert WORKER_SERVER_NAME in spec["dnsNames"], where
+
+
 # ---- secrets and images -----------------------------------------------------------------------
 
 
@@ -575,7 +910,7 @@ def test_secrets_are_referenced_never_inlined(renders: dict[str, list[Obj]], ove
     for owner in pod_owners(objects):
         for container in containers(owner):
             for variable in container.get("env", []):
-                if SECRETISH.search(variable["name"]):
+                if SECRETISH.search(variable["name"]) and variable["name"] not in TLS_FILES:
                     assert "value" not in variable, (
                         f"{container['name']}: {variable['name']} inlined"
                     )
@@ -602,7 +937,7 @@ def test_workers_get_the_worker_secret_and_nothing_else(
 
     for owner in workers(objects):
         worker = pod_spec(owner)["containers"][0]
-        assert keys(worker) == {"PREFIXGATE_WORKER_SECRET"}, owner["metadata"]["name"]
+        assert keys(worker) == {"PREFIXGATE_WORKER_SECRET", SIGNING_KEY}, owner["metadata"]["name"]
     gateway = pod_spec(one(objects, "Deployment", "gateway"))["containers"][0]
     assert {
         "PREFIXGATE_DATABASE_URL",
@@ -610,6 +945,7 @@ def test_workers_get_the_worker_secret_and_nothing_else(
         "PREFIXGATE_AUDIT_SIGNING_KEY",
         "PREFIXGATE_JWT_SECRET",
         "PREFIXGATE_WORKER_SECRET",
+        SIGNING_KEY,
         "PREFIXGATE_REDIS_URL",
     } <= keys(gateway)
 
@@ -619,7 +955,7 @@ def test_committed_secret_examples_hold_only_placeholders() -> None:
     examples = sorted((DEPLOY / "k8s").rglob("*.env.example"))
     assert examples
     for example in examples:
-        placeholders = set()
+        placeholders: set[str] = set()
         for line in example.read_text().splitlines():
             if line.strip() and not line.startswith("#"):
                 name, _, value = line.partition("=")

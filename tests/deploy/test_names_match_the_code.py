@@ -64,3 +64,18 @@ def test_the_commands_and_options_deploy_runs_exist() -> None:
     for used in re.findall(r"\[worker,([^\]]*)\]", texts):  # args: [worker, --host, ...]
         for option in re.findall(r"--[a-z-]+", used):
             assert option in worker, f"prefixgate worker has no {option}"
+    # `prefixgate certs init|issue ...` in compose's certs service and the README
+    certs = {command: help_of("certs", command) for command in ("init", "issue")}
+    used = re.findall(r"prefixgate certs (init|issue)([^\n`|]*)", texts)
+    assert {command for command, _ in used} == set(certs)
+    for command, rest in used:
+        for option in re.findall(r"(?<![\w-])--[a-z-]+", rest):
+            assert option in certs[command], f"prefixgate certs {command} has no {option}"
+
+
+def test_no_shipped_configuration_chooses_plain_http_to_workers() -> None:
+    """PREFIXGATE_WORKER_PLAINTEXT is for one machine or a test: no compose file, manifest,
+    env example or image sets it."""
+    for path, text in deploy_texts().items():
+        if not path.endswith(".md"):
+            assert "PREFIXGATE_WORKER_PLAINTEXT" not in text, path

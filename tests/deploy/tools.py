@@ -10,12 +10,17 @@ from __future__ import annotations
 import importlib
 import os
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from gateway.workers.tls import WorkerTLS, WorkerTLSError
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -64,3 +69,56 @@ def redis_check_passes(command: list[str], reply: str, tmp_path: Path) -> bool:
     environ = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(command, env=environ, capture_output=True, timeout=30, check=False)
     return done.returncode == 0
+
+
+def handshake(server: WorkerTLS, client: WorkerTLS) -> str | None:
+    """Connect, over loopback, a gateway holding `client`'s files to a worker holding
+    `server`'s, with the TLS contexts the code builds (the worker requires a client certificate;
+    the gateway checks the worker's for the fixed worker name). None when both sides completed
+    the handshake and a byte crossed, else why not."""
+    try:
+        server_context, client_context = server.server_context(), client.client_context()
+    except WorkerTLSError as error:
+        return str(error)
+    failures: list[str] = []
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        listener.settimeout(10)
+
+        def serve() -> None:
+            try:
+                connection, _ = listener.accept()
+                with server_context.wrap_socket(connection, server_side=True) as tls:
+                    tls.sendall(b"k")
+            except (OSError, ssl.SSLError) as error:
+                failures.append(f"worker: {error}")
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            with (
+                socket.create_connection(listener.getsockname(), timeout=10) as raw,
+                client_context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+            ):
+                if tls.recv(1) != b"k":
+                    failures.append("gateway: the worker closed the connection")
+        except (OSError, ssl.SSLError) as error:
+            failures.append(f"gateway: {error}")
+        thread.join(10)
+    return "; ".join(failures) or None
+
+
+def prefixgate(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the `prefixgate` command of this checkout to completion, failing on an error."""
+    command = [sys.executable, "-c", "from gateway.cli import main; main()", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, f"prefixgate {' '.join(args)}: {done.stderr}"
+    return done
+
+
+def make_certificates(directory: Path) -> Path:
+    """A CA, a worker's and a gateway's certificate in `directory`, made as deploy/README.md
+    tells an operator to: ca.pem, ca.key, worker.pem, worker.key, gateway.pem, gateway.key."""
+    prefixgate("certs", "init", "--dir", str(directory))
+    prefixgate("certs", "issue", "worker", "--dir", str(directory), "--server")
+    prefixgate("certs", "issue", "gateway", "--dir", str(directory), "--client")
+    return directory

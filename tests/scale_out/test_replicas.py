@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from bench.local_server import tiny_chat_model
-from bench.local_workers import LocalWorker, worker_process
+from bench.local_workers import LocalWorker, gateway_link, session_certificates, worker_process
 from bench.served_gateway import GatewayProcess, gateway_process
 from gateway.workers.membership import WorkerSet
 from gateway.workers.remote_engine import RemoteEngine
@@ -42,6 +42,7 @@ T = TypeVar("T")
 SECRET = "replicas-test-worker-secret"
 KEY_SECRET, SIGNING_KEY = "replicas-key-secret", "replicas-signing-key"
 JWT_SECRET = "replicas-jwt-secret-with-at-least-32-bytes!"
+METRICS_TOKEN = "replicas-metrics-token"  # /readyz's details are the scraper's
 SMOL, QWEN = "smollm2-135m-instruct", "tiny-qwen2"
 LEASE_S = 3.0
 EOS = 2  # both models' end-of-sequence id: a bias of -100 keeps a stream going
@@ -121,8 +122,9 @@ def replicas(
         stack.callback(qwen_link.stop)
         settings = {
             "DATABASE_URL": url, "KEY_HASH_SECRET": KEY_SECRET, "AUDIT_SIGNING_KEY": SIGNING_KEY,
-            "JWT_SECRET": JWT_SECRET, "WORKER_SECRET": SECRET,
-            "WORKERS": f"{smol.url},http://127.0.0.1:{qwen_link.port}",
+            "JWT_SECRET": JWT_SECRET, "WORKER_SECRET": SECRET, "METRICS_TOKEN": METRICS_TOKEN,
+            "WORKERS": f"{smol.url},https://127.0.0.1:{qwen_link.port}",
+            **session_certificates().gateway_environment(),
             "WORKER_POLL_S": "0.25", "WORKER_TIMEOUT_S": "2",
             "REDIS_URL": f"redis://127.0.0.1:{redis.port}/0", "REDIS_KEY_PREFIX": prefix,
             "LIMIT_LEASE_S": str(LEASE_S), "REGISTRY_REFRESH_S": "0.5",
@@ -214,8 +216,8 @@ def held_streams(gateways: list[GatewayProcess], key: str) -> Iterator[None]:
 
 
 def worker_state(worker: LocalWorker) -> dict[str, Any]:
-    answer = httpx.get(
-        f"{worker.url}/internal/v1/state", headers={"Authorization": f"Bearer {SECRET}"}
+    answer = worker.request(
+        "GET", "/internal/v1/state", headers={"Authorization": f"Bearer {SECRET}"}
     )
     answer.raise_for_status()
     state: dict[str, Any] = answer.json()
@@ -237,7 +239,10 @@ def seconds_until(condition: Callable[[], bool], timeout_s: float) -> float:
 
 
 def ready(gateway: GatewayProcess) -> dict[str, Any]:
-    body: dict[str, Any] = httpx.get(f"{gateway.url}/readyz", timeout=10).json()
+    """The gateway's /readyz as the metrics scraper sees it (anyone else gets the status)."""
+    scraper = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    body: dict[str, Any] = httpx.get(f"{gateway.url}/readyz", headers=scraper, timeout=10).json()
+    assert "engine" in body, body  # the token was taken: the details are there
     return body
 
 
@@ -395,8 +400,8 @@ def test_a_rolling_update_switches_once_and_an_alias_is_a_model_of_its_own(
         late = TcpProxy("127.0.0.1", urlsplit(updated.url).port or 0)  # the update, held back
         stack.callback(late.stop)
         workers = WorkerSet(
-            [replicas.workers[QWEN].url, f"http://127.0.0.1:{late.port}", alias.url],
-            SECRET, poll_s=0.25, timeout_s=2.0,
+            [replicas.workers[QWEN].url, f"https://127.0.0.1:{late.port}", alias.url],
+            gateway_link(SECRET), poll_s=0.25, timeout_s=2.0,
         )  # fmt: skip
         stack.callback(workers.stop)
         engine = RemoteEngine(workers, RoutingConfig("cache_aware", 64, 8))
@@ -406,7 +411,7 @@ def test_a_rolling_update_switches_once_and_an_alias_is_a_model_of_its_own(
         assert old["alias-qwen"].fingerprint == old[QWEN].fingerprint  # one model's weights
         late.start()  # the new weights come up: one worker each
         workers.poll_once()
-        assert workers.workers[f"http://127.0.0.1:{late.port}"].up
+        assert workers.workers[f"https://127.0.0.1:{late.port}"].up
         assert engine.models()[QWEN].fingerprint == old[QWEN].fingerprint  # met first: kept
         workers.mark_down(workers.workers[replicas.workers[QWEN].url], "drained for the update")
         new = engine.models()

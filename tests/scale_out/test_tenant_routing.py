@@ -16,7 +16,13 @@ import pytest
 from bench.local_workers import LocalWorker
 from gateway.workers.activity import read_activity
 from gateway.workers.remote_engine import RemoteEngine
-from tests.scale_out.test_workers import gateway_tenant_id, routed, within, worker_state
+from tests.scale_out.test_workers import (
+    gateway_ready,
+    gateway_tenant_id,
+    routed,
+    within,
+    worker_state,
+)
 from tests.support.gateway import METRICS_TOKEN, MODEL, SYSTEM_PROMPT, Gateway, openai_client
 
 # A tenant's own text after the public system prompt: globex's is long enough that its flood
@@ -133,7 +139,7 @@ def test_metrics_sum_the_workers_reports_and_name_tenants_only_to_the_scraper(
             assert sample(text, target) == state["describe"]["step_cost"]["target_ms"] / 1000
             p50 = f'prefixgate_worker_step_seconds_recent{{quantile="0.5",worker="{worker.url}"}}'
             assert (sample(text, p50) is not None) == bool(report.steps.recent)
-    ready: dict[str, Any] = httpx.get(f"{gateway.server.url}/readyz").json()["engine"]
+    ready = gateway_ready(gateway)["engine"]
     assert sorted(cost["target_ms"] for cost in ready["step_cost"]) == sorted(
         state["describe"]["step_cost"]["target_ms"] for state in states
     )

@@ -5,6 +5,7 @@ a worker that dies takes down nothing but its own streams."""
 from __future__ import annotations
 
 import signal
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,13 +18,32 @@ import httpx
 import openai
 import pytest
 
-from bench.local_workers import LocalWorker, worker_processes
+from bench.local_workers import (
+    SIGNING_KEY,
+    LocalWorker,
+    gateway_context,
+    make_certificates,
+    session_certificates,
+    worker_processes,
+)
 from bench.routing import Workloads, kv_cache_bytes, run_chats, run_gsp
+from engine.cache.scope import Segment, Tenant
+from engine.request import GenerationRequest
+from engine.sampling.sampler import SamplingParams
+from gateway.workers import wire
 from gateway.workers.remote_engine import RemoteEngine
+from gateway.workers.signing import SIGNATURE_HEADER, RequestSigner, generation_view
 from tenancy.tenants import TenantLimits
 from tests.support.admin import admin_client
 from tests.support.browser import ConsoleSession
-from tests.support.gateway import MODEL, SYSTEM_PROMPT, Gateway, openai_client, start_gateway
+from tests.support.gateway import (
+    METRICS_TOKEN,
+    MODEL,
+    SYSTEM_PROMPT,
+    Gateway,
+    openai_client,
+    start_gateway,
+)
 from tests.support.tcp_proxy import TcpProxy
 
 SECRET = "scale-out-test-worker-secret"
@@ -56,6 +76,7 @@ def routed(
             "worker_secret": SECRET,
             "worker_poll_s": 0.25,
             "worker_timeout_s": 2.0,
+            **session_certificates().gateway_settings(),
             **settings,
         }
         gateway = stack.enter_context(
@@ -211,7 +232,7 @@ def test_readyz_reports_the_engine_choices_the_workers_share(
     cluster: tuple[Gateway, list[LocalWorker]],
 ) -> None:
     gateway, workers = cluster
-    engine = httpx.get(f"{gateway.server.url}/readyz").json()["engine"]
+    engine = gateway_ready(gateway)["engine"]
     own = [worker_state(worker)["describe"] for worker in workers]
     for key in ("dtype", "kv_dtype", "logits_dtype", "attention_backend", "linear_kernel"):
         assert engine[key] == own[0][key] == own[1][key] is not None, key
@@ -219,8 +240,8 @@ def test_readyz_reports_the_engine_choices_the_workers_share(
 
 def worker_state(worker: LocalWorker) -> dict[str, Any]:
     """The worker's own account of itself (its state endpoint, with the secret)."""
-    answer = httpx.get(
-        f"{worker.url}/internal/v1/state", headers={"Authorization": f"Bearer {SECRET}"}
+    answer = worker.request(
+        "GET", "/internal/v1/state", headers={"Authorization": f"Bearer {SECRET}"}
     )
     assert answer.status_code == 200, answer.text
     state: dict[str, Any] = answer.json()
@@ -237,26 +258,30 @@ def test_the_worker_api_needs_the_secret_and_refuses_garbage(
     cluster: tuple[Gateway, list[LocalWorker]],
 ) -> None:
     _, workers = cluster
-    url = workers[0].url
-    assert httpx.get(f"{url}/healthz").status_code == 200
-    assert httpx.get(f"{url}/readyz").status_code == 200
+    worker = workers[0]
+    assert worker.request("GET", "/healthz").status_code == 200
+    assert worker.request("GET", "/readyz").status_code == 200
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": SECRET + "x"}):
-        answer = httpx.post(f"{url}/internal/v1/generate", json={}, headers=headers)
+        answer = worker.request("POST", "/internal/v1/generate", json={}, headers=headers)
         assert answer.status_code == 401, answer.text
-        assert httpx.get(f"{url}/internal/v1/state", headers=headers).status_code == 401
-        assert httpx.get(f"{url}/internal/v1/model", headers=headers).status_code == 401
+        assert worker.request("GET", "/internal/v1/state", headers=headers).status_code == 401
+        assert worker.request("GET", "/internal/v1/model", headers=headers).status_code == 401
     good = {"Authorization": f"Bearer {SECRET}"}
     # What a gateway fetches to serve the worker's model: its tokenizer and config, no weights.
-    model = httpx.get(f"{url}/internal/v1/model", headers=good).json()
+    model = worker.request("GET", "/internal/v1/model", headers=good).json()
     assert model["name"] == MODEL and len(model["fingerprint"]) == 64
     assert {"config.json", "tokenizer.json"} <= set(model["files"])
     assert not [name for name in model["files"] if name.endswith((".safetensors", ".bin"))]
     assert "im_start" in model["chat_template"]
-    for body in (b"not json", b"[1, 2]", b'{"prompt_token_ids": "x"}'):
-        answer = httpx.post(f"{url}/internal/v1/generate", content=body, headers=good)
+    for body in (b"not json", b"[1, 2]"):
+        answer = worker.request("POST", "/internal/v1/generate", content=body, headers=good)
         assert answer.status_code == 400, answer.text
         assert "error" in answer.json()
-    assert httpx.get(f"{url}/openapi.json").status_code == 404  # nothing advertised
+    # A JSON object with the right secret but no gateway's signature: refused before parsing.
+    unsigned = b'{"prompt_token_ids": "x"}'
+    answer = worker.request("POST", "/internal/v1/generate", content=unsigned, headers=good)
+    assert answer.status_code == 403, answer.text
+    assert worker.request("GET", "/openapi.json").status_code == 404  # nothing advertised
 
 
 def test_a_client_that_leaves_mid_stream_cancels_its_request_on_the_worker(
@@ -352,17 +377,19 @@ def test_a_killed_worker_leaves_the_gateway_serving_and_no_request_hangs(
                     outcomes.append((sent, time.monotonic(), outcome))
 
         with ThreadPoolExecutor(6) as pool:
-            for index in range(6):
-                pool.submit(keep_asking, index)
-            time.sleep(2)
-            killed_at = time.monotonic()
-            workers[0].kill()
-            within(5, lambda: gateway_workers_up(gateway) == 1)
-            noticed_at = time.monotonic()
-            metrics = httpx.get(f"{gateway.server.url}/metrics").text
-            assert f'prefixgate_worker_up{{worker="{workers[0].url}"}} 0.0' in metrics
-            time.sleep(3)
-            stop.set()
+            try:
+                for index in range(6):
+                    pool.submit(keep_asking, index)
+                time.sleep(2)
+                killed_at = time.monotonic()
+                workers[0].kill()
+                within(5, lambda: gateway_workers_up(gateway) == 1)
+                noticed_at = time.monotonic()
+                metrics = httpx.get(f"{gateway.server.url}/metrics").text
+                assert f'prefixgate_worker_up{{worker="{workers[0].url}"}} 0.0' in metrics
+                time.sleep(3)
+            finally:  # the askers stop whatever failed above, or the pool waits for ever
+                stop.set()
         assert all(answered - sent < 30 for sent, answered, _ in outcomes)  # none hung
         before = [o for sent, _, o in outcomes if sent < killed_at]
         after = [o for sent, _, o in outcomes if sent > noticed_at]
@@ -384,14 +411,15 @@ def test_a_worker_that_was_away_gets_the_purge_it_missed_before_it_serves_again(
         workers = stack.enter_context(
             worker_processes(2, tiny_chat_dir, SECRET, tmp_path, environment=environment)
         )
-        host, port = workers[1].url.removeprefix("http://").split(":")
+        host, port = workers[1].url.removeprefix("https://").split(":")
         link = TcpProxy(host, int(port)).start()  # the network between gateway and worker 1
         stack.callback(link.stop)
         gateway = stack.enter_context(
             start_gateway(
                 migrated_template, tiny_chat_dir, tmp_path, TENANTS,
-                workers=[workers[0].url, f"http://127.0.0.1:{link.port}"],
+                workers=[workers[0].url, f"https://127.0.0.1:{link.port}"],
                 worker_secret=SECRET, worker_poll_s=0.25, worker_timeout_s=2.0,
+                **session_certificates().gateway_settings(),
             )
         )  # fmt: skip
         # Private conversations of many users: by rendezvous hashing, some land on each worker.
@@ -449,14 +477,14 @@ def test_a_worker_that_hangs_is_dropped_and_a_drained_one_takes_no_new_requests(
             streaming = pool.submit(long_stream, client)
             within(10, lambda: any(worker_in_flight(w) for w in workers))
             busy = next(w for w in workers if worker_in_flight(w))
-            drained = httpx.post(
-                f"{busy.url}/internal/v1/drain", headers={"Authorization": f"Bearer {SECRET}"}
+            drained = busy.request(
+                "POST", "/internal/v1/drain", headers={"Authorization": f"Bearer {SECRET}"}
             )
             assert drained.status_code == 200
             within(5, lambda: gateway_workers_up(gateway) == 1)
             assert [ask(index) for index in range(4)] == ["ok"] * 4
             assert streaming.result(timeout=60) == "length"  # whole, not cut off
-        assert httpx.get(f"{busy.url}/readyz").status_code == 503
+        assert busy.request("GET", "/readyz").status_code == 503
 
 
 def long_stream(client: openai.OpenAI) -> str | None:
@@ -487,9 +515,20 @@ def cached_blocks(worker: LocalWorker, tenant_id: str) -> int:
     return 0 if owner is None else int(owner["cached_blocks"]) + int(owner["active_blocks"])
 
 
+def gateway_ready(gateway: Gateway) -> dict[str, Any]:
+    """The gateway's /readyz as the metrics scraper sees it (anyone else gets the status)."""
+    answer = httpx.get(
+        f"{gateway.server.url}/readyz",
+        headers={"Authorization": f"Bearer {METRICS_TOKEN}"},
+        timeout=10,
+    )
+    ready: dict[str, Any] = answer.json()
+    assert "engine" in ready, ready  # the token was taken: the details are there
+    return ready
+
+
 def gateway_workers_up(gateway: Gateway) -> int:
-    ready = httpx.get(f"{gateway.server.url}/readyz").json()
-    return int(ready["engine"]["workers_up"])
+    return int(gateway_ready(gateway)["engine"]["workers_up"])
 
 
 def within(seconds: float, check: Callable[[], bool]) -> None:
@@ -497,3 +536,98 @@ def within(seconds: float, check: Callable[[], bool]) -> None:
     while not check():
         assert time.monotonic() < deadline, "not within the time allowed"
         time.sleep(0.05)
+
+
+def signed_generation(
+    fingerprint: str, tenant_id: str, token_ids: list[int]
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """A generation of `tenant_id`'s private scope, signed as a gateway signs it."""
+    request = GenerationRequest(
+        request_id=f"probe-{len(token_ids)}-{token_ids[-1]}",
+        tenant_id=tenant_id,
+        prompt_token_ids=token_ids,
+        sampling=SamplingParams(max_tokens=1),
+        segments=[Segment(0, len(token_ids), Tenant(tenant_id))],
+        tail_scope=Tenant(tenant_id),
+    )
+    body = wire.request_json(request)
+    signature = RequestSigner(SIGNING_KEY).sign(generation_view(body, fingerprint))
+    return body, {"Authorization": f"Bearer {SECRET}", SIGNATURE_HEADER: signature}
+
+
+def generate_status(worker: LocalWorker, body: dict[str, Any], headers: dict[str, str]) -> int:
+    answer = worker.request("POST", "/internal/v1/generate", json=body, headers=headers)
+    return answer.status_code
+
+
+def test_the_secret_alone_cannot_ask_for_a_tenants_cache(
+    cluster: tuple[Gateway, list[LocalWorker]],
+) -> None:
+    """The membership oracle a stolen secret gave: the right secret (and a gateway's
+    certificate) with a forged, missing, or copied signature is refused before the engine."""
+    _, workers = cluster
+    worker = workers[0]
+    fingerprint = worker_state(worker)["fingerprint"]
+    prompt = list(range(300, 300 + 96))
+    body, headers = signed_generation(fingerprint, "victim", prompt)
+    assert generate_status(worker, body, headers) == 200  # a gateway's own request
+    seen = prompt_tokens_counted(worker)
+    guess = [*prompt[:-1], prompt[-1] + 1]  # a one-word change, the signature copied
+    attempts = [
+        ({**body, "prompt_token_ids": guess}, headers),
+        (body, {"Authorization": headers["Authorization"]}),  # no signature
+        (body, {**headers, SIGNATURE_HEADER: "0" * 64}),  # a forged one
+        ({**body, "tenant_id": "attacker"}, headers),  # another tenant's budget
+        ({**body, "tail_scope": {"kind": "tenant", "tenant_id": "other"}}, headers),
+    ]
+    for attempt, attempt_headers in attempts:
+        assert generate_status(worker, attempt, attempt_headers) == 403
+    # Signed for this model only: the same request signed for other weights is refused too.
+    _, other_model = signed_generation("0" * 64, "victim", prompt)
+    assert generate_status(worker, body, other_model) == 403
+    assert prompt_tokens_counted(worker) == seen  # none of them reached the engine
+    # Admin actions that take a tenant are signed as well.
+    purge = {"tenant_id": "victim"}
+    secret_only = {"Authorization": f"Bearer {SECRET}"}
+    refused = worker.request("POST", "/internal/v1/purge", json=purge, headers=secret_only)
+    assert refused.status_code == 403
+    signed = worker.request("POST", "/internal/v1/purge", json=purge, signed=(SECRET, "purge"))
+    assert signed.status_code == 200, signed.text
+
+
+def prompt_tokens_counted(worker: LocalWorker) -> int:
+    owners = worker_state(worker)["stats"]["owners"]
+    return sum(int(owner["counters"]["prompt_tokens"]) for owner in owners.values())
+
+
+def test_only_clients_with_a_certificate_the_ca_signed_reach_a_worker(
+    cluster: tuple[Gateway, list[LocalWorker]], tmp_path: Path
+) -> None:
+    _, workers = cluster
+    worker = workers[0]
+    ours = session_certificates()
+    stranger = make_certificates(tmp_path / "other-ca")  # a CA the workers never heard of
+    secret = {"Authorization": f"Bearer {SECRET}"}
+    # No client certificate: the handshake fails, whatever the secret.
+    anonymous = ssl.create_default_context(cafile=ours.ca)
+    anonymous.check_hostname = False
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{worker.url}/internal/v1/state", headers=secret, verify=anonymous)
+    # A client certificate another CA signed.
+    foreign = gateway_context(stranger)
+    foreign.load_verify_locations(cafile=ours.ca)  # it trusts the worker; the worker not it
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{worker.url}/internal/v1/state", headers=secret, verify=foreign)
+    # A worker's own certificate is a server's only: it cannot call another worker.
+    as_worker = ssl.create_default_context(cafile=ours.ca)
+    as_worker.check_hostname = False
+    as_worker.load_cert_chain(ours.directory / "worker.pem", ours.directory / "worker.key")
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{worker.url}/internal/v1/state", headers=secret, verify=as_worker)
+    # And a gateway accepts only workers of its own CA.
+    with pytest.raises(httpx.HTTPError):
+        worker.request("GET", "/internal/v1/state", certificates=stranger, headers=secret)
+    # Plain HTTP gets no answer from a TLS worker.
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(worker.url.replace("https://", "http://") + "/healthz", timeout=5)
+    assert worker.request("GET", "/internal/v1/state", headers=secret).status_code == 200

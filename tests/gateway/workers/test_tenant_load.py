@@ -15,6 +15,7 @@ from engine.request import GenerationRequest
 from gateway.workers import routing
 from gateway.workers.activity import RECENT_STEPS, Activity, quantiles, read_activity, total_service
 from gateway.workers.dispatch import Dispatcher
+from gateway.workers.link import WorkerLink
 from gateway.workers.membership import WorkerSet
 from gateway.workers.routing import RoutingConfig
 from gateway.workers.worker import Worker
@@ -48,7 +49,8 @@ def worker(url: str, holds: tuple[GenerationRequest, ...] = ()) -> Worker:
 
 @pytest.fixture
 def workers() -> Iterator[WorkerSet]:
-    known = WorkerSet([], "secret", poll_s=1.0, timeout_s=1.0, load_models=False)
+    link = WorkerLink.create("worker-secret", "s" * 32, tls=None)  # never dials a worker
+    known = WorkerSet([], link, poll_s=1.0, timeout_s=1.0, load_models=False)
     yield known
     known.stop()
 
