@@ -91,7 +91,8 @@ class EngineCore:
         self._requests: dict[str, Sequence] = {}
         # Tenants deleted (`_end_tenant`): a request of theirs that reaches the engine thread
         # later (it passed the gateway's key check before the deletion) is refused, never
-        # served, so nothing of a deleted tenant is cached again. Kept across restarts.
+        # served, so nothing of a deleted tenant is cached again. Kept across restarts, and
+        # never emptied: a tenant's id (a UUID) is never given to another tenant.
         self._deleted_tenants: set[str] = set()
         self._cache_stats = snapshot(self.cache)
         # The prefix cache's keys for `cached_keys`, copied at a step's end when asked for.

@@ -57,6 +57,7 @@ from gateway.workers.key_log import KeyLog
 from gateway.workers.link import SIGNING_KEY_MISSING
 from gateway.workers.signing import (
     SIGNATURE_HEADER,
+    Refusal,
     RequestSigner,
     action_view,
     generation_view,
@@ -77,6 +78,14 @@ _STATUS: dict[type[errors.EngineError], int] = {
     errors.RequestFailed: 500,
     # Not 403: a worker's 403 tells a gateway that it refused the gateway's signature.
     errors.TenantDeleted: 410,
+}
+
+
+_SIGNATURE_REFUSALS: dict[Refusal, str] = {
+    "missing": "the request carries no gateway signature",
+    "mismatch": "the request's signature does not match what it asks for",
+    "stale": "the request's signature is too old or from the future (check both clocks)",
+    "replayed": "the request's signature was used before",
 }
 
 
@@ -137,8 +146,9 @@ def create_worker_app(
         return state
 
     def check_signature(request: Request, view: dict[str, Any]) -> None:
-        if not signer.verify(view, request.headers.get(SIGNATURE_HEADER)):
-            raise _Refused(403, "the request's signature does not match what it asks for")
+        refusal = signer.verify(view, request.headers.get(SIGNATURE_HEADER))
+        if refusal is not None:
+            raise _Refused(403, _SIGNATURE_REFUSALS[refusal])
 
     async def signed_body(request: Request, action: str) -> dict[str, Any]:
         """An admin action's body, once its signature matched."""

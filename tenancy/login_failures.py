@@ -22,6 +22,7 @@ import hmac
 import unicodedata
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -64,10 +65,20 @@ def pair_key(secret: str, username: str, source: str | None) -> str:
 def wait_before_attempt(
     session: Session, pair: str, delays: LoginDelays, now: datetime | None = None
 ) -> timedelta | None:
-    """How long this pair must still wait before its next attempt; None if it may try now."""
+    """How long this pair must still wait before its next attempt; None if it may try now.
+
+    The pair's row is locked until the transaction ends (made, with no failures, if it has
+    none): a second attempt of the same pair, on any gateway, waits until this one has been
+    counted, so guesses sent at once cannot all pass the same wait.
+    """
     now = now or utcnow()
-    row = session.get(AdminLoginFailure, pair)
-    if row is None or row.last_failed_at < now - FORGET_AFTER:
+    session.execute(
+        _dialect_insert(session)(AdminLoginFailure)
+        .values(pair=pair, failures=0, last_failed_at=now)
+        .on_conflict_do_nothing(index_elements=[AdminLoginFailure.pair])
+    )
+    row = session.get(AdminLoginFailure, pair, with_for_update=True, populate_existing=True)
+    if row is None or row.failures == 0 or row.last_failed_at < now - FORGET_AFTER:
         return None
     allowed_at = row.last_failed_at + delays.after(row.failures)
     return allowed_at - now if allowed_at > now else None
@@ -78,15 +89,20 @@ def record_failure(session: Session, pair: str, now: datetime | None = None) -> 
     and forget stale pairs; returns the pair's failures now."""
     now = now or utcnow()
     _forget_stale(session, now)  # so a pair forgotten by age starts again from one
-    dialect = session.get_bind().dialect.name
-    insert = postgresql.insert if dialect == "postgresql" else sqlite.insert
-    statement = insert(AdminLoginFailure).values(pair=pair, failures=1, last_failed_at=now)
+    statement = _dialect_insert(session)(AdminLoginFailure).values(
+        pair=pair, failures=1, last_failed_at=now
+    )
     counted = statement.on_conflict_do_update(
         index_elements=[AdminLoginFailure.pair],
         set_={"failures": AdminLoginFailure.failures + 1, "last_failed_at": now},
     ).returning(AdminLoginFailure.failures)
     failures: int = session.execute(counted).scalar_one()
     return failures
+
+
+def _dialect_insert(session: Session) -> Any:
+    """The database's INSERT with ON CONFLICT (PostgreSQL's or SQLite's)."""
+    return postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
 
 
 def clear(session: Session, pair: str) -> None:

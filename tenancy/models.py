@@ -184,7 +184,8 @@ class AdminLoginFailure(Base):
     (tenancy/login_failures.py); keyed by a digest, so it holds neither names nor addresses."""
 
     __tablename__ = "admin_login_failures"
-    __table_args__ = (CheckConstraint("failures > 0", name="failures_positive"),)
+    # 0: a pair being checked now, its row locked (tenancy/login_failures.py).
+    __table_args__ = (CheckConstraint("failures >= 0", name="failures_not_negative"),)
 
     pair: Mapped[str] = mapped_column(String(64), primary_key=True)
     failures: Mapped[int] = mapped_column(Integer)

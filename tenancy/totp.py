@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import enum
 import hmac
+import logging
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -29,6 +30,8 @@ from sqlalchemy.orm import Session
 
 from tenancy.errors import Conflict, InvalidInput
 from tenancy.models import Admin, utcnow
+
+logger = logging.getLogger(__name__)
 
 ISSUER = "PrefixGate"
 STEP_S = 30
@@ -102,7 +105,18 @@ def accept_code(
     is then marked used, for every gateway at once); else why it is refused."""
     if admin.totp_secret is None:
         return CodeRefused.WRONG
-    step = matching_step(cipher.decrypt(admin.totp_secret), code, now)
+    try:
+        secret = cipher.decrypt(admin.totp_secret)
+    except UnreadableSecret:  # kept under another key-hashing secret: no code can match
+        logger.error(
+            "operator %s: its TOTP secret does not decrypt under this deployment's key-hashing "
+            "secret; run `prefixgate admins reset-totp %s` and enrol again",
+            admin.username,
+            admin.username,
+        )
+        check_without_secret(code)
+        return CodeRefused.WRONG
+    step = matching_step(secret, code, now)
     if step is None:
         return CodeRefused.WRONG
     # Only a step later than the last accepted one: two logins with one code, even at the

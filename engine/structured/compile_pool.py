@@ -137,6 +137,8 @@ class _CompileProcess:
             if stopped:
                 raise EngineOverloaded("the grammar compiler was stopped; retry") from None
             raise CompileFailed("memory") from None
+        if answer[:1] == compile_worker.OUT_OF_MEMORY:
+            self.reap()  # it ends itself after a failed allocation: the next job starts anew
         return _result(answer)
 
     def _start(self, tokenizer_info: str, limits: CompileLimits) -> _Started:

@@ -48,15 +48,21 @@ def serve(connection: Connection, tokenizer_info: str, memory_mb: int, timeout_s
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the parent
     info = xgr.TokenizerInfo.deserialize_json(tokenizer_info)
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    # Limits count from the size at READY, not from the size now: memory an allocator kept
+    # after a costly compile does not raise the next one's ceiling.
+    limits = _limited(_address_space(), memory_mb, timeout_s)
     connection.send_bytes(READY)
     while True:
         try:
             job: Job = connection.recv()
         except EOFError:
             return
-        with _limited(memory_mb, timeout_s):
+        with limits:
             answer = _compile(compiler, job)
         connection.send_bytes(answer)
+        if answer[:1] == OUT_OF_MEMORY:
+            return  # xgrammar's state after a failed allocation is unknown: the next job
+            # starts a fresh process
 
 
 def _compile(compiler: xgr.GrammarCompiler, job: Job) -> bytes:
@@ -97,16 +103,17 @@ def _failure(tag: bytes, error: BaseException) -> bytes:
 
 
 class _limited:
-    """Within: the address space may grow by `memory_mb`, CPU time by `timeout_s` (+ margin)."""
+    """Within: the address space at most `memory_mb` above `baseline` (bytes), CPU time
+    `timeout_s` (+ margin) more than used so far."""
 
-    def __init__(self, memory_mb: int, timeout_s: float) -> None:
-        self._memory = memory_mb * 2**20
+    def __init__(self, baseline: int, memory_mb: int, timeout_s: float) -> None:
+        self._ceiling = baseline + memory_mb * 2**20
         self._cpu_s = math.ceil(timeout_s) + _CPU_MARGIN_S
 
     def __enter__(self) -> None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         used_s = math.ceil(usage.ru_utime + usage.ru_stime)
-        _lower(resource.RLIMIT_AS, _address_space() + self._memory)
+        _lower(resource.RLIMIT_AS, self._ceiling)
         _lower(resource.RLIMIT_CPU, used_s + self._cpu_s)
 
     def __exit__(self, *exception: object) -> None:

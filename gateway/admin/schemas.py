@@ -82,6 +82,9 @@ class LoginBody(Body):
 
 
 class TotpConfirm(Body):
+    password: Annotated[str, StringConstraints(min_length=1, max_length=1024)] = Field(
+        description="The account's password: a session alone cannot add a second factor"
+    )
     code: TotpCode = Field(description="The code the authenticator app shows now")
 
 

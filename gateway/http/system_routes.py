@@ -7,7 +7,8 @@ caller with `Authorization: Bearer <metrics_token>`, the token that also unlocks
 per-tenant series. With no metrics token configured nobody sees the details. A wrong token
 gets /readyz's short answer, never a 401: a readiness probe must not fail for a header it
 carries by accident (an API key in a client's default headers, say); on /metrics it is a 401,
-so a misconfigured scraper learns it at once.
+so a misconfigured scraper learns it at once. Two Authorization headers are a 400 everywhere,
+here too: no route picks one of them.
 """
 
 from __future__ import annotations

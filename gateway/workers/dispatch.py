@@ -222,8 +222,8 @@ class Dispatcher:
         if status == 401:
             self.workers.mark_down(worker, "it refused the worker secret")
             return _TryElsewhere()
-        if status == 403:  # another signing key there: a misconfigured worker, not the request
-            self.workers.mark_down(worker, "it refused this gateway's request signature")
+        if status == 403:  # another signing key or a clock off there: the worker, not the request
+            self.workers.mark_down(worker, f"it refused this gateway's request signature: {error}")
             return _TryElsewhere()
         return error
 

@@ -34,7 +34,9 @@ def upgrade() -> None:
         sa.Column("pair", sa.String(length=64), nullable=False),
         sa.Column("failures", sa.Integer(), nullable=False),
         sa.Column("last_failed_at", sa.DateTime(timezone=True), nullable=False),
-        sa.CheckConstraint("failures > 0", name=op.f("ck_admin_login_failures_failures_positive")),
+        sa.CheckConstraint(
+            "failures >= 0", name=op.f("ck_admin_login_failures_failures_not_negative")
+        ),
         sa.PrimaryKeyConstraint("pair", name=op.f("pk_admin_login_failures")),
     )
     op.create_index(

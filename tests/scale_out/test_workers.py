@@ -564,7 +564,8 @@ def test_the_secret_alone_cannot_ask_for_a_tenants_cache(
     cluster: tuple[Gateway, list[LocalWorker]],
 ) -> None:
     """The membership oracle a stolen secret gave: the right secret (and a gateway's
-    certificate) with a forged, missing, or copied signature is refused before the engine."""
+    certificate) with a forged, missing, copied or replayed signature is refused before the
+    engine."""
     _, workers = cluster
     worker = workers[0]
     fingerprint = worker_state(worker)["fingerprint"]
@@ -579,6 +580,8 @@ def test_the_secret_alone_cannot_ask_for_a_tenants_cache(
         (body, {**headers, SIGNATURE_HEADER: "0" * 64}),  # a forged one
         ({**body, "tenant_id": "attacker"}, headers),  # another tenant's budget
         ({**body, "tail_scope": {"kind": "tenant", "tenant_id": "other"}}, headers),
+        ({**body, "sampling": {**body["sampling"], "max_tokens": 512}}, headers),  # reshaped
+        (body, headers),  # the gateway's own request, replayed
     ]
     for attempt, attempt_headers in attempts:
         assert generate_status(worker, attempt, attempt_headers) == 403

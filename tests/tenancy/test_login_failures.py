@@ -5,6 +5,7 @@ pair, unknown names count exactly like known ones, and stale or surplus pairs ar
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
@@ -103,3 +104,28 @@ def test_failures_sent_at_the_same_moment_each_count(store: Any) -> None:
     with ThreadPoolExecutor(6) as pool:
         counts = sorted(pool.map(fail, range(6)))
     assert counts == [1, 2, 3, 4, 5, 6]
+
+
+def test_attempts_of_one_pair_sent_at_once_are_counted_one_after_another(store: Any) -> None:
+    """Guesses sent together cannot all pass the same wait: the second attempt of a pair
+    waits until the first one's failure is counted, then sees the wait it earned."""
+    delays = LoginDelays(free_failures=1, max_delay=timedelta(seconds=60))
+    pair = pair_key(SECRET, "ops", "198.51.100.10")
+    first_in = threading.Event()
+
+    def first() -> None:
+        with store.transaction() as session:
+            assert login_failures.wait_before_attempt(session, pair, delays) is None
+            first_in.set()
+            time.sleep(0.5)  # its password check, while the second attempt arrives
+            login_failures.record_failure(session, pair)
+
+    def second() -> timedelta | None:
+        assert first_in.wait(10)
+        with store.transaction() as session:
+            return login_failures.wait_before_attempt(session, pair, delays)
+
+    with ThreadPoolExecutor(2) as pool:
+        checked, waited = pool.submit(first), pool.submit(second)
+        checked.result()
+        assert waited.result() is not None

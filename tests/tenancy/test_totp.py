@@ -115,3 +115,12 @@ def test_removing_the_second_factor_lets_the_password_alone_in_again(store: Any)
         assert totp.remove(session, admins.find_admin(session, "ops")) is False
         assert session.get(Admin, admins.find_admin(session, "ops").id).totp_last_step is None
     assert _login(store, None) is None
+
+
+def test_a_secret_kept_under_another_deployment_key_refuses_codes_and_says_how_to_fix(
+    store: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = _enrolled(store)
+    restored = SecondFactorRules(TotpCipher.from_secret("another deployment"))
+    assert _login(store, pyotp.TOTP(secret).now(), restored) is LoginRefused.WRONG_CODE
+    assert "prefixgate admins reset-totp ops" in caplog.text

@@ -59,7 +59,7 @@ def begin_totp_enrolment(caller: AdminDep, state: StateDep) -> TotpEnrolmentOut:
     return second_factor.begin_enrolment(state, caller)
 
 
-@router.post("/me/totp/confirm", status_code=204)
+@router.post("/me/totp/confirm", status_code=204, responses=_PASSWORD_CHECKED)
 def confirm_totp_enrolment(
     body: Annotated[TotpConfirm, Body()], caller: AdminDep, state: StateDep
 ) -> None:

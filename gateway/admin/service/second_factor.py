@@ -2,9 +2,10 @@
 
 Only the operator itself enrols (with its session; an API key has no operator account):
 beginning hands out a new secret once (an otpauth:// URI and the base32 text), which becomes
-the account's second factor when a code from the app confirms it. Removing it takes the
-password *and* a current code, checked under the login rules (per (name, source) waits,
-audited): a session left open is not enough to strip the second factor. The host CLI resets a
+the account's second factor when the password and a code from the app confirm it. Removing it
+takes the password *and* a current code. Both check the password under the login rules (per
+(name, source) waits, audited): a session left open is not enough to add a second factor (and
+lock the owner out with someone else's phone) or to strip one. The host CLI resets a
 lost one (`prefixgate admins reset-totp NAME`). Every change is audited; no secret or code is
 ever in an audit event.
 """
@@ -40,16 +41,27 @@ def begin_enrolment(state: GatewayState, caller: AdminCaller) -> TotpEnrolmentOu
 
 
 def confirm_enrolment(state: GatewayState, caller: AdminCaller, body: TotpConfirm) -> None:
-    """Make the pending secret the account's second factor, if the code matches it."""
+    """Make the pending secret the account's second factor, given the account's password and
+    a code that matches the secret."""
     operator_id = _own_account(caller)
     cipher = state.second_factor_rules.cipher
+    action = Action("operator.totp_enable", "operator", str(operator_id))
+
+    def check(session: Session) -> bool:
+        return admins.password_matches(admins.get_admin(session, operator_id), body.password)
+
+    try:
+        right = guarded_check(state, caller.actor_id, caller.source_ip, check, lambda ok: not ok)
+    except CheckRefused as refused:
+        refuse(state, caller, action, refused.error)
+    if not right:
+        refuse(state, caller, action, APIError.invalid("the password is wrong", "password"))
 
     def change(session: Session) -> Changed[None]:
         admin = admins.get_admin(session, operator_id)
         totp.confirm_enrolment(session, admin, body.code, cipher)
         return Changed(None, None, {"second_factor": False}, {"second_factor": True})
 
-    action = Action("operator.totp_enable", "operator", str(operator_id))
     apply_change(state, caller, action, change)
 
 

@@ -217,9 +217,16 @@ def test_a_second_factor_is_enrolled_with_a_code_and_each_code_works_once(
         assert begun.status_code == 200, begun.text
         secret = begun.json()["secret"]
         assert begun.json()["otpauth_uri"].startswith("otpauth://totp/PrefixGate:")
-        assert own.post("/operators/me/totp/confirm", json={"code": "000000"}).status_code == 400
         earlier = pyotp.TOTP(secret).at(time.time() - 30)  # leaves the current code unused
-        confirmed = own.post("/operators/me/totp/confirm", json={"code": earlier})
+        wrong_code = {"password": PASSWORD, "code": "000000" if earlier != "000000" else "1"}
+        assert own.post("/operators/me/totp/confirm", json=wrong_code).status_code == 400
+        # A session alone cannot add a second factor: the password must come with the code.
+        stolen = own.post("/operators/me/totp/confirm", json={"password": "no", "code": earlier})
+        assert (stolen.status_code, stolen.json()["error"]["param"]) == (400, "password")
+        assert own.post("/operators/me/totp/confirm", json={"code": earlier}).status_code == 400
+        confirmed = own.post(
+            "/operators/me/totp/confirm", json={"password": PASSWORD, "code": earlier}
+        )
         assert confirmed.status_code == 204, confirmed.text
     listed = next(row for row in root.get("/operators").json() if row["id"] == operator["id"])
     assert listed["second_factor"] is True
@@ -247,7 +254,8 @@ def test_removing_a_second_factor_needs_the_password_and_a_code(
     with admin_client(gateway, _token(gateway, name, PASSWORD)) as own:
         secret = own.post("/operators/me/totp").json()["secret"]
         earlier = pyotp.TOTP(secret).at(time.time() - 30)
-        assert own.post("/operators/me/totp/confirm", json={"code": earlier}).status_code == 204
+        confirm = {"password": PASSWORD, "code": earlier}
+        assert own.post("/operators/me/totp/confirm", json=confirm).status_code == 204
         code = pyotp.TOTP(secret).now()
         refused = own.post(
             "/operators/me/totp/disable", json={"password": "wrong one!", "code": code}
