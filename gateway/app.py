@@ -27,6 +27,7 @@ from gateway.http.openapi import install_openapi
 from gateway.limits.limiter import Limiter
 from gateway.limits.redis_store import RedisLimits
 from gateway.limits.store import LimitStoreDown
+from gateway.limits.tenant_turns import TenantTurns
 from gateway.observability.metrics import GatewayMetrics
 from gateway.observability.tracing import make_tracer_provider
 from gateway.openai import routes as completions
@@ -188,6 +189,7 @@ def build_state(
         tracer_provider=make_tracer_provider(settings.otlp_endpoint),
         audit=AuditQueue(store.audit, settings.audit_checkpoint_interval_s),
         prepare_slots=asyncio.Semaphore(settings.prepare_concurrency),
+        compile_turns=TenantTurns(),
         admin_tokens=AdminTokens(
             secret=settings.secret("jwt_secret"),
             issuer=settings.admin_token_issuer,

@@ -13,6 +13,7 @@ from gateway.auth.admin_tokens import AdminTokens
 from gateway.auth.key_auth import KeyAuthenticator
 from gateway.auth.login_throttle import LoginThrottle, SlidingWindow
 from gateway.limits.limiter import Limiter
+from gateway.limits.tenant_turns import TenantTurns
 from gateway.observability.metrics import GatewayMetrics
 from gateway.runtime.audit_queue import AuditQueue
 from gateway.runtime.peers import Peers
@@ -44,6 +45,7 @@ class GatewayState:
     tracer_provider: TracerProvider
     audit: AuditQueue
     prepare_slots: asyncio.Semaphore  # requests being templated and tokenized at once
+    compile_turns: TenantTurns  # grammars compiling, one per tenant at a time
     admin_tokens: AdminTokens
     login_throttle: LoginThrottle
     admin_changes: SlidingWindow  # changes per admin caller each minute

@@ -71,14 +71,16 @@ def wait_before_attempt(
     none): a second attempt of the same pair, on any gateway, waits until this one has been
     counted, so guesses sent at once cannot all pass the same wait.
     """
-    now = now or utcnow()
     session.execute(
         _dialect_insert(session)(AdminLoginFailure)
-        .values(pair=pair, failures=0, last_failed_at=now)
+        .values(pair=pair, failures=0, last_failed_at=now or utcnow())
         .on_conflict_do_nothing(index_elements=[AdminLoginFailure.pair])
     )
     row = session.get(AdminLoginFailure, pair, with_for_update=True, populate_existing=True)
-    if row is None or row.failures == 0 or row.last_failed_at < now - FORGET_AFTER:
+    now = now or utcnow()  # after the lock: a failure counted while this waited is earlier
+    if row is None or row.last_failed_at < now - FORGET_AFTER:
+        return None
+    if delays.after(row.failures) == timedelta(0):  # still within the free failures
         return None
     allowed_at = row.last_failed_at + delays.after(row.failures)
     return allowed_at - now if allowed_at > now else None

@@ -87,6 +87,9 @@ class Prepared:
     echo: str | None = None
     # Whether the output is read for tool calls (a chat request that gave the model tools).
     tool_calls: bool = False
+    # The response format or tool-call grammar `request` still needs, compiled by
+    # `with_grammar` once the request has left the shared preparation slots.
+    grammar_wanted: ResponseFormat | str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -216,13 +219,10 @@ def _prepare(
             spans,
         )
     request_id = f"{'chatcmpl' if context.endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    grammar, forced = None, _forced_format(body)
-    if forced is not None:
-        if body.stop is not None:  # a stop string would cut the output where it cannot parse
-            message = "stop cannot be combined with a response_format or a forced tool_choice"
-            raise APIError.invalid(message, "stop")
-        with state.tracer.start_as_current_span("grammar"):
-            grammar = _compile_grammar(model, forced)
+    forced = _forced_format(body)
+    if forced is not None and body.stop is not None:  # it would cut where the output can't parse
+        message = "stop cannot be combined with a response_format or a forced tool_choice"
+        raise APIError.invalid(message, "stop")
     request = GenerationRequest(
         request_id=request_id,
         tenant_id=caller.tenant_id,
@@ -232,7 +232,6 @@ def _prepare(
         tail_scope=plan.tail_scope,
         budget=TenantBudget(tenant.cache_quota_blocks, tenant.cache_reservation_blocks),
         weight=tenant.scheduling_weight,
-        grammar=grammar,
         n=n,
         prompt_logprobs=_prompt_logprobs(body, prompt_tokens),
     )
@@ -241,7 +240,20 @@ def _prepare(
     settlement.details.update(
         user_hash=user_hash(state, caller.tenant_id, user), **scope_summary(plan)
     )
-    return Prepared(context, model, request, plan, body.stream, body.include_usage)
+    return Prepared(
+        context, model, request, plan, body.stream, body.include_usage, grammar_wanted=forced
+    )
+
+
+def with_grammar(state: GatewayState, prepared: Prepared) -> Prepared:
+    """`prepared` with the grammar it wants compiled (on this thread, never the engine's, and
+    outside the shared preparation slots: see gateway/limits/tenant_turns.py)."""
+    if prepared.grammar_wanted is None:
+        return prepared
+    with state.tracer.start_as_current_span("grammar"):
+        grammar = _compile_grammar(prepared.model, prepared.grammar_wanted)
+    request = replace(prepared.request, grammar=grammar)
+    return replace(prepared, request=request, grammar_wanted=None)
 
 
 def _sampling(

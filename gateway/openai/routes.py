@@ -27,7 +27,13 @@ from gateway.errors import APIError, validation_to_api_error
 from gateway.http.deps import SettlementDep, StateDep, UserHeaderDep
 from gateway.http.openapi import INFERENCE_RESPONSES, json_body
 from gateway.http.settlement import Settlement
-from gateway.openai.preparation import Prepared, RequestContext, prepare_chat, prepare_completion
+from gateway.openai.preparation import (
+    Prepared,
+    RequestContext,
+    prepare_chat,
+    prepare_completion,
+    with_grammar,
+)
 from gateway.openai.schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from gateway.openai.serving import respond
 from gateway.state import GatewayState
@@ -91,6 +97,9 @@ async def _serve(
         # requests queued here (the gate took the slot before the body was read).
         async with state.prepare_slots:
             prepared = await run_in_threadpool(parse_and_prepare, context)
+        if prepared.grammar_wanted is not None:  # a costly schema holds its own tenant's turn
+            async with state.compile_turns.turn(context.caller.tenant_id):
+                prepared = await run_in_threadpool(with_grammar, state, prepared)
         span.set_attribute("prefixgate.prompt_tokens", len(prepared.request.prompt_token_ids))
         span.set_attribute("prefixgate.public_tokens", prepared.plan.public_tokens)
         return await respond(state, prepared, request)

@@ -129,3 +129,22 @@ def test_attempts_of_one_pair_sent_at_once_are_counted_one_after_another(store: 
         checked, waited = pool.submit(first), pool.submit(second)
         checked.result()
         assert waited.result() is not None
+
+
+def test_attempts_sent_at_once_within_the_free_failures_all_go_through(store: Any) -> None:
+    """Checked one after another, each still within the free failures: none is told to wait
+    (a failure counted while one waited for the lock is not in its future)."""
+    pair = pair_key(SECRET, "ops", "198.51.100.11")
+    barrier = threading.Barrier(DELAYS.free_failures)
+
+    def attempt(_: int) -> timedelta | None:
+        barrier.wait()
+        with store.transaction() as session:
+            wait = login_failures.wait_before_attempt(session, pair, DELAYS)
+            time.sleep(0.05)  # its password check
+            login_failures.record_failure(session, pair)
+            return wait
+
+    with ThreadPoolExecutor(DELAYS.free_failures) as pool:
+        waits = list(pool.map(attempt, range(DELAYS.free_failures)))
+    assert waits == [None] * DELAYS.free_failures
