@@ -219,7 +219,7 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     )
     page.wait_for_function(
         "before => Number(document.querySelector('#usage-chart polyline.series-cached')"
-        ".getAttribute('data-points')) > before",
+        "?.getAttribute('data-points')) > before",
         arg=points_before,
         timeout=LIVE_TIMEOUT_MS,
     )
@@ -250,9 +250,11 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     # The quota's drop is a step (level, then straight down), and the axis now fits the
     # window's cached blocks, which were more than the new quota.
     quota_line = page.locator("#usage-chart polyline.series-quota")
+    # The live feed redraws the chart: between two draws the line may not be there yet.
     page.wait_for_function(
-        "() => { const p = document.querySelector('#usage-chart polyline.series-quota')"
-        ".getAttribute('points').split(' ').map(xy => xy.split(',').map(Number));"
+        "() => { const line = document.querySelector('#usage-chart polyline.series-quota');"
+        " if (!line) return false;"
+        " const p = line.getAttribute('points').split(' ').map(xy => xy.split(',').map(Number));"
         " return p.some((xy, i) => i > 0 && xy[0] === p[i - 1][0] && xy[1] > p[i - 1][1]); }",
         timeout=LIVE_TIMEOUT_MS,
     )
