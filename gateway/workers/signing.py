@@ -3,9 +3,9 @@
 The worker secret says "a gateway sent this"; it does not say *which cache* the request may
 read. A holder of the secret alone could otherwise send any tenant's scope with a guessed
 prompt and read the answer's cached tokens (a membership oracle for private prompts). So every
-POST to a worker carries `X-PrefixGate-Signature: t=<unix time>;s=<hex>`: an HMAC-SHA256 under
-the gateways' signing key (`worker_signing_key`) over the time it was signed and a canonical
-encoding of what the worker will act on:
+POST to a worker carries `X-PrefixGate-Signature: t=<unix time>;n=<nonce>;s=<hex>`: an
+HMAC-SHA256 under the gateways' signing key (`worker_signing_key`) over the time it was signed,
+a random nonce and a canonical encoding of what the worker will act on:
 
 - a generation: the model's fingerprint (the worker checks against its own) and a SHA-256 of
   the whole request as it travels (tenant, segments and their scopes, tail scope, budget,
@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +40,7 @@ SIGNATURE_HEADER = "X-PrefixGate-Signature"
 _DOMAIN = b"prefixgate-worker-request-v2\x00"  # never the same bytes as any other use of a key
 
 MAX_AGE_S = 60  # how far a signature's time may be from the worker's clock
+NONCE_BYTES = 16
 
 Json = dict[str, Any]
 Refusal = Literal["missing", "mismatch", "stale", "replayed"]
@@ -79,7 +81,10 @@ class RequestSigner:
     def sign(self, view: Json, now: float | None = None) -> str:
         """The signature header's value for `view`, signed at `now` (default: the clock)."""
         issued = int(time.time() if now is None else now)
-        return f"t={issued};s={self._mac(view, issued)}"
+        # A fresh nonce: two gateways sending the same action in the same second (a worker's
+        # catch-up) make two signatures, neither a replay of the other.
+        nonce = secrets.token_hex(NONCE_BYTES)
+        return f"t={issued};n={nonce};s={self._mac(view, issued, nonce)}"
 
     def verify(self, view: Json, header: str | None, now: float | None = None) -> Refusal | None:
         """None if `header` signs `view`, within MAX_AGE_S of `now` and for the first time
@@ -88,9 +93,9 @@ class RequestSigner:
         parsed = _parse(header)
         if parsed is None:
             return "missing"
-        issued, mac = parsed
+        issued, nonce, mac = parsed
         try:
-            expected = self._mac(view, issued)
+            expected = self._mac(view, issued, nonce)
         except (ValueError, TypeError):  # a view that cannot be encoded, such as one with NaN
             return "mismatch"
         if not hmac.compare_digest(expected.encode(), mac.encode("ascii", "replace")):
@@ -105,15 +110,18 @@ class RequestSigner:
             self._accepted[mac] = issued + MAX_AGE_S
         return None
 
-    def _mac(self, view: Json, issued: int) -> str:
-        message = _DOMAIN + str(issued).encode() + b"\x00" + canonical(view)
+    def _mac(self, view: Json, issued: int, nonce: str) -> str:
+        stamp = f"{issued}\x00{nonce}\x00".encode()
+        message = _DOMAIN + stamp + canonical(view)
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
 
-def _parse(header: str | None) -> tuple[int, str] | None:
-    """(time, MAC) from `t=<unix time>;s=<hex>`, else None."""
+def _parse(header: str | None) -> tuple[int, str, str] | None:
+    """(time, nonce, MAC) from `t=<unix time>;n=<hex>;s=<hex>`, else None."""
     fields = dict(part.partition("=")[::2] for part in (header or "").split(";"))
-    issued, mac = fields.get("t", ""), fields.get("s", "")
+    issued, nonce, mac = fields.get("t", ""), fields.get("n", ""), fields.get("s", "")
     if not issued.isascii() or not issued.isdigit() or len(issued) > 12 or not mac:
         return None
-    return int(issued), mac
+    if len(nonce) != 2 * NONCE_BYTES or not all(c in "0123456789abcdef" for c in nonce):
+        return None
+    return int(issued), nonce, mac

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.workers.signing import MAX_AGE_S, RequestSigner, generation_view
+from gateway.workers.signing import MAX_AGE_S, RequestSigner, action_view, generation_view
 
 KEY = "a signing key of at least thirty-two characters"
 NOW = 1_800_000_000.0
@@ -61,7 +61,10 @@ def test_a_signature_holds_only_within_max_age_of_the_workers_clock() -> None:
     assert RequestSigner(KEY).verify(view(), moved, now=NOW) == "mismatch"
 
 
-@pytest.mark.parametrize("header", [None, "", "0" * 64, "t=;s=ab", "t=12x;s=ab", "s=ab"])
+@pytest.mark.parametrize(
+    "header",
+    [None, "", "0" * 64, "t=;s=ab", "t=12x;s=ab", "s=ab", "t=1;s=ab", f"t=1;n={'Z' * 32};s=ab"],
+)
 def test_a_missing_or_malformed_signature_is_refused(header: str | None) -> None:
     assert RequestSigner(KEY).verify(view(), header, now=NOW) == "missing"
 
@@ -69,3 +72,15 @@ def test_a_missing_or_malformed_signature_is_refused(header: str | None) -> None
 def test_another_key_signs_nothing_here() -> None:
     header = RequestSigner("another key, also thirty-two characters").sign(view(), now=NOW)
     assert RequestSigner(KEY).verify(view(), header, now=NOW) == "mismatch"
+
+
+def test_the_same_action_signed_twice_in_one_second_is_two_signatures() -> None:
+    """Two gateways catching a returning worker up send it the same budgets in the same
+    second: the second is not a replay of the first."""
+    budgets = action_view("budgets", {"acme": {"quota_blocks": 8, "reserved_blocks": 0}})
+    first = RequestSigner(KEY).sign(budgets, now=NOW)
+    second = RequestSigner(KEY).sign(budgets, now=NOW)
+    worker = RequestSigner(KEY)
+    assert first != second
+    assert worker.verify(budgets, first, now=NOW) is None
+    assert worker.verify(budgets, second, now=NOW) is None
