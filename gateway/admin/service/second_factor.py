@@ -13,6 +13,7 @@ ever in an audit event.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 
 from sqlalchemy.orm import Session
 
@@ -50,12 +51,9 @@ def confirm_enrolment(state: GatewayState, caller: AdminCaller, body: TotpConfir
     def check(session: Session) -> bool:
         return admins.password_matches(admins.get_admin(session, operator_id), body.password)
 
-    try:
-        right = guarded_check(state, caller.actor_id, caller.source_ip, check, lambda ok: not ok)
-    except CheckRefused as refused:
-        refuse(state, caller, action, refused.error)
-    if not right:
-        refuse(state, caller, action, APIError.invalid("the password is wrong", "password"))
+    _check_or_refuse(
+        state, caller, action, check, APIError.invalid("the password is wrong", "password")
+    )
 
     def change(session: Session) -> Changed[None]:
         admin = admins.get_admin(session, operator_id)
@@ -80,12 +78,8 @@ def remove_own(state: GatewayState, caller: AdminCaller, body: TotpDisable) -> N
             return True  # nothing to remove: the change below says so
         return totp.accept_code(session, admin, body.code, rules.cipher) is None
 
-    try:
-        right = guarded_check(state, caller.actor_id, caller.source_ip, check, lambda ok: not ok)
-    except CheckRefused as refused:
-        refuse(state, caller, action, refused.error)
-    if not right:
-        refuse(state, caller, action, APIError.invalid("the password or code is wrong", "code"))
+    wrong = APIError.invalid("the password or code is wrong", "code")
+    _check_or_refuse(state, caller, action, check, wrong)
 
     def change(session: Session) -> Changed[None]:
         had = totp.remove(session, admins.get_admin(session, operator_id))
@@ -94,6 +88,23 @@ def remove_own(state: GatewayState, caller: AdminCaller, body: TotpDisable) -> N
         return Changed(None, None, {"second_factor": True}, {"second_factor": False})
 
     apply_change(state, caller, action, change)
+
+
+def _check_or_refuse(
+    state: GatewayState,
+    caller: AdminCaller,
+    action: Action,
+    check: Callable[[Session], bool],
+    wrong: APIError,
+) -> None:
+    """Run `check` under the login rules; refuse `action` (audited) when it must wait or
+    comes out false."""
+    try:
+        right = guarded_check(state, caller.actor_id, caller.source_ip, check, lambda ok: not ok)
+    except CheckRefused as refused:
+        refuse(state, caller, action, refused.error)
+    if not right:
+        refuse(state, caller, action, wrong)
 
 
 def _own_account(caller: AdminCaller) -> uuid.UUID:
