@@ -16,7 +16,7 @@ engine. Clients are `httpx` over HTTP with real API keys, one tenant per key.
 2. neighbour: tenant `steady` (quota = reservation) sends a trickle of streams alone, then
    while tenant `flood` sends long prompts from many clients, over its request rate and its
    small cache quota, into a pool that cannot hold both tenants' quotas. Reports `steady`'s
-   TTFT p99 in both phases, their ratio (of the p90 where a phase has under 100 samples), and
+   TTFT p99 in both phases, their ratio (of the median where a phase has under 100 samples), and
    its `evicted_pressure_blocks` (must stay 0).
 3. storm: `--storm-clients` clients, in waves of at most `STORM_WAVE` at once, leave mid-stream
    (after the first chunk) or mid-prefill (just after their body is sent).

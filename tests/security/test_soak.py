@@ -70,8 +70,9 @@ def test_a_flooding_neighbour_neither_evicts_a_reservation_nor_stalls_a_trickle(
     assert result["steady_cache"]["evicted_own_blocks"] > 0  # it did fill its reservation
     for phase in ("steady_alone", "steady_during_flood"):
         assert set(result[phase]["statuses"]) == {"200"}, result[phase]
-    # Six seconds give tens of samples: the bound is on the p90 (a p99 would be the maximum).
-    assert result["bounded_percentile"] == "p90"
+    # Six seconds give tens of samples: the bound is on the median (a p99 would be the
+    # maximum, and one stall of a busy machine moves a p90).
+    assert result["bounded_percentile"] == "p50"
     assert result["ttft_ratio"] <= soak_neighbour.SHORT_RUN_BOUND, result
     # The flood's only 5xx is the documented 503 for a pool exhausted (`problems` holds others).
     assert result["flood"]["statuses"].get("503", 0) == result["flood"]["pool_exhausted_503"]
