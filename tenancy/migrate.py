@@ -12,7 +12,7 @@ from sqlalchemy import Engine
 
 from tenancy.db import make_engine
 
-MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 
 
 class SchemaOutOfDate(Exception):
