@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint typecheck unit soak clean
+.PHONY: run test lint typecheck unit soak images smoke clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,15 @@ soak: $(STAMP)
 	$(BIN)/python -m bench.soak --seconds 150 --clients 24 --storm-clients 400 --out soak-report.json
 	$(BIN)/python -m bench.server_rss --seconds 300 --out server-rss-report.json
 	PREFIXGATE_TEST_OUTAGE_S=30 $(BIN)/python -m pytest -q tests/security/test_faults.py
+
+# Container images from the release wheel (deploy/build-images.sh; needs a Docker daemon), and
+# the compose stack brought up, checked through both gateways and taken down (deploy/smoke.sh,
+# about ten minutes the first time). Neither is part of `make test`: both need root and minutes.
+images: $(STAMP)
+	deploy/build-images.sh
+
+smoke: $(STAMP)
+	deploy/smoke.sh
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis

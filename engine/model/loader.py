@@ -161,6 +161,10 @@ def _convert_gguf(target: Path) -> None:
     try:
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
+        # Readable by every user, like the directory: an image converts as root and serves
+        # as another user (transformers writes the weights 0600).
+        for written in staging.iterdir():
+            written.chmod(0o644)
         staging.chmod(0o755)
         staging.rename(target)
     except BaseException:

@@ -14,6 +14,7 @@ import re
 import stat
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ from tests.deploy.tools import DEPLOY, REPO, handshake, prefixgate, redis_check_
 
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yaml"
+COMPOSE_SMOKE = DEPLOY / "smoke" / "compose.yaml"
+VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 ENV_EXAMPLE = DEPLOY / "compose.env.example"
 GATEWAYS = ("gateway", "gateway-2")
 WORKERS = ("worker-1", "worker-2")
@@ -93,7 +96,7 @@ def schema_check(*paths: Path) -> None:
 
 
 def test_compose_files_pass_the_compose_spec_schema() -> None:
-    schema_check(COMPOSE, COMPOSE_GPU)
+    schema_check(COMPOSE, COMPOSE_GPU, COMPOSE_SMOKE)
 
 
 def test_interpolated_compose_files_pass_the_compose_spec_schema(
@@ -376,9 +379,9 @@ def test_services_are_hardened_and_checked(compose: dict[str, Any]) -> None:
         service = services[name]
         assert service["read_only"] is True and service["cap_drop"] == ["ALL"], name
         assert "no-new-privileges:true" in service["security_opt"], name
-        build = service["build"]
-        assert (COMPOSE.parent / build["context"]).resolve() == REPO
-        assert (REPO / build["dockerfile"]).is_file()
+        # The image deploy/build-images.sh builds and tags with the version; never a build
+        # from the repository (the Dockerfile's context is the one that script stages).
+        assert service["image"] == f"prefixgate:{VERSION}-cpu" and "build" not in service, name
     for name in ("postgres", "redis", *GATEWAYS, *WORKERS):
         assert services[name]["healthcheck"]["test"], name
     for name in (*GATEWAYS, *WORKERS):
@@ -396,7 +399,7 @@ def test_gpu_override_gives_each_worker_a_gpu_and_the_cuda_image(env: dict[str, 
     assert set(override["services"]) == set(WORKERS)
     for worker in WORKERS:
         service = override["services"][worker]
-        assert service["build"]["dockerfile"] == "deploy/Dockerfile.cuda"
+        assert service["image"] == f"prefixgate:{VERSION}-cuda" and "build" not in service
         (device,) = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
         assert service["environment"]["PREFIXGATE_DEVICE"] == "cuda"
@@ -404,3 +407,66 @@ def test_gpu_override_gives_each_worker_a_gpu_and_the_cuda_image(env: dict[str, 
         assert "/etc/prefixgate/tls" not in mounts(service)
         assert not set(TLS_FILES) & set(service["environment"])
         assert "healthcheck" not in service
+
+
+def smoke_env(env: dict[str, str]) -> dict[str, str]:
+    """The env file deploy/smoke.sh writes: the secrets, the images and the run's ports."""
+    ports = ("GATEWAY_1", "GATEWAY_2", "WORKER_1", "WORKER_2", "POSTGRES", "REDIS")
+    return env | {
+        "PREFIXGATE_IMAGE": f"prefixgate:{VERSION}-cpu",
+        "SMOKE_SERVICES_IMAGE": "prefixgate-smoke-services:bookworm",
+        **{f"SMOKE_{name}_PORT": str(18000 + i) for i, name in enumerate(ports)},
+    }
+
+
+def test_the_smoke_stack_is_this_stack_on_the_host_network_on_loopback(
+    compose: dict[str, Any], env: dict[str, str], tmp_path: Path
+) -> None:
+    """deploy/smoke/compose.yaml runs the PrefixGate services of deploy/compose.yaml (same
+    commands, certificates, environment names, hardening, health checks), every service on the
+    host's network, each listener on 127.0.0.1 on a port of its own."""
+    variables = smoke_env(env)
+    smoke = interpolate(yaml.safe_load(COMPOSE_SMOKE.read_text()), variables)
+    written = tmp_path / "smoke.yaml"
+    written.write_text(yaml.safe_dump(smoke))
+    schema_check(written)
+    services = smoke["services"]
+    assert set(services) == set(compose["services"])
+    assert {s["network_mode"] for n, s in services.items() if n != "certs"} == {"host"}
+    assert services["certs"]["network_mode"] == "none"
+    assert not [name for name, service in services.items() if "ports" in service]
+    for name in PREFIXGATE_SERVICES:
+        ours, theirs = services[name], compose["services"][name]
+        assert ours["image"] == theirs["image"] == f"prefixgate:{VERSION}-cpu", name
+        for key in ("read_only", "cap_drop", "security_opt", "entrypoint", "volumes"):
+            assert ours.get(key) == theirs.get(key), (name, key)
+        # The same settings, but where the host's network changes addresses.
+        assert set(ours.get("environment", {})) - {"PREFIXGATE_HOST", "PREFIXGATE_PORT"} == (
+            set(theirs.get("environment", {})) - {"PREFIXGATE_PORT"}
+        ), name
+        if name in GATEWAYS or name in WORKERS:
+            assert ours["healthcheck"]["test"] == theirs["healthcheck"]["test"], name
+    if services["certs"]["command"] != compose["services"]["certs"]["command"]:
+        pytest.fail("the smoke stack makes its certificates differently")
+    listeners = {
+        name: (service["environment"]["PREFIXGATE_HOST"], service["environment"]["PREFIXGATE_PORT"])
+        for name, service in services.items()
+        if name in GATEWAYS
+    }
+    for name in WORKERS:
+        command = services[name]["command"]
+        host, port = command[command.index("--host") + 1], command[command.index("--port") + 1]
+        # The health check knocks on PREFIXGATE_PORT: the port the worker listens on.
+        assert services[name]["environment"]["PREFIXGATE_PORT"] == port, name
+        listeners[name] = (host, port)
+    redis = services["redis"]["command"]
+    listeners["redis"] = (redis[redis.index("--bind") + 1], redis[redis.index("--port") + 1])
+    listeners["postgres"] = ("127.0.0.1", services["postgres"]["environment"]["PGPORT"])
+    assert {host for host, _ in listeners.values()} == {"127.0.0.1"}
+    ports = [port for _, port in listeners.values()]
+    assert len(set(ports)) == len(ports) == 6, listeners
+    gateway = services["gateway"]["environment"]
+    workers = [f"https://127.0.0.1:{listeners[name][1]}" for name in WORKERS]
+    assert gateway["PREFIXGATE_WORKERS"].split(",") == workers
+    assert gateway["PREFIXGATE_REDIS_URL"].endswith(f"@127.0.0.1:{listeners['redis'][1]}/0")
+    assert f"@127.0.0.1:{listeners['postgres'][1]}/" in gateway["PREFIXGATE_DATABASE_URL"]

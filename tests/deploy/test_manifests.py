@@ -4,9 +4,11 @@ Secrets; every object passes the Kubernetes API's own schema (kubernetes-validat
 OpenAPI-derived schemas, strict: an unknown field fails), and the rendered objects keep the
 promises an operator relies on: non-root and read-only pods with probes, workers and Redis
 reachable only from gateways, one Deployment per model whose pods the headless Service and the
-NetworkPolicy find, gateways and workers given their own certificate, the CA's and the
-signing key (and never the CA's key), secrets referenced and never inlined, and the images
-each overlay names.
+NetworkPolicy find, gateways in a StatefulSet that keeps each one's audit state (the spool and
+the signed checkpoint file) on a claim of its own, gateways and workers given their own
+certificate, the CA's and the signing key (and never the CA's key), secrets referenced and
+never inlined, and the release's images (the tags deploy/build-images.sh gives them), which an
+operator's own overlay can move to their registry with kubectl alone.
 
 The ServiceMonitor (prometheus-operator's monitoring.coreos.com/v1) and cert-manager's Issuer
 and Certificate (cert-manager.io/v1) are CRDs the Kubernetes schemas do not hold: each is
@@ -33,6 +35,7 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+from gateway.settings import Settings
 from gateway.workers.certificates import WORKER_SERVER_NAME
 from gateway.workers.tls import WorkerTLS
 from tests.deploy.tools import (
@@ -41,6 +44,7 @@ from tests.deploy.tools import (
     make_certificates,
     python_module,
     redis_check_passes,
+    release_version,
     run,
 )
 
@@ -69,6 +73,8 @@ EMBEDDED_MODEL = "smollm2-135m-instruct"
 MODEL_LABEL = "prefixgate.io/model"
 SECRETISH = re.compile(r"SECRET|KEY|TOKEN|PASSWORD|DATABASE_URL|REDIS_URL|_AUTH$")
 POD_OWNERS = ("Deployment", "StatefulSet", "Job")
+# The controllers whose selectors must not overlap (a Job's is generated for it).
+CONTROLLERS = ("Deployment", "StatefulSet")
 # Paths, not secrets: the files of the mounted TLS Secret (kubernetes.io/tls's keys).
 TLS_FILES = {
     "PREFIXGATE_WORKER_TLS_CERT": "tls.crt",
@@ -79,6 +85,19 @@ TLS_FILES = {
 TLS_SECRETS = {"worker": "prefixgate-worker-tls", "gateway": "prefixgate-gateway-tls"}
 TLS_USE = {"worker": "server auth", "gateway": "client auth"}
 SIGNING_KEY = "PREFIXGATE_WORKER_SIGNING_KEY"
+# The settings that place the gateway's audit files, and the variables that set them.
+AUDIT_PATH_SETTINGS = {
+    "audit_spool_path": "PREFIXGATE_AUDIT_SPOOL_PATH",
+    "audit_checkpoint_path": "PREFIXGATE_AUDIT_CHECKPOINT_PATH",
+}
+# Each overlay's image placeholders, and the flavour of deploy/build-images.sh's image each
+# becomes (the gateways and the migration run the CPU image everywhere).
+OVERLAY_FLAVOURS = {
+    "cpu": {"prefixgate": "cpu"},
+    "gpu": {"prefixgate": "cpu", "prefixgate-cuda": "cuda"},
+}
+# The operator's own overlay the shipped overlays' comments show: a directory beside deploy/.
+OPERATOR_OVERLAY = "my-prefixgate"
 
 Obj = dict[str, Any]
 
@@ -361,6 +380,24 @@ def component(obj: Obj) -> str | None:
     return found
 
 
+def gateway_set(objects: list[Obj]) -> Obj:
+    """The gateways' StatefulSet."""
+    return one(objects, "StatefulSet", "gateway")
+
+
+def gateway_service(objects: list[Obj]) -> Obj:
+    """The Service clients reach the gateways through (not the StatefulSet's headless one)."""
+    found = [
+        obj
+        for obj in objects
+        if obj["kind"] == "Service"
+        and component(obj) == "gateway"
+        and obj["spec"].get("clusterIP") != "None"
+    ]
+    assert len(found) == 1, f"expected one client Service for the gateways, found {len(found)}"
+    return found[0]
+
+
 def workers(objects: list[Obj]) -> list[Obj]:
     """Every model's worker Deployment (at least one)."""
     found = [obj for obj in objects if obj["kind"] == "Deployment" and component(obj) == "worker"]
@@ -440,7 +477,7 @@ def test_the_certificate_schema_rejects_a_misspelt_field(renders: dict[str, list
 
 
 def test_the_schema_check_rejects_a_misspelt_field(renders: dict[str, list[Obj]]) -> None:
-    broken = copy.deepcopy(one(renders["cpu"], "Deployment", "gateway"))
+    broken = copy.deepcopy(gateway_set(renders["cpu"]))
     container = pod_spec(broken)["containers"][0]
     container["livenesProbe"] = container.pop("livenessProbe")
     assert schema_errors(broken), "a misspelt probe passed the schema check"
@@ -450,14 +487,27 @@ def test_the_schema_check_rejects_a_misspelt_field(renders: dict[str, list[Obj]]
 def test_service_monitor_matches_its_schema_and_the_gateway_service(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
+    """It scrapes the gateways through their client Service, and through that one alone: a
+    second selected Service with the port (the StatefulSet's headless one, say) would scrape
+    every gateway twice and double the per-tenant series."""
     objects = renders[overlay]
     monitor = one(objects, "ServiceMonitor", "gateway")
     jsonschema.validate(monitor, SERVICE_MONITOR_SCHEMA)
-    service = one(objects, "Service", "gateway")
+    service = gateway_service(objects)
     assert selects(monitor["spec"]["selector"], service["metadata"]["labels"])
-    port_names = {port["name"] for port in service["spec"]["ports"]}
+    selected = [
+        obj
+        for obj in objects
+        if obj["kind"] == "Service"
+        and selects(monitor["spec"]["selector"], obj["metadata"].get("labels", {}))
+    ]
     for endpoint in monitor["spec"]["endpoints"]:
-        assert endpoint["port"] in port_names
+        scraped = [
+            obj["metadata"]["name"]
+            for obj in selected
+            if endpoint["port"] in {port["name"] for port in obj["spec"].get("ports", [])}
+        ]
+        assert scraped == [service["metadata"]["name"]], f"{endpoint['port']}: {scraped}"
         assert endpoint["path"] == "/metrics"
         credentials = endpoint["authorization"]["credentials"]
         secret = named(objects, "Secret", credentials["name"])  # the generated, hashed name
@@ -575,7 +625,7 @@ def test_gateway_finds_every_models_workers_through_the_headless_service(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
     objects = renders[overlay]
-    gateway = pod_spec(one(objects, "Deployment", "gateway"))["containers"][0]
+    gateway = pod_spec(gateway_set(objects))["containers"][0]
     service = one(objects, "Service", "worker")
     assert service["spec"]["clusterIP"] == "None"
     (port,) = service["spec"]["ports"]
@@ -601,13 +651,14 @@ def test_gateway_finds_every_models_workers_through_the_headless_service(
 def test_each_model_is_one_deployment_owning_only_its_own_pods(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
-    """Per model: a Deployment whose selector holds the model label (Deployments whose
-    selectors overlap fight over each other's pods), labelled with the name it serves (as the
-    models shipped here are; a served name that is no label value would differ), its own
-    PodDisruptionBudget, and a topology spread over its own pods only."""
+    """Per model: a Deployment whose selector holds the model label (controllers whose
+    selectors overlap fight over each other's pods: no Deployment or StatefulSet may select
+    another's), labelled with the name it serves (as the models shipped here are; a served
+    name that is no label value would differ), its own PodDisruptionBudget, and a topology
+    spread over its own pods only."""
     objects = renders[overlay]
-    deployments = [obj for obj in objects if obj["kind"] == "Deployment"]
-    for first, second in itertools.permutations(deployments, 2):
+    controllers = [obj for obj in objects if obj["kind"] in CONTROLLERS]
+    for first, second in itertools.permutations(controllers, 2):
         assert not selects(first["spec"]["selector"], template_labels(second)), (
             f"{first['metadata']['name']} selects the pods of {second['metadata']['name']}"
         )
@@ -679,7 +730,7 @@ def test_workers_start_with_the_kernel_the_image_built(
 def assert_only_gateways_reach(objects: list[Obj], policy: Obj, port: int) -> None:
     """The policy admits gateway pods alone, and only on `port`."""
     spec = policy["spec"]
-    gateway_labels = template_labels(one(objects, "Deployment", "gateway"))
+    gateway_labels = template_labels(gateway_set(objects))
     others = [template_labels(owner) for owner in pod_owners(objects)]
     assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
     assert spec["ingress"], "no ingress rule: nothing could reach them"
@@ -712,17 +763,156 @@ def test_only_gateways_reach_workers_and_workers_send_only_dns(
 def test_autoscaler_and_disruption_budgets_select_their_pods(
     renders: dict[str, list[Obj]], overlay: str
 ) -> None:
+    """The autoscaler scales the gateways' StatefulSet (by the kind, API group and name it
+    has: a stale `kind: Deployment` names nothing and scales nothing), and the budget covers
+    the gateway pods and no others."""
     objects = renders[overlay]
-    gateway = one(objects, "Deployment", "gateway")
+    gateway = gateway_set(objects)
     autoscaler = one(objects, "HorizontalPodAutoscaler", "gateway")
     assert autoscaler["apiVersion"] == "autoscaling/v2"
     target = autoscaler["spec"]["scaleTargetRef"]
-    assert (target["kind"], target["name"]) == ("Deployment", gateway["metadata"]["name"])
+    assert named(objects, target["kind"], target["name"]) is gateway
+    assert target["apiVersion"] == gateway["apiVersion"]
     assert "replicas" not in gateway["spec"], "a replica count fights the autoscaler on apply"
     assert autoscaler["spec"]["minReplicas"] >= 2
     budget = one(objects, "PodDisruptionBudget", "gateway")
-    assert selects(budget["spec"]["selector"], template_labels(gateway))
+    assert budget["spec"]["maxUnavailable"] == 1
+    covered = [
+        owner
+        for owner in pod_owners(objects)
+        if selects(budget["spec"]["selector"], template_labels(owner))
+    ]
+    assert covered == [gateway], [owner["metadata"]["name"] for owner in covered]
     # (each model's budget: test_each_model_is_one_deployment_owning_only_its_own_pods)
+
+
+# ---- the gateways' audit state ----------------------------------------------------------------
+
+
+def audit_files(container: Obj) -> dict[str, Path]:
+    """The spool and the checkpoint file a gateway container writes, placed by the settings'
+    own rules (gateway/settings.py) from the state directory and the paths its environment
+    sets."""
+    state_dir = env_value(container, "PREFIXGATE_STATE_DIR")
+    assert state_dir, "no PREFIXGATE_STATE_DIR: the audit state would follow HOME"
+    configured: dict[str, Any] = {
+        field: Path(value)
+        for field, variable in AUDIT_PATH_SETTINGS.items()
+        if (value := env_value(container, variable))
+    }
+    settings = Settings.model_construct(state_dir=Path(state_dir), **configured)
+    return {"spool": settings.spool_path, "checkpoints": settings.checkpoint_path}
+
+
+def storage_of(owner: Obj, container: Obj, path: Path) -> str:
+    """What keeps `path` in the container: "claim" (a volume claim template of the owner's, a
+    volume for each pod), else the kind of pod volume ("emptyDir", "persistentVolumeClaim",
+    ...) of the deepest mount above it, or "root" (the read-only root filesystem)."""
+    mounts = [
+        mount
+        for mount in container.get("volumeMounts", [])
+        if path.is_relative_to(mount["mountPath"])
+    ]
+    if not mounts:
+        return "root"
+    mount = max(mounts, key=lambda found: len(found["mountPath"]))
+    claims = [
+        claim
+        for claim in owner["spec"].get("volumeClaimTemplates", [])
+        if claim["metadata"]["name"] == mount["name"]
+    ]
+    volumes = [
+        volume for volume in pod_spec(owner).get("volumes", []) if volume["name"] == mount["name"]
+    ]
+    assert len(claims) + len(volumes) == 1, f"{mount['name']}: {len(claims) + len(volumes)} sources"
+    if claims:
+        return "claim"
+    kinds: set[str] = set(volumes[0]) - {"name"}
+    (kind,) = kinds
+    return kind
+
+
+def audit_storage(owner: Obj) -> dict[str, str]:
+    """For each of a gateway's audit files, what keeps it (storage_of)."""
+    (container,) = pod_spec(owner)["containers"]
+    return {
+        name: storage_of(owner, container, path) for name, path in audit_files(container).items()
+    }
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_each_gateway_keeps_its_audit_state_on_a_claim_of_its_own(
+    renders: dict[str, list[Obj]], overlay: str
+) -> None:
+    """The spool (events waiting for the database) and the signed checkpoint file (the
+    evidence against a cut tail) outlive the pod: each gateway mounts a claim of its own,
+    made from the StatefulSet's template, never an emptyDir that a deletion or a reschedule
+    empties, nor one claim that every replica would share."""
+    objects = renders[overlay]
+    gateway = gateway_set(objects)
+    assert audit_storage(gateway) == {"spool": "claim", "checkpoints": "claim"}
+    (container,) = pod_spec(gateway)["containers"]
+    assert storage_of(gateway, container, Path("/tmp")) == "emptyDir", "scratch stays scratch"
+
+
+@pytest.mark.parametrize("overlay", RENDERS)
+def test_gateway_claims_are_kept_writable_and_sized_by_default(
+    renders: dict[str, list[Obj]], overlay: str
+) -> None:
+    """A modest volume of the cluster's default StorageClass, which the non-root user can
+    write (fsGroup); the claims stay when pods go (scale-down, deletion), so a replica that
+    returns finds its spool and its checkpoints; pods start and stop together when scaling;
+    and the governing Service is a headless one of the gateway pods alone."""
+    objects = renders[overlay]
+    gateway = gateway_set(objects)
+    spec = gateway["spec"]
+    (claim,) = spec["volumeClaimTemplates"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "1Gi"
+    assert "storageClassName" not in claim["spec"], "the cluster's default StorageClass"
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {
+        "whenDeleted": "Retain",
+        "whenScaled": "Retain",
+    }
+    assert spec["podManagementPolicy"] == "Parallel"
+    assert spec["updateStrategy"]["type"] == "RollingUpdate"
+    security = pod_spec(gateway)["securityContext"]
+    assert security["fsGroup"] == security["runAsGroup"] not in (None, 0)
+    governing = named(objects, "Service", spec["serviceName"])
+    assert governing["spec"]["clusterIP"] == "None"
+    selected = [
+        owner
+        for owner in pod_owners(objects)
+        if selects({"matchLabels": governing["spec"]["selector"]}, template_labels(owner))
+    ]
+    assert selected == [gateway], [owner["metadata"]["name"] for owner in selected]
+    assert selects(spec["selector"], template_labels(gateway))
+
+
+def test_the_audit_state_check_catches_an_emptydir_and_a_moved_path(
+    renders: dict[str, list[Obj]],
+) -> None:
+    """The check above fails when the claim becomes an emptyDir again, when the state
+    directory moves onto the scratch volume, and when one audit file is pointed there."""
+    broken = copy.deepcopy(gateway_set(renders["cpu"]))
+    claims = broken["spec"].pop("volumeClaimTemplates")
+    pod_spec(broken)["volumes"] += [
+        {"name": claim["metadata"]["name"], "emptyDir": {"sizeLimit": "1Gi"}} for claim in claims
+    ]
+    assert audit_storage(broken) == {"spool": "emptyDir", "checkpoints": "emptyDir"}
+
+    broken = copy.deepcopy(gateway_set(renders["cpu"]))
+    (container,) = pod_spec(broken)["containers"]
+    (state_dir,) = [v for v in container["env"] if v["name"] == "PREFIXGATE_STATE_DIR"]
+    state_dir["value"] = "/tmp/prefixgate"
+    assert audit_storage(broken) == {"spool": "emptyDir", "checkpoints": "emptyDir"}
+
+    broken = copy.deepcopy(gateway_set(renders["cpu"]))
+    (container,) = pod_spec(broken)["containers"]
+    container["env"].append(
+        {"name": AUDIT_PATH_SETTINGS["audit_checkpoint_path"], "value": "/tmp/checkpoints.jsonl"}
+    )
+    assert audit_storage(broken) == {"spool": "claim", "checkpoints": "emptyDir"}
 
 
 @pytest.mark.parametrize("overlay", RENDERS)
@@ -738,7 +928,7 @@ def test_migration_job_upgrades_the_schema(renders: dict[str, list[Obj]], overla
 
 def tls_roles(objects: list[Obj]) -> Iterator[tuple[str, Obj, Obj]]:
     """(role, owner, container) of every gateway and every model's workers."""
-    owners = [("gateway", one(objects, "Deployment", "gateway"))]
+    owners = [("gateway", gateway_set(objects))]
     owners += [("worker", owner) for owner in workers(objects)]
     for role, owner in owners:
         yield role, owner, pod_spec(owner)["containers"][0]
@@ -798,7 +988,7 @@ def test_gateways_and_workers_get_their_certificate_the_ca_and_the_signing_key(
             assert set(sources[shared]) == {"secretRef"}, f"{where}: {shared}"
         signing_secret = sources[SIGNING_KEY]["secretRef"]
         assert len(secret_data(objects, signing_secret)[SIGNING_KEY]) >= 32
-    gateway = pod_spec(one(objects, "Deployment", "gateway"))["containers"][0]
+    gateway = pod_spec(gateway_set(objects))["containers"][0]
     assert (env_value(gateway, "PREFIXGATE_WORKERS") or "").startswith("dns://")
 
 
@@ -938,7 +1128,7 @@ def test_workers_get_the_worker_secret_and_nothing_else(
     for owner in workers(objects):
         worker = pod_spec(owner)["containers"][0]
         assert keys(worker) == {"PREFIXGATE_WORKER_SECRET", SIGNING_KEY}, owner["metadata"]["name"]
-    gateway = pod_spec(one(objects, "Deployment", "gateway"))["containers"][0]
+    gateway = pod_spec(gateway_set(objects))["containers"][0]
     assert {
         "PREFIXGATE_DATABASE_URL",
         "PREFIXGATE_KEY_HASH_SECRET",
@@ -998,6 +1188,94 @@ def test_every_container_runs_an_image_the_overlay_names(
     assert re.fullmatch(r"docker\.io/library/redis:\d+(\.\d+)*-bookworm", images["redis"])
 
 
+def built_images() -> dict[str, str]:
+    """What deploy/build-images.sh tags, flavour -> name:tag, for this release."""
+    script = (DEPLOY / "build-images.sh").read_text()
+    (name,) = set(re.findall(r"tag=([\w.-]+):\$VERSION-\$1\b", script))
+    flavours = re.findall(r"^\s*build_image (\w+)$", script, re.MULTILINE)
+    assert flavours, "build-images.sh builds no image?"
+    return {flavour: f"{name}:{release_version()}-{flavour}" for flavour in flavours}
+
+
+@pytest.mark.parametrize("overlay", OVERLAY_FLAVOURS)
+def test_overlays_name_the_release_images_build_images_makes(overlay: str) -> None:
+    """Each placeholder becomes the image deploy/build-images.sh builds for its flavour, with
+    the release's tag (prefixgate:<version>-cpu, -cuda) under a registry path the operator
+    replaces: a tag that no build makes would never pull."""
+    images = overlay_images(overlay)
+    built = built_images()
+    assert set(images) - {"redis"} == set(OVERLAY_FLAVOURS[overlay])
+    for placeholder, flavour in OVERLAY_FLAVOURS[overlay].items():
+        name, _, tag = built[flavour].partition(":")
+        path, _, used_tag = images[placeholder].rpartition(":")
+        assert used_tag == tag == f"{release_version()}-{flavour}", placeholder
+        assert path.rsplit("/", 1)[-1] == name, f"{placeholder}: {path}"
+
+
+def operator_overlay_example(text: str) -> str:
+    """The kustomization.yaml an overlay's opening comment shows an operator."""
+    lines = text.splitlines()
+    start = lines.index(f"#   # {OPERATOR_OVERLAY}/kustomization.yaml")
+    example = []
+    for line in lines[start + 1 :]:
+        if not line.startswith("#   "):
+            break
+        example.append(line.removeprefix("#   "))
+    return "\n".join(example) + "\n"
+
+
+@pytest.mark.parametrize("overlay", OVERLAY_FLAVOURS)
+def test_an_operators_overlay_moves_the_images_to_its_registry_with_kubectl_alone(
+    tmp_path_factory: pytest.TempPathFactory, overlay: str
+) -> None:
+    """The overlay of their own that an overlay's comment shows, beside deploy/ in a
+    checkout, renders with `kubectl kustomize` (no standalone kustomize): every PrefixGate
+    container runs the operator's registry path with the release's tags kept."""
+    root = operator_copy(tmp_path_factory)
+    text = (root / "overlays" / overlay / "kustomization.yaml").read_text()
+    example = operator_overlay_example(text)
+    checkout = tmp_path_factory.mktemp("checkout")
+    (checkout / "deploy").mkdir()
+    shutil.move(root, checkout / "deploy" / "k8s")
+    (checkout / OPERATOR_OVERLAY).mkdir()
+    (checkout / OPERATOR_OVERLAY / "kustomization.yaml").write_text(example)
+    objects = render(checkout / OPERATOR_OVERLAY)
+    (entry,) = yaml.safe_load(example)["images"]
+    assert entry["newName"] != entry["name"]
+    shipped = overlay_images(overlay)
+    moved = {
+        placeholder: reference.replace(entry["name"], entry["newName"], 1)
+        for placeholder, reference in shipped.items()
+        if placeholder != "redis"
+    }
+    assert all(moved[p] != shipped[p] for p in moved), f"the example misses one: {moved}"
+    used = {c["image"] for owner in pod_owners(objects) for c in containers(owner)}
+    assert used == set(moved.values()) | {shipped["redis"]}
+
+
+def test_manifests_tell_operators_what_kubectl_alone_does_in_the_readmes_namespace() -> None:
+    """deploy/README.md's `kubectl apply -k` names one namespace; every kubectl command on the
+    deployment's objects the manifests' comments give names the same, each overlay says how to
+    apply itself, and none asks for `kustomize edit` (the standalone kustomize, which kubectl
+    does not bring)."""
+    readme = (DEPLOY / "README.md").read_text()
+    (namespace,) = set(re.findall(r"kubectl apply -k deploy/k8s/overlays/\w+ -n ([\w-]+)", readme))
+    commands = []
+    for path in sorted((DEPLOY / "k8s").rglob("*")):
+        if path.is_file() and path.suffix in (".yaml", ".example"):
+            text = path.read_text()
+            assert "kustomize edit" not in text, path.relative_to(DEPLOY)
+            found = re.findall(r"`(kubectl (?:apply|scale|delete|rollout|exec) [^`]*)`", text)
+            commands += [(path.relative_to(DEPLOY), " ".join(c.split())) for c in found]
+    assert commands
+    for where, command in commands:
+        assert f" -n {namespace}" in command.replace("# ", ""), f"{where}: {command}"
+    for overlay in OVERLAY_FLAVOURS:
+        text = (DEPLOY / "k8s" / "overlays" / overlay / "kustomization.yaml").read_text()
+        assert f"`kubectl apply -k deploy/k8s/overlays/{overlay} -n {namespace}`" in text
+        assert f"`kubectl apply -k {OPERATOR_OVERLAY} -n {namespace}`" in text
+
+
 @pytest.mark.parametrize("overlay", GPU_RENDERS)
 def test_gpu_workers_run_the_cuda_image_on_gpu_nodes(
     renders: dict[str, list[Obj]], overlay: str
@@ -1036,7 +1314,7 @@ def test_cpu_overlay_asks_for_no_gpu(renders: dict[str, list[Obj]], overlay: str
 
 def redis_url(objects: list[Obj]) -> str:
     """The gateways' PREFIXGATE_REDIS_URL, from the Secret their envFrom names."""
-    gateway = pod_spec(one(objects, "Deployment", "gateway"))["containers"][0]
+    gateway = pod_spec(gateway_set(objects))["containers"][0]
     source = env_sources(objects, gateway)["PREFIXGATE_REDIS_URL"]
     return secret_data(objects, source["secretRef"])["PREFIXGATE_REDIS_URL"]
 

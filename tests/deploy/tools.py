@@ -15,6 +15,7 @@ import ssl
 import subprocess
 import sys
 import threading
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
@@ -47,6 +48,13 @@ def run(name: str, *args: str, cwd: Path = REPO) -> subprocess.CompletedProcess[
     return subprocess.run(
         [tool(name), *args], cwd=cwd, capture_output=True, text=True, timeout=60, check=False
     )
+
+
+def release_version() -> str:
+    """This release's version, from pyproject.toml (the images' tags carry it)."""
+    with (REPO / "pyproject.toml").open("rb") as handle:
+        version: str = tomllib.load(handle)["project"]["version"]
+    return version
 
 
 def python_module(name: str, package: str) -> ModuleType:
