@@ -1,12 +1,15 @@
 """The audit log page: filters, pages of events, export downloads and the chain's status.
 
 The filters are the admin API's (from `gateway.admin.service.audit_events`): tenant, action
-or action prefix (`tenant.*`), outcome and a time range, read here from the page's GET form
-(times typed without a zone are UTC, as the page says). The table pages newest first; the
-export buttons download the admin API's signed export of exactly the filtered events (JSONL or
-CSV, `gateway.admin.service.audit_downloads`), which `prefixgate audit verify` checks; the
-export is audited. A tenant-admin sees its own tenant's events only, and an admin also sees
-whether the stored hash chain verifies.
+or action prefix (`tenant.*`), outcome and a time range, read here from the page's GET form.
+The times are plain text fields in UTC, not the browser's date pickers (which show the
+browser's own locale and take no zone): a time is typed as the table writes it
+(`2030-01-31 23:59:59 UTC`) or in ISO 8601, with or without a zone (without one it is UTC, as
+the labels say), and the filter shows it back as the table would write it, in UTC. The table
+pages newest first; the export buttons download the admin API's signed export of exactly the
+filtered events (JSONL or CSV, `gateway.admin.service.audit_downloads`), which `prefixgate
+audit verify` checks; the export is audited. A tenant-admin sees its own tenant's events
+only, and an admin also sees whether the stored hash chain verifies.
 """
 
 from __future__ import annotations
@@ -35,6 +38,14 @@ router = APIRouter(prefix="/admin", route_class=ConsoleRoute, include_in_schema=
 PAGE_SIZE = 50
 FILTER_FIELDS = {"tenant", "action", "outcome", "since", "until"}
 OUTCOMES = ("success", "failure", "rejected", "cancelled")
+# The time fields' attributes: text (a date picker would show the browser's locale), no
+# spelling marks, no suggestions.
+UTC_FIELD = {
+    "maxlength": "40",
+    "placeholder": "YYYY-MM-DD hh:mm:ss UTC",
+    "spellcheck": "false",
+    "autocomplete": "off",
+}
 
 
 class AuditQuery(BaseModel):
@@ -48,13 +59,21 @@ class AuditQuery(BaseModel):
     since: datetime | None = None
     until: datetime | None = None
 
+    @field_validator("since", "until", mode="before")
+    @classmethod
+    def _utc_suffix(cls, typed: object) -> object:
+        """A time as the console writes it ("2030-01-31 23:59:59 UTC") is ISO 8601 in UTC."""
+        if isinstance(typed, str) and typed.upper().endswith("UTC"):
+            return typed[:-3].strip() + "Z"
+        return typed
+
     @field_validator("since", "until")
     @classmethod
     def _utc(cls, moment: datetime | None) -> datetime | None:
-        """A time typed without a zone (the browser's datetime-local input) is UTC."""
+        """A time typed without a zone is UTC; one with a zone is the same moment in UTC."""
         if moment is not None and moment.tzinfo is None:
             return moment.replace(tzinfo=UTC)
-        return moment
+        return None if moment is None else moment.astimezone(UTC)
 
     def selection(self) -> AuditFilter:
         """The admin API's filter for these fields."""
@@ -81,6 +100,10 @@ def audit_page(
     except APIError as error:
         errors = FormErrors.of(error, {}, FILTER_FIELDS)
         return _render(request, caller, state, filled, errors, None, None, error.status)
+    for name in ("since", "until"):  # shown back in UTC, as the table writes times
+        moment = getattr(query, name)
+        if moment is not None:
+            filled[name] = utc_text(moment)
     selection = query.selection()
     page = audit_events.search(state, caller, selection, PAGE_SIZE, before_seq=before_seq)
     return _render(request, caller, state, filled, FormErrors(), page, before_seq)
@@ -99,6 +122,11 @@ def export_audit(
     return StreamingResponse(
         download.chunks(), media_type=download.media_type, headers=download.headers
     )
+
+
+def utc_text(moment: datetime) -> str:
+    """A time as the console writes it ("2030-01-31 23:59:59 UTC"), its fraction kept."""
+    return moment.astimezone(UTC).replace(tzinfo=None).isoformat(sep=" ") + " UTC"
 
 
 def _filled(request: Request) -> dict[str, str]:
@@ -143,5 +171,6 @@ def _render(
         slugs=slugs,
         tenant_choices=choices,
         outcome_choices=[("", "Any"), *((outcome, outcome) for outcome in OUTCOMES)],
+        utc_field=UTC_FIELD,
         verification=chain_status(state, caller) if caller.is_admin else None,
     )

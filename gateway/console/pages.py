@@ -11,7 +11,9 @@ Pages are rendered from Jinja2 templates with autoescaping on, so every value sh
 display name, an audit event's details) is text, never markup. Forms are posted, the change is
 made by the admin service's function, and the browser is redirected (303) to a page that says
 what was done, in a notice styled by its kind (done, for information, or a warning); a refused
-change renders the form again with the message next to its field. A missing value is rendered
+change renders the form again with the message next to its field. What was done travels in a
+one-page cookie (the flash), not in the address: the page after a save has its plain address,
+and a reload of it neither says "saved" again nor sends anything. A missing value is rendered
 as nothing, never as "None".
 """
 
@@ -33,7 +35,15 @@ from starlette.exceptions import HTTPException
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from gateway.admin.callers import AdminCaller, caller_from_token
-from gateway.console.session import SESSION_COOKIE, session_csrf, token_matches
+from gateway.console.session import (
+    FLASH_COOKIE,
+    SESSION_COOKIE,
+    clear_flash_cookie,
+    flash_cookie,
+    session_csrf,
+    set_flash_cookie,
+    token_matches,
+)
 from gateway.errors import APIError, from_tenancy_error, validation_to_api_error
 from gateway.http.middleware import client_ip
 from gateway.state import GatewayState
@@ -71,7 +81,8 @@ class Notice:
     kind: Literal["success", "info", "warning"] = "success"
 
 
-# What a redirect-after-POST page says it did (`?done=<code>`): fixed texts, never echoed input.
+# What a redirect-after-POST page says it did (its flash's `done` code): fixed texts, never
+# echoed input.
 NOTICES = {
     "tenant_created": Notice("Tenant created."),
     "tenant_updated": Notice("Limits and sharing saved."),
@@ -153,28 +164,51 @@ def template_context(request: Request, **context: Any) -> dict[str, Any]:
     """What every page's template can use: the caller, the CSRF token, the notice.
 
     The notice is the page's own (`notice` in `context`) if it has one, else the fixed text of
-    the `done` code in the address.
+    the `done` code in the page's flash.
     """
     caller: AdminCaller | None = getattr(request.state, "console_caller", None)
     state: GatewayState = request.app.state.gateway
     csrf = ""
     if caller is not None and caller.session_id is not None:
         csrf = session_csrf(state.settings.secret("jwt_secret"), caller.session_id)
-    notice = context.pop("notice", None) or NOTICES.get(request.query_params.get("done", ""))
+    notice = context.pop("notice", None) or NOTICES.get(flash_of(request).get("done", ""))
     return {"caller": caller, "csrf": csrf, "notice": notice, "path": request.url.path, **context}
 
 
 def render(request: Request, template: str, status: int = 200, **context: Any) -> HTMLResponse:
-    """The template rendered for this request (`title` names the page)."""
+    """The template rendered for this request (`title` names the page); it uses up the flash."""
     page = _ENVIRONMENT.get_template(template).render(template_context(request, **context))
-    return HTMLResponse(page, status_code=status)
+    response = HTMLResponse(page, status_code=status)
+    if FLASH_COOKIE in request.cookies:
+        clear_flash_cookie(request, response)
+    return response
 
 
-def redirect(url: str, done: str | None = None, **query: str) -> RedirectResponse:
-    """Redirect-after-POST (303) to `url`, optionally saying what was done."""
-    parameters = {**query, **({"done": done} if done else {})}
-    target = f"{url}?{urlencode(parameters)}" if parameters else url
-    return RedirectResponse(target, status_code=303)
+class Redirect(RedirectResponse):
+    """A 303 to `url`; `flash` (what was done) goes to that page in a cookie, by `ConsoleRoute`."""
+
+    def __init__(self, url: str, flash: dict[str, str]) -> None:
+        super().__init__(url, status_code=303)
+        self.flash = flash
+
+
+def redirect(
+    url: str, done: str | None = None, details: Mapping[str, str] | None = None, **query: str
+) -> Redirect:
+    """Redirect (303) to `url` with `query` in its address, and after a POST say what was done.
+
+    `done` (a `NOTICES` code) and its `details` (say, the units the form was in) are the
+    flash: for the page at `url` only, shown once, never in the address.
+    """
+    target = f"{url}?{urlencode(query)}" if query else url
+    flash = {"page": url, "done": done, **(details or {})} if done else {}
+    return Redirect(target, flash)
+
+
+def flash_of(request: Request) -> dict[str, str]:
+    """The flash the redirect to this page carried (empty if none, or if meant for another)."""
+    flash = flash_cookie(request)
+    return flash if flash.get("page") == request.url.path else {}
 
 
 def error_page(request: Request, status: int, message: str) -> HTMLResponse:
@@ -232,7 +266,10 @@ class ConsoleRoute(APIRoute):
 
         async def guarded(request: Request) -> Response:
             try:
-                return await handler(request)
+                response = await handler(request)
+                if isinstance(response, Redirect) and response.flash:
+                    set_flash_cookie(request, response, response.flash)
+                return response
             except LoginRequired as refused:
                 return redirect("/admin/login", reason=refused.reason)
             except CsrfRefused:

@@ -26,6 +26,7 @@ from gateway.console.pages import (
     FormDep,
     FormErrors,
     Notice,
+    flash_of,
     redirect,
     render,
 )
@@ -106,18 +107,19 @@ def _done(prefix: PrefixOut, state: GatewayState, done: str) -> Response:
     """Back to the list, saying what was done; a warning (naming the prefix) if it won't share."""
     if not_shared_because(prefix, state) is None:
         return redirect("/admin/prefixes", done=done)
-    return redirect("/admin/prefixes", done=f"{done}_unshared", prefix=str(prefix.id))
+    return redirect("/admin/prefixes", done=f"{done}_unshared", details={"prefix": str(prefix.id)})
 
 
 def _unshared_notice(
     request: Request, listed: list[PrefixOut], state: GatewayState
 ) -> Notice | None:
     """The warning after adding or enabling a prefix that will not be shared, saying why."""
-    done = request.query_params.get("done", "")
+    flash = flash_of(request)
+    done = flash.get("done", "")
     if done not in ("prefix_added_unshared", "prefix_enabled_unshared"):
         return None
     verb = "added" if done == "prefix_added_unshared" else "enabled"
-    asked = request.query_params.get("prefix", "")
+    asked = flash.get("prefix", "")
     prefix = next((p for p in listed if str(p.id) == asked), None)
     if prefix is None:
         return Notice(f"Public prefix {verb}, but it will not be shared.", "warning")

@@ -11,22 +11,31 @@ under the deployment's JWT secret: it needs no storage, differs per session, and
 computed by anyone who has neither the secret nor the session. The login form has no session
 yet, so it uses a double submit: a random nonce in the HttpOnly cookie `pg_login`, and the
 HMAC of that nonce in the form; a page of another site can neither read nor set the cookie.
+
+What a form did travels to the next page in the cookie `pg_flash` (a redirect-after-POST's
+flash, see `pages.Redirect`), not in its address: a reload or a copied address shows no stale
+"saved" message. It holds codes and ids, never a secret, and lives a minute at most.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import secrets
+from collections.abc import Mapping
 from datetime import UTC, datetime
+from urllib.parse import parse_qsl, urlencode
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 SESSION_COOKIE = "pg_admin"
 LOGIN_COOKIE = "pg_login"
+FLASH_COOKIE = "pg_flash"
 COOKIE_PATH = "/admin"
 LOGIN_COOKIE_MAX_AGE_S = 3600
+FLASH_COOKIE_MAX_AGE_S = 60  # the page after the redirect reads it at once
 _SESSION_PURPOSE = b"prefixgate-console-csrf\x00"
 _LOGIN_PURPOSE = b"prefixgate-console-login\x00"
 
@@ -70,6 +79,26 @@ def set_login_cookie(request: Request, response: Response, nonce: str) -> None:
 
 def clear_login_cookie(request: Request, response: Response) -> None:
     _set(request, response, LOGIN_COOKIE, "", 0)
+
+
+def set_flash_cookie(request: Request, response: Response, flash: Mapping[str, str]) -> None:
+    """Carry `flash` (short text values by name) to the next page the browser shows."""
+    encoded = base64.urlsafe_b64encode(urlencode(flash).encode()).decode().rstrip("=")
+    _set(request, response, FLASH_COOKIE, encoded, FLASH_COOKIE_MAX_AGE_S)
+
+
+def clear_flash_cookie(request: Request, response: Response) -> None:
+    _set(request, response, FLASH_COOKIE, "", 0)
+
+
+def flash_cookie(request: Request) -> dict[str, str]:
+    """The flash in the request's cookie (empty if none, or if it is not one of ours)."""
+    encoded = request.cookies.get(FLASH_COOKIE, "")
+    try:
+        text = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
+    except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors
+        return {}
+    return dict(parse_qsl(text))
 
 
 def _set(request: Request, response: Response, name: str, value: str, max_age: int) -> None:

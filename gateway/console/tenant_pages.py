@@ -34,6 +34,7 @@ from gateway.console.pages import (
     Form,
     FormDep,
     FormErrors,
+    flash_of,
     redirect,
     render,
 )
@@ -159,7 +160,7 @@ def set_quota(
         for name in ("quota_unit", "reservation_unit")
         if form.get(name) in UNITS and form.get(name) != "blocks"
     }
-    return redirect(f"/admin/tenants/{tenant_id}", done="quota_set", **units)
+    return redirect(f"/admin/tenants/{tenant_id}", done="quota_set", details=units)
 
 
 @router.get("/tenants/{tenant_id}/confirm")
@@ -255,8 +256,9 @@ def render_tenant(
         for key in keys
         if key.state == "active"
     }
-    quota_unit = _unit(request.query_params.get("quota_unit"))
-    reservation_unit = _unit(request.query_params.get("reservation_unit"))
+    flash = flash_of(request)
+    quota_unit = _unit(flash.get("quota_unit"))
+    reservation_unit = _unit(flash.get("reservation_unit"))
     values: dict[str, dict[str, Any]] = {
         "settings": {
             "display_name": tenant.display_name,
@@ -301,7 +303,7 @@ def render_tenant(
 
 
 def _unit(asked: str | None) -> str:
-    """A unit named in the page's address (after a save in tokens), else blocks."""
+    """The unit a save was made in (the page's flash: tokens), else blocks."""
     return asked if asked in UNITS else "blocks"
 
 

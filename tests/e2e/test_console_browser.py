@@ -1,9 +1,14 @@
 """The admin console in a real browser (Debian's Chromium under Playwright) and over plain HTTP.
 
 The walk is what an operator does on a first day: log in, create a tenant, give it a cache
-quota, create a key, watch real traffic arrive on the tenant's live chart, shrink the quota and
-see cached blocks go, and export the tenant's audit trail, which `prefixgate audit verify`
-checks. Every page it visits is saved as a screenshot under test-artifacts/console/.
+quota, create a key, watch real traffic arrive on the tenant's live chart and keys table,
+shrink the quota and see cached blocks go, and export the tenant's audit trail, which
+`prefixgate audit verify` checks. On the way it checks what a person saw wrong in a browser:
+the login form's fields and button apart, a clean address after a save, the chart's quota
+line at the new quota at once and its axis labelled, the keys' "Last used" live, the audit
+filter's tenant choice readable and its times in UTC. The browser runs in New York's time zone,
+so a time shown in the browser's own zone would not pass for UTC. Every console page the tests
+visit is saved as a screenshot under test-artifacts/console/.
 
 The focused tests pin the console's safety promises: a form without its CSRF token changes
 nothing; every page carries the CSP and has no inline script or style; the session cookie's
@@ -26,6 +31,7 @@ from datetime import UTC, datetime, timedelta
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import httpx
 import openai
@@ -44,7 +50,16 @@ from gateway.console.session import set_session_cookie
 from tenancy import key_format
 from tenancy.tenants import TenantLimits
 from tests.support.admin import admin_client
-from tests.support.browser import ConsoleSession, csrf_of, form_value, launch_chromium
+from tests.support.browser import (
+    ConsoleSession,
+    assert_no_focus_ring_touches_another_field,
+    assert_selects_show_their_options,
+    chart_end,
+    csrf_of,
+    form_value,
+    launch_chromium,
+    right_after_a_sample,
+)
 from tests.support.cli import Cli
 from tests.support.gateway import (
     ADMIN_PASSWORD,
@@ -61,6 +76,8 @@ from tests.support.gateway import (
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "console"
 LIVE_TIMEOUT_MS = 30_000  # samples every 0.5 s, the chart refreshes every 2 s; CI is slow
 OPERATOR_PASSWORD = "a long enough password"
+BROWSER_ZONE = "America/New_York"  # never UTC: a time in the browser's zone would show it
+UTC_TIME = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC$")  # as the console writes times
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +102,12 @@ def browser() -> Iterator[Browser]:
 def page(browser: Browser, console_gateway: Gateway) -> Iterator[Page]:
     """A fresh browser context (no cookies) on the console; the test fails if a script opens a
     dialog (an injected alert) or the page logs an error (a CSP violation, a script error)."""
-    context = browser.new_context(base_url=console_gateway.server.url, accept_downloads=True)
+    context = browser.new_context(
+        base_url=console_gateway.server.url,
+        accept_downloads=True,
+        timezone_id=BROWSER_ZONE,
+        locale="en-US",
+    )
     opened = context.new_page()
     dialogs: list[str] = []
     errors: list[str] = []
@@ -107,9 +129,14 @@ def page(browser: Browser, console_gateway: Gateway) -> Iterator[Page]:
     assert errors == [], f"the page logged errors (a CSP violation?): {errors}"
 
 
-def shot(page: Page, name: str) -> None:
+def shot(page: Page, name: str) -> Path:
+    """Save the whole page as test-artifacts/console/`name`.png (this run's, never a stale one)."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+    path = ARTIFACTS / f"{name}.png"
+    path.unlink(missing_ok=True)
+    page.screenshot(path=str(path), full_page=True)
+    assert path.stat().st_size > 0, path
+    return path
 
 
 def log_in(page: Page, username: str = ADMIN_USER, password: str = ADMIN_PASSWORD) -> None:
@@ -134,6 +161,10 @@ def y_ticks(page: Page) -> list[int]:
     (step,) = steps
     assert re.fullmatch(r"[125]0*", str(step)), labels
     return ticks
+
+
+def seconds_apart(shown: datetime, moment: datetime) -> float:
+    return abs((shown - moment).total_seconds())
 
 
 def assert_steps(points: str) -> None:
@@ -164,15 +195,20 @@ def passenger_turns(name: str) -> list[str]:
 def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     console_gateway: Gateway, page: Page, tmp_path: Path
 ) -> None:
+    started = datetime.now(UTC).replace(microsecond=0) - timedelta(seconds=1)
     page.goto("/admin")
     expect(page).to_have_url(re.compile(r"/admin/login\?reason=login$"))
     expect(page).to_have_title(re.compile("^Log in"))
     expect(page.locator(".notice")).to_have_text("Log in to continue.")
     expect(page.locator(".notice")).to_have_class("notice info")  # neutral, not a success
+    # Each field (label, input, hint) stands apart from the next and from the button: a focus
+    # ring never runs into the field below or above it.
+    assert_no_focus_ring_touches_another_field(page, "form[action='/admin/login']")
     shot(page, "01-login")
     log_in(page)
     expect(page).to_have_url(re.compile(r"/admin/tenants$"))
     expect(page.locator("#tenants-table")).to_contain_text("acme")
+    assert_selects_show_their_options(page)
     shot(page, "02-tenants")
 
     # A tenant, its quota (the page says what it means in bytes) and a key.
@@ -180,14 +216,30 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     page.get_by_label("Display name", exact=True).fill("Walkthrough Travel")
     page.get_by_role("button", name="Create tenant").click()
     expect(page.locator(".notice")).to_have_text("Tenant created.")
-    tenant_id = page.url.split("?")[0].rsplit("/", 1)[-1]
+    expect(page).to_have_url(re.compile(r"/admin/tenants/[0-9a-f-]{36}$"))  # no ?done=
+    tenant_id = page.url.rsplit("/", 1)[-1]
+    block_size = console_gateway.server.gateway.engine.pool.spec.block_size
     page.get_by_label("Quota", exact=True).fill("48")
-    page.get_by_label("Reservation", exact=True).fill("4")
+    page.get_by_label("Reservation", exact=True).fill(str(4 * block_size))
+    page.get_by_label("Reservation unit", exact=True).select_option("tokens")
     page.get_by_role("button", name="Save quota").click()
     expect(page.locator(".notice")).to_contain_text("Cache quota saved")
+    # The address is the tenant's page, nothing more; the form stays in the units it was in.
+    expect(page).to_have_url(re.compile(rf"/admin/tenants/{tenant_id}$"))
+    expect(page.get_by_label("Reservation unit", exact=True)).to_have_value("tokens")
+    assert_selects_show_their_options(page)  # the key's role, the units: whole
+    expect(page.get_by_label("Reservation", exact=True)).to_have_value(str(4 * block_size))
     bytes_per_block = console_gateway.server.gateway.engine.pool.spec.bytes_per_block
     expect(page.locator("#quota-meaning")).to_contain_text("48 blocks")
+    expect(page.locator("#quota-meaning")).to_contain_text("Reservation: 4 blocks")
     expect(page.locator("#quota-bytes")).to_have_text(format_bytes(48 * bytes_per_block))
+    # A reload shows the page, not the save again: no notice, and nothing was sent.
+    saved = console_gateway.last_audit_seq()
+    page.reload()
+    expect(page.locator("#quota-meaning")).to_contain_text("48 blocks")
+    expect(page.locator(".notice")).to_have_count(0)
+    expect(page).to_have_url(re.compile(rf"/admin/tenants/{tenant_id}$"))
+    assert [e.action for e in console_gateway.audit_events(saved)] == []
     page.get_by_label("Name", exact=True).fill("booking service")
     page.get_by_role("button", name="Create key").click()
     secret = page.locator("#new-key-secret").input_value()
@@ -204,11 +256,19 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     assert secret not in page.content()
     expect(page.locator("#keys-table")).to_contain_text("booking service")
     expect(page.locator("#keys-table tbody tr")).to_have_count(1)
+    last_used = page.locator("#keys-table td.last-used")
+    expect(last_used).to_have_text("—")  # never used yet
     expect(page.locator("#live-hit-ratio")).to_have_text("—")  # no prompt yet: no ratio
 
     # Real traffic with that key; the live chart and the hit ratio follow it.
     client = openai.OpenAI(base_url=console_gateway.base_url, api_key=secret, max_retries=0)
     chat(client, passenger_turns("Ana"))
+    # The keys table is live too: the key's first use shows without a reload, in UTC.
+    expect(last_used).to_have_text(UTC_TIME, timeout=LIVE_TIMEOUT_MS)
+    with admin_client(console_gateway) as api:
+        (key,) = api.get(f"/tenants/{tenant_id}/keys").json()
+    used_at = datetime.fromisoformat(key["last_used_at"]).astimezone(UTC)
+    expect(last_used).to_have_text(used_at.strftime("%Y-%m-%d %H:%M:%S UTC"))
     cached_line = page.locator("#usage-chart polyline.series-cached")
     expect(cached_line).not_to_have_attribute("data-points", "0", timeout=LIVE_TIMEOUT_MS)
     points_before = int(cached_line.get_attribute("data-points") or 0)
@@ -236,13 +296,38 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     # tenant was created with, nor twice anything.
     expect(page.locator("#usage-chart")).to_have_attribute("data-y-max", "50")
     assert y_ticks(page) == [0, 10, 20, 30, 40, 50]
+    # The axes say what they count; the title sits left of the tick labels, inside the chart.
+    for chart, unit in (("#usage-chart", "blocks"), ("#hit-chart", "hit ratio")):
+        title = page.locator(f"{chart} text.axis-title")
+        expect(title).to_have_text(unit)
+        box, frame = title.bounding_box(), page.locator(chart).bounding_box()
+        ticks = [tick.bounding_box() for tick in page.locator(f"{chart} text.tick-y").all()]
+        assert box is not None and frame is not None and all(ticks)
+        assert frame["x"] <= box["x"] and box["x"] + box["width"] <= min(
+            tick["x"] for tick in ticks if tick is not None
+        ), (unit, box, ticks)
+    # The refresh time is the server's, in UTC (the browser's clock is New York's).
+    expect(page.locator("#chart-status")).to_have_text(re.compile(r"last at \d\d:\d\d:\d\d UTC\.$"))
+    status = page.locator("#chart-status").inner_text()
+    at = re.search(r"(\d\d):(\d\d):(\d\d) UTC", status)
+    assert at is not None
+    now = datetime.now(UTC)
+    shown = now.replace(hour=int(at.group(1)), minute=int(at.group(2)), second=int(at.group(3)))
+    assert min(seconds_apart(shown + timedelta(days=d), now) for d in (-1, 0, 1)) < 60, status
     shot(page, "04-tenant-live")
 
-    # Shrinking the quota evicts this tenant's cached blocks at once.
+    # Shrinking the quota evicts this tenant's cached blocks at once. Saved just after the
+    # usage history's sample, the first drawing of the page after the save already ends the
+    # quota line at the new quota (what the card above says), not at the sample's old one.
     page.get_by_label("Quota", exact=True).fill("2")
     page.get_by_label("Reservation", exact=True).fill("0")
+    right_after_a_sample(console_gateway, tenant_id)
     page.get_by_role("button", name="Save quota").click()
     expect(page.locator(".notice")).to_contain_text("Cache quota saved")
+    expect(page.locator("#live-quota-blocks")).to_have_text("2")
+    expect(page.locator("#usage-chart")).not_to_have_attribute("data-samples", "0")  # drawn
+    assert chart_end(page, "series-quota") == 2
+    assert chart_end(page, "series-reserved") == 0
     assert number_in(page, "#live-cached-blocks") <= 2
     expect(page.locator("#live-quota-blocks")).to_have_text("2", timeout=LIVE_TIMEOUT_MS)
     stats = console_gateway.server.gateway.engine.cache_stats().owners[tenant_id]
@@ -263,20 +348,48 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     shot(page, "05-tenant-quota-shrunk")
 
     # The other pages an operator uses.
+    page.get_by_role("link", name="Suspend…").click()
+    expect(page.locator("#confirm-action")).to_have_text("Yes, suspend walkthrough")
+    shot(page, "05b-tenant-confirm")
     page.get_by_role("link", name="Public prefixes").click()
     expect(page.locator("#prefixes-table")).to_contain_text("airline")
     shot(page, "06-prefixes")
+    page.get_by_role("link", name="Delete default/airline").click()
+    expect(page.locator("#confirm-action")).to_have_text("Yes, delete it")
+    shot(page, "06b-prefix-delete")
     page.get_by_role("link", name="Operators").click()
     expect(page.locator("#operators-table")).to_contain_text(ADMIN_USER)
+    assert_selects_show_their_options(page)
     shot(page, "07-operators")
+    page.get_by_role("link", name="My account", exact=True).click()
+    expect(page.get_by_label("Current password", exact=True)).to_be_visible()
+    shot(page, "07b-account")
+    # In a page of its own: the browser logs the 404 as an error, which `page` would refuse.
+    missing = page.context.new_page()
+    missing.goto(f"/admin/tenants/{uuid.uuid4()}")
+    expect(missing.locator("h1")).to_have_text("Not found (404)")
+    shot(missing, "07c-not-found")
+    missing.close()
 
     # The tenant's audit trail, filtered on the page, downloaded, verified by the CLI.
     console_gateway.server.gateway.audit.join()  # this tenant's request events are written
     page.get_by_role("link", name="Audit log").click()
     expect(page.locator("#chain-status")).to_contain_text("verified")
+    expect(page.get_by_label("Tenant", exact=True)).to_have_value("")
+    assert_selects_show_their_options(page)  # "All tenants and global events", whole
     page.get_by_label("Tenant", exact=True).select_option(label="walkthrough")
+    # The times are UTC as the labels say, whatever the browser's zone: a time typed with
+    # New York's offset comes back as the same moment written in UTC, as the table writes it.
+    since = page.get_by_label("From (UTC)", exact=True)
+    expect(since).to_have_attribute("type", "text")  # not the browser's local date picker
+    since.fill(started.astimezone(ZoneInfo(BROWSER_ZONE)).isoformat())
     page.get_by_role("button", name="Apply filters").click()
+    expect(since).to_have_value(started.strftime("%Y-%m-%d %H:%M:%S UTC"))
     expect(page.locator("#audit-table")).to_contain_text("tenant.set_quota")
+    newest = page.locator("#audit-table tr.event td").nth(1).inner_text()
+    assert UTC_TIME.match(newest.replace("\n", " ")), newest
+    shown = datetime.strptime(newest.replace("\n", " "), "%Y-%m-%d %H:%M:%S UTC")
+    assert seconds_apart(shown.replace(tzinfo=UTC), datetime.now(UTC)) < 300, newest
     shot(page, "08-audit")
     with page.expect_download() as downloading:
         page.locator("#export-jsonl").click()
@@ -285,6 +398,7 @@ def test_operator_walks_the_console_from_login_to_a_verified_audit_export(
     records = [json.loads(line) for line in exported.read_text().splitlines()]
     events = [record for record in records if record["record"] == "event"]
     assert {event["tenant_id"] for event in events} == {tenant_id}
+    assert min(datetime.fromisoformat(event["time"]) for event in events) >= started
     actions = {event["action"] for event in events}
     assert {"tenant.create", "tenant.set_quota", "api_key.create", "inference.chat"} <= actions
     runner = Cli(console_gateway.database_url, tmp_path / "cli-state")
@@ -704,7 +818,8 @@ def test_suspend_resume_and_delete_ask_first(console_gateway: Gateway) -> None:
         assert console.post(f"{page}/resume", {"confirmed": "yes"}).status_code == 303
         assert status() == "active"
         deleted = console.post(f"{page}/delete", {"confirmed": "yes"})
-        assert deleted.headers["location"] == "/admin/tenants?done=tenant_deleted"
+        assert deleted.headers["location"] == "/admin/tenants"
+        assert "Tenant deleted" in console.get("/admin/tenants").text
         assert status() == "gone"
         assert console.get(page).status_code == 404
 
@@ -830,7 +945,7 @@ def test_public_prefixes_show_their_size_and_are_disabled_and_deleted(
         form = {"namespace": "default", "name": name, "text": "Be brief."}
         added = console.post("/admin/prefixes", form)
         assert added.status_code == 303
-        assert "done=prefix_added_unshared" in added.headers["location"]
+        assert added.headers["location"] == "/admin/prefixes"  # the flash is in a cookie
         listed = console.get(added.headers["location"]).text
         # Added, but not shared: the flash is a warning that says why, and so is its state.
         flash = re.search(r'<p class="notice ([a-z]+)" role="status">([^<]*)</p>', listed)
@@ -916,7 +1031,8 @@ def test_my_account_asks_for_the_current_password(console_gateway: Gateway) -> N
         changed = me.post("/admin/account/password",
                           {**change, "current_password": OPERATOR_PASSWORD})  # fmt: skip
         assert changed.status_code == 303
-        assert changed.headers["location"] == "/admin/account?done=password_changed"
+        assert changed.headers["location"] == "/admin/account"
+        assert "Password changed" in me.get("/admin/account").text
     with ConsoleSession(console_gateway, username, new_password) as me:
         assert me.get("/admin/account").status_code == 200
 
@@ -962,7 +1078,16 @@ def test_a_quota_saved_in_tokens_comes_back_in_tokens(console_gateway: Gateway) 
                 "reservation_unit": "blocks"}  # fmt: skip
         saved = console.post(f"/admin/tenants/{tenant_id}/quota", form)
         assert saved.status_code == 303
+        # What was done, and in which units, goes to the next page in a cookie, not the address.
+        assert saved.headers["location"] == f"/admin/tenants/{tenant_id}"
+        elsewhere = console.get("/admin/tenants").text  # the flash is the tenant page's only
+        assert "Cache quota saved" not in elsewhere
+        saved = console.post(f"/admin/tenants/{tenant_id}/quota", form)
         page = console.get(saved.headers["location"]).text
+        assert "Cache quota saved" in page
+        reloaded = console.get(saved.headers["location"]).text  # shown once
+        assert "Cache quota saved" not in reloaded
+        assert '<option value="blocks" selected>' in reloaded.split('id="quota-quota_unit"')[1]
         quota_blocks = -(-1000 // block_size)  # rounded up to whole blocks
         assert api.get(f"/tenants/{tenant_id}").json()["quota"]["blocks"] == quota_blocks
         quota = re.search(r'<input id="quota-quota"[^>]*value="([^"]*)"', page)

@@ -1,19 +1,23 @@
-// The tenant page's live usage chart: every 2 s it fetches the console's usage.json for the
-// tenant (the admin API's tenant usage) and redraws two inline SVG charts (cache blocks against
-// quota and reservation; hit ratio per sample), the numbers above them and the table of the
-// tenant's usage in each model's pool. No library, no inline
-// script: the CSP allows scripts from this origin only, and every visual property is an SVG
-// attribute or a CSS class.
+// The tenant page's live parts: every 2 s it fetches the console's usage.json for the tenant
+// (the admin API's tenant usage, the server's time and its keys' last use) and redraws two
+// inline SVG charts (cache blocks against quota and reservation; hit ratio per sample), the
+// numbers above them, the table of the tenant's usage in each model's pool and the keys table's
+// "Last used" column. No library, no inline script: the CSP allows scripts from this origin
+// only, and every visual property is an SVG attribute or a CSS class.
 //
-// The blocks chart's y-axis fits what the operator needs to see: the largest cached, active or
-// reserved count in the window, or the quota now, whichever is higher, rounded up to a 1-2-5
-// step (so the ticks are round numbers). An older, larger quota does not stretch the axis (its
-// line comes down from above the plot, which clips it). Quota and reservation change at a
-// moment, so they are drawn as steps (level, then straight down or up), not as slanted ramps.
+// The charts' time axis ends at the server's "now", and the blocks chart's lines end there at
+// the blocks, quota and reservation of now (what the numbers above say), so a quota saved a
+// moment ago is drawn at once, not when the usage history takes its next sample. The blocks
+// chart's y-axis (in blocks, as its title says) fits what the operator needs to see: the
+// largest cached, active or reserved count in the window, or the quota now, whichever is
+// higher, rounded up to a 1-2-5 step (so the ticks are round numbers). An older, larger quota
+// does not stretch the axis (its line comes down from above the plot, which clips it). Quota
+// and reservation change at a moment, so they are drawn as steps (level, then straight down or
+// up), not as slanted ramps. Times are shown in UTC, as everywhere in the console.
 (function () {
   "use strict";
   var SVG = "http://www.w3.org/2000/svg";
-  var WIDTH = 640, LEFT = 48, RIGHT = 12, TOP = 12, BOTTOM = 24;
+  var WIDTH = 640, LEFT = 64, RIGHT = 12, TOP = 12, BOTTOM = 24;
   var MIN_SPAN_S = 30; // a young history still reads as a timeline, not a cliff at the edge
 
   function element(name, attributes, text) {
@@ -41,7 +45,8 @@
     return { max: Math.ceil(top / step - 1e-9) * step, step: step };
   }
 
-  function frame(svg, height, axis, yLabel, tStart, tEnd) {
+  // The grid, the axes and their labels; `unit` names what the y-axis counts.
+  function frame(svg, height, axis, yLabel, unit, tStart, tEnd) {
     var plotHeight = height - TOP - BOTTOM;
     var intervals = Math.round(axis.max / axis.step);
     for (var i = 0; i <= intervals; i++) {
@@ -51,6 +56,9 @@
       svg.appendChild(element("text", { x: LEFT - 6, y: y + 4, "text-anchor": "end", "class": "tick tick-y" }, yLabel(value)));
     }
     svg.appendChild(element("line", { x1: LEFT, x2: LEFT, y1: TOP, y2: TOP + plotHeight, "class": "axis" }));
+    // Written up the y-axis (rotated about the origin, so x runs along the axis, upwards).
+    var middle = TOP + plotHeight / 2;
+    svg.appendChild(element("text", { x: -middle, y: 14, transform: "rotate(-90)", "text-anchor": "middle", "class": "axis-title" }, unit));
     svg.appendChild(element("line", { x1: LEFT, x2: WIDTH - RIGHT, y1: TOP + plotHeight, y2: TOP + plotHeight, "class": "axis" }));
     var span = Math.max(1, tEnd - tStart);
     svg.appendChild(element("text", { x: LEFT, y: height - 6, "class": "tick" }, "−" + ago(span)));
@@ -81,7 +89,8 @@
   }
 
   // A polyline through the samples' values; as `steps`, each value holds until the next sample
-  // (level to its time, then straight to its value). `data-points` counts the samples drawn.
+  // (level to its time, then straight to its value). `data-points` counts the samples drawn
+  // (not the point of now that ends a line).
   function line(svg, samples, scale, pick, className, clip, steps) {
     var points = [], drawn = 0, previous = null;
     samples.forEach(function (sample) {
@@ -90,7 +99,7 @@
       if (steps && previous !== null && previous !== value) { points.push(scale(sample.t, previous)); }
       points.push(scale(sample.t, value));
       previous = value;
-      drawn += 1;
+      if (!sample.now) { drawn += 1; }
     });
     var attributes = { points: points.join(" "), "class": className, "clip-path": clip };
     attributes["data-points"] = String(drawn);
@@ -98,34 +107,40 @@
     return points;
   }
 
-  function drawBlocks(svg, samples) {
+  // The time axis: from the oldest sample (or at least MIN_SPAN_S back) to the server's now.
+  function timeSpan(samples, tEnd) {
+    return samples.length ? Math.min(samples[0].t, tEnd - MIN_SPAN_S) : tEnd - MIN_SPAN_S;
+  }
+
+  // `now`: the tenant's blocks at the server's time `now.t`, where the lines end.
+  function drawBlocks(svg, samples, now) {
     var height = 220;
     clear(svg);
-    var tEnd = samples.length ? samples[samples.length - 1].t : 0;
-    var tStart = samples.length ? Math.min(samples[0].t, tEnd - MIN_SPAN_S) : -MIN_SPAN_S;
-    var top = samples.length ? samples[samples.length - 1].quota_blocks : 0;
-    samples.forEach(function (s) {
+    var tEnd = now.t, tStart = timeSpan(samples, tEnd);
+    var top = now.quota_blocks;
+    samples.concat([now]).forEach(function (s) {
       top = Math.max(top, s.cached_blocks, s.active_blocks, s.reserved_blocks);
     });
     var axis = niceAxis(top, 1);
-    var clip = frame(svg, height, axis, number, tStart, tEnd);
+    var clip = frame(svg, height, axis, number, "blocks", tStart, tEnd);
     var scale = scaler(height, axis.max, tStart, tEnd);
-    line(svg, samples, scale, function (s) { return s.quota_blocks; }, "series-quota", clip, true);
-    line(svg, samples, scale, function (s) { return s.reserved_blocks; }, "series-reserved", clip, true);
-    line(svg, samples, scale, function (s) { return s.active_blocks; }, "series-active", clip, false);
-    line(svg, samples, scale, function (s) { return s.cached_blocks; }, "series-cached", clip, false);
+    var series = samples.length ? samples.concat([now]) : [];
+    line(svg, series, scale, function (s) { return s.quota_blocks; }, "series-quota", clip, true);
+    line(svg, series, scale, function (s) { return s.reserved_blocks; }, "series-reserved", clip, true);
+    line(svg, series, scale, function (s) { return s.active_blocks; }, "series-active", clip, false);
+    line(svg, series, scale, function (s) { return s.cached_blocks; }, "series-cached", clip, false);
     if (!samples.length) {
       svg.appendChild(element("text", { x: WIDTH / 2, y: height / 2, "text-anchor": "middle", "class": "empty-note" }, "No samples yet"));
     }
     svg.setAttribute("data-samples", String(samples.length));
   }
 
-  function drawRatio(svg, samples) {
+  function drawRatio(svg, samples, tEnd) {
     var height = 140;
     clear(svg);
-    var tEnd = samples.length ? samples[samples.length - 1].t : 0;
-    var tStart = samples.length ? Math.min(samples[0].t, tEnd - MIN_SPAN_S) : -MIN_SPAN_S;
-    var clip = frame(svg, height, { max: 1, step: 0.25 }, function (v) { return Math.round(v * 100) + "%"; }, tStart, tEnd);
+    var tStart = timeSpan(samples, tEnd);
+    var percent = function (v) { return Math.round(v * 100) + "%"; };
+    var clip = frame(svg, height, { max: 1, step: 0.25 }, percent, "hit ratio", tStart, tEnd);
     var scale = scaler(height, 1, tStart, tEnd);
     var points = line(svg, samples, scale, function (s) { return s.hit_ratio; }, "series-ratio", clip, false);
     points.forEach(function (point) {
@@ -133,6 +148,17 @@
       svg.appendChild(element("circle", { cx: xy[0], cy: xy[1], r: 2.5, "class": "point-ratio" }));
     });
     svg.setAttribute("data-samples", String(points.length));
+  }
+
+  // The keys table's "Last used" column (the server writes the time as the page does, in UTC).
+  function showKeys(keys) {
+    var lastUsed = {};
+    keys.forEach(function (key) { lastUsed[key.key_id] = key.last_used; });
+    Array.prototype.forEach.call(document.querySelectorAll("#keys-table tr[data-key-id]"), function (row) {
+      var cell = row.querySelector("td.last-used");
+      var id = row.getAttribute("data-key-id");
+      if (cell && Object.prototype.hasOwnProperty.call(lastUsed, id)) { cell.textContent = lastUsed[id]; }
+    });
   }
 
   function setText(id, text) {
@@ -198,10 +224,21 @@
         })
         .then(function (usage) {
           usage.samples.forEach(function (sample) { sample.t = Date.parse(sample.time) / 1000; });
-          drawBlocks(blocks, usage.samples);
-          drawRatio(ratio, usage.samples);
+          var now = {
+            now: true,
+            t: Date.parse(usage.now) / 1000,
+            cached_blocks: usage.cache.cached_blocks,
+            active_blocks: usage.cache.active_blocks,
+            reserved_blocks: usage.cache.reserved_blocks,
+            quota_blocks: usage.cache.quota_blocks
+          };
+          drawBlocks(blocks, usage.samples, now);
+          drawRatio(ratio, usage.samples, now.t);
           showNow(usage.cache, usage.summary);
-          setText("chart-status", "Live: refreshed every " + interval / 1000 + " seconds; last at " + new Date().toLocaleTimeString() + ".");
+          showKeys(usage.keys);
+          // The server's time of the data (ISO 8601, UTC), as hh:mm:ss.
+          var at = new Date(now.t * 1000).toISOString().slice(11, 19);
+          setText("chart-status", "Live: refreshed every " + interval / 1000 + " seconds; last at " + at + " UTC.");
         })
         .catch(function (error) {
           if (error.message === "session" || error.message === "404") {
