@@ -130,7 +130,19 @@ class KVCacheManager:
         counters = self.quotas.tally(request.tenant_id)
         counters.prompt_tokens += sequence.chain.num_tokens
         counters.cached_tokens += hit.cached_tokens
+        self._tally_public(sequence, hit.blocks)
         return None
+
+    def _tally_public(self, sequence: CacheSequence, hits: list[Block]) -> None:
+        """The public budget's reuse: the prompt's tokens in whole public blocks, and those
+        read from cached public blocks (a tenant's counters hold all of its prompt)."""
+        full = sequence.chain.num_tokens // self.block_size
+        public = sum(1 for scope in sequence.chain.scopes[:full] if isinstance(scope, Public))
+        if public:
+            counters = self.quotas.tally(PUBLIC_OWNER)
+            counters.prompt_tokens += public * self.block_size
+            read = sum(1 for block in hits if block.owner is PUBLIC_OWNER)
+            counters.cached_tokens += read * self.block_size
 
     def fork(self, parent_id: str, child: CacheRequest, chain: KeyChain) -> Refusal | None:
         """Admit `child`, whose tokens (`chain`) are exactly the parent's computed ones, on

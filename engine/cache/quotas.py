@@ -40,7 +40,12 @@ EvictionCause = Literal["own", "pressure"]
 
 @dataclass(slots=True)
 class OwnerCounters:
-    """Running totals for one owner (a tenant or the public budget)."""
+    """Running totals for one owner (a tenant or the public budget).
+
+    A tenant's prompt and cached tokens are all of its requests' (public blocks they read
+    included); the public budget's are the prompt tokens in public blocks, of any tenant's
+    request, and those read from its cached blocks.
+    """
 
     prompt_tokens: int = 0
     cached_tokens: int = 0

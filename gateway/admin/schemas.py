@@ -218,7 +218,10 @@ class PoolBlocks(BaseModel):
     quota_blocks: int
     prompt_tokens: int
     cached_tokens: int
-    hit_ratio: float = Field(description="Cached tokens over prompt tokens (0 without prompts)")
+    hit_ratio: float = Field(
+        description="Cached tokens over prompt tokens (the public budget's: of the prompt tokens "
+        "in public blocks, those read from cache); 0 without prompts"
+    )
 
     @classmethod
     def of(cls, stats: OwnerStats, **identity: object) -> Self:

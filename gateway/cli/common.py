@@ -21,6 +21,7 @@ from tenancy.errors import TenancyError
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from pydantic import ValidationError
     from sqlalchemy.orm import Session
 
     from gateway.settings import Settings
@@ -93,10 +94,27 @@ def load_settings(**overrides: Any) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as error:
-        first = error.errors()[0]
-        reason = first.get("ctx", {}).get("error") or first["msg"]
-        where = ".".join(map(str, first["loc"]))  # empty for a rule across settings
+        where, reason = setting_problems(error)[0]
         fail(f"setting {where}: {reason}" if where else f"settings: {reason}")
+    except UnicodeDecodeError as error:
+        env_file_unreadable(error)
+
+
+def env_file_unreadable(error: UnicodeDecodeError) -> NoReturn:
+    """The one line for a .env that is not text (the only bytes settings decode are .env's)."""
+    fail(f"cannot read .env in the working directory: not UTF-8 text at byte {error.start}")
+
+
+def setting_problems(error: ValidationError) -> list[tuple[str, str]]:
+    """What the settings' validation refused: each problem's setting (dotted, empty for a rule
+    across settings) and its reason."""
+    return [
+        (
+            ".".join(map(str, problem["loc"])),
+            str(problem.get("ctx", {}).get("error") or problem["msg"]),
+        )
+        for problem in error.errors()
+    ]
 
 
 def check_engine_settings(settings: Settings, model: Path | None) -> None:

@@ -84,19 +84,18 @@ def plan(
     typer.echo("Saved prefill tokens are not saved time: the suffix still attends over the prefix.")
 
 
-@app.command()
+@app.command(short_help="Chat as three users of two tenants through the prefix cache.")
 def demo(
     model: Annotated[
         Path | None, typer.Option(help="A local model directory (default: embedded).")
     ] = None,
 ) -> None:
-    """Chat as several tenants through the prefix cache and show what each turn reused."""
+    """Chat as three users of two tenants through the prefix cache; show what each turn reused."""
     from rich.console import Console
     from rich.table import Table
 
-    from engine.cache.budget import describe_owner
     from engine.model.loader import ModelLoadError
-    from gateway.cli.engine_demo import run_demo
+    from gateway.cli.engine_demo import reuse_lines, run_demo
     from gateway.runtime.engine_setup import check_engine, load_configured_model
 
     settings = load_settings()
@@ -125,19 +124,15 @@ def demo(
             f"{turn.ttft_s * 1000:.0f} ms",
         )
     console.print(table)
-    for owner, owner_stats in sorted(stats.owners.items(), key=lambda item: str(item[0])):
-        if owner_stats.cached_blocks or owner_stats.counters.prompt_tokens:
-            console.print(
-                f"{describe_owner(owner)}: {owner_stats.cached_blocks} cached blocks, "
-                f"reuse {owner_stats.counters.reuse:.0%}"
-            )
+    for line in reuse_lines(stats):
+        console.print(line)
     console.print(
         f"{stats.blocks_zeroed} blocks zeroed in {stats.zero_operations} batched operations. "
         "Alice's second turn reuses her first; Bob and Carol reuse only the public system prompt."
     )
 
 
-@app.command()
+@app.command(short_help="Stream one chat answer from the paged engine.")
 def generate(
     prompt: Annotated[str, typer.Option(help="The user message.")],
     model: Annotated[

@@ -1,8 +1,9 @@
-"""The engine's demo: a few tenants chatting with the embedded model through the prefix cache.
+"""The engine's demo: three users of two tenants (alice and bob of acme, carol of globex)
+chatting with the embedded model through the prefix cache.
 
 A shared system prompt is scoped public, everything else private to the user, the way the
-policy module will scope them. The demo shows which prompt tokens each request reused and
-what that did to its time to first token.
+policy module will scope them. The demo shows which prompt tokens each request reused, what
+that did to its time to first token, and how much each owner of cached blocks was reused.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from engine.cache.budget import PUBLIC_OWNER, describe_owner
 from engine.cache.scope import Public, Segment, User
 from engine.cache.stats import CacheStats
 from engine.config import EngineConfig
@@ -103,3 +105,20 @@ def run_demo(
             )
     engine.stop()
     return turns, engine.cache_stats()
+
+
+def reuse_lines(stats: CacheStats) -> list[str]:
+    """One line per owner with cached blocks or prompts: its blocks and their reuse. A
+    tenant's reuse is of all its prompt tokens; the public budget's, of the prompt tokens in
+    public blocks (any tenant's), those read from its cached blocks."""
+    lines = []
+    for owner, owner_stats in sorted(stats.owners.items(), key=lambda item: str(item[0])):
+        counters = owner_stats.counters
+        if not (owner_stats.cached_blocks or counters.prompt_tokens):
+            continue
+        which = "prompt tokens in public blocks" if owner is PUBLIC_OWNER else "prompt tokens"
+        lines.append(
+            f"{describe_owner(owner)}: {owner_stats.cached_blocks} cached blocks, reuse "
+            f"{counters.reuse:.0%} ({counters.cached_tokens} of {counters.prompt_tokens} {which})"
+        )
+    return lines

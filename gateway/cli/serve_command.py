@@ -8,20 +8,23 @@ from typing import Annotated, Any
 import typer
 
 from gateway.cli.common import app, check_engine_settings, fail, load_settings, opened_store
+from gateway.cli.settings_command import SettingOptionsCommand
 
 DEMO_TENANT = "demo"
 DEMO_ADMIN = "admin"
 
 
-@app.command()
+# Options named after a setting show the default in effect here (SettingOptionsCommand).
+@app.command(cls=SettingOptionsCommand, short_help="Serve the OpenAI-compatible API.")
 def serve(
     host: Annotated[str | None, typer.Option(help="Interface to listen on.")] = None,
     port: Annotated[int | None, typer.Option(help="Port to listen on.")] = None,
-    model: Annotated[
-        Path | None, typer.Option(help="A local model directory (default: embedded SmolLM2).")
+    model_dir: Annotated[
+        Path | None,
+        typer.Option("--model", help="A local model directory (unset: the embedded SmolLM2)."),
     ] = None,
     served_model_name: Annotated[
-        str | None, typer.Option(help="Model id clients use (default: the directory name).")
+        str | None, typer.Option(help="Model id clients use (unset: the directory name).")
     ] = None,
     workers: Annotated[
         str | None,
@@ -42,8 +45,8 @@ def serve(
     """Serve the OpenAI-compatible API (settings from PREFIXGATE_* and .env).
 
     Every setting is a PREFIXGATE_* environment variable (or a line in .env); the options
-    below override the most used ones. `prefixgate settings` lists them all with their
-    defaults.
+    below override the most used ones. `prefixgate settings` lists them all with the values
+    in effect and their defaults.
     """
     import uvicorn
 
@@ -55,7 +58,7 @@ def serve(
     overrides: dict[str, Any] = {
         "host": host,
         "port": port,
-        "model_dir": model,
+        "model_dir": model_dir,
         "served_model_name": served_model_name,
         "workers": workers,
     }
@@ -64,7 +67,7 @@ def serve(
         load_policy(settings.policy_file)
     except PolicyFileError as error:
         fail(str(error))
-    check_engine_settings(settings, model)
+    check_engine_settings(settings, model_dir)
     try:
         check_workers(settings)
     except ValueError as error:

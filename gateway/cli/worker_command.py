@@ -8,22 +8,32 @@ from typing import Annotated, Any
 import typer
 
 from gateway.cli.common import app, check_engine_settings, fail, load_settings
+from gateway.cli.settings_command import SettingOptionsCommand
 
 DEFAULT_WORKER_PORT = 8001
 
 
-@app.command()
+# Options named after a setting show the default in effect here (SettingOptionsCommand); the
+# port is the worker's own, so that a gateway's PREFIXGATE_PORT (one .env for both) is not it.
+@app.command(
+    cls=SettingOptionsCommand, short_help="Serve one engine to gateways (`serve --workers`)."
+)
 def worker(
     host: Annotated[str | None, typer.Option(help="Interface to listen on.")] = None,
     port: Annotated[
-        int, typer.Option(help="Port to listen on (the worker API, for gateways only).")
+        int,
+        typer.Option(
+            help="Port to listen on (the worker API, for gateways only; PREFIXGATE_PORT is "
+            "the gateway's and does not apply)."
+        ),
     ] = DEFAULT_WORKER_PORT,
-    model: Annotated[
-        Path | None, typer.Option(help="A local model directory (default: embedded SmolLM2).")
+    model_dir: Annotated[
+        Path | None,
+        typer.Option("--model", help="A local model directory (unset: the embedded SmolLM2)."),
     ] = None,
     served_model_name: Annotated[
         str | None,
-        typer.Option(help="The model id clients send for it (default: the directory's name)."),
+        typer.Option(help="The model id clients send for it (unset: the directory's name)."),
     ] = None,
 ) -> None:
     """Serve one engine to gateways over mutual TLS (needs PREFIXGATE_WORKER_SECRET,
@@ -42,7 +52,7 @@ def worker(
     overrides: dict[str, Any] = {
         "host": host,
         "port": port,
-        "model_dir": model,
+        "model_dir": model_dir,
         "served_model_name": served_model_name,
     }
     settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
@@ -55,7 +65,7 @@ def worker(
         https = {} if tls is None else tls.server_options()
     except WorkerTLSError as error:
         fail(str(error))
-    check_engine_settings(settings, model)
+    check_engine_settings(settings, model_dir)
     application = create_worker_app(settings, announce=typer.echo)
     config = uvicorn.Config(
         application,

@@ -41,8 +41,15 @@ def test_shared_system_prompt_leaves_exactly_208896_fresh_tokens() -> None:
 
     assert fresh_tokens == 208_896
     stats = snapshot(manager)
-    cached = sum(owner.counters.cached_tokens for owner in stats.owners.values())
-    prompt = sum(owner.counters.prompt_tokens for owner in stats.owners.values())
+    tenants = [stats for owner, stats in stats.owners.items() if owner is not PUBLIC_OWNER]
+    cached = sum(owner.counters.cached_tokens for owner in tenants)
+    prompt = sum(owner.counters.prompt_tokens for owner in tenants)
     assert cached == REQUESTS * PREFIX_TOKENS == 409_600
     assert prompt - cached == fresh_tokens
-    assert stats.owners[PUBLIC_OWNER].cached_blocks == PREFIX_TOKENS // 16
+    public = stats.owners[PUBLIC_OWNER]
+    assert public.cached_blocks == PREFIX_TOKENS // 16
+    # The public budget's reuse: every request's prompt tokens in public blocks, and those
+    # read from its cache (all but the warm-up's).
+    assert public.counters.prompt_tokens == (REQUESTS + 1) * PREFIX_TOKENS
+    assert public.counters.cached_tokens == REQUESTS * PREFIX_TOKENS
+    assert round(public.counters.reuse, 4) == round(100 / 101, 4)

@@ -48,26 +48,29 @@ def test_settings_defaults_are_those_a_fresh_process_would_use(cli: Cli, tmp_pat
 
 
 def test_settings_text_shows_each_variable_with_its_default(cli: Cli) -> None:
-    # Descriptions are indented under their variable; variable lines start with the prefix.
+    # Descriptions are indented under their variable; variable lines start with the prefix,
+    # then the value in effect and where it comes from.
     lines = cli.ok("settings").splitlines()
     by_variable = dict(line.split(maxsplit=1) for line in lines if line.startswith("PREFIXGATE_"))
     assert list(by_variable) == [f"PREFIXGATE_{name.upper()}" for name in Settings.model_fields]
-    assert by_variable["PREFIXGATE_PORT"] == "8000"
-    assert by_variable["PREFIXGATE_ENABLE_PREFIX_CACHING"] == "true"
-    assert by_variable["PREFIXGATE_MODEL_DIR"] == "(unset)"
-    assert by_variable["PREFIXGATE_TRUSTED_PROXIES"] == "(empty)"
+    assert by_variable["PREFIXGATE_PORT"] == "8000  (default)"
+    assert by_variable["PREFIXGATE_ENABLE_PREFIX_CACHING"] == "true  (default)"
+    assert by_variable["PREFIXGATE_MODEL_DIR"] == "(unset)  (default)"
+    assert by_variable["PREFIXGATE_TRUSTED_PROXIES"] == "(empty)  (default)"
 
 
 def test_settings_list_works_while_the_configuration_is_invalid(cli: Cli) -> None:
     cli.env["PREFIXGATE_PORT"] = "http"  # what someone looking up the settings may have
-    assert "PREFIXGATE_PORT" in cli.ok("settings")
+    listed = cli.ok("settings")
+    assert "PREFIXGATE_PORT" in listed
+    assert "    refused: Input should be a valid integer" in listed  # and it says what is wrong
     assert "setting port:" in cli.error("tenants", "list")  # others refuse it
 
 
 def test_serve_help_says_settings_are_variables_and_points_to_their_list(cli: Cli) -> None:
     help_text = " ".join(cli.ok("serve", "--help").split())
     assert "Every setting is a PREFIXGATE_* environment variable" in help_text
-    assert "`prefixgate settings` lists them all with their defaults" in help_text
+    assert "`prefixgate settings` lists them all with the values in effect" in help_text
 
 
 def cli_json(cli: Cli) -> list[dict[str, object]]:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from engine.cache.budget import PUBLIC_OWNER
 from engine.model.loader import LoadedModel
-from gateway.cli.engine_demo import run_demo
+from gateway.cli.engine_demo import SYSTEM_PROMPT, render, run_demo
 
 
 def prefixgate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -44,6 +48,44 @@ def test_demo_reuses_own_turns_and_only_the_public_prompt_across_users(
     assert 0 < bob.cached_tokens < alice_first.prompt_tokens - 16
     assert carol.cached_tokens == bob.cached_tokens
     assert stats.blocks_zeroed > 0
+    # The public budget counts the prompt tokens in its blocks, and those read from cache:
+    # every turn but Alice's first read all of the public system prompt's whole blocks.
+    public = stats.owners[PUBLIC_OWNER].counters
+    assert public.prompt_tokens > 0 and public.prompt_tokens % (4 * 16) == 0
+    assert public.cached_tokens * 4 == public.prompt_tokens * 3
+
+
+def test_demo_reports_the_public_prompts_reuse_by_the_blocks_read(
+    smollm2_dir: Path, smollm2_tokenizer: Any
+) -> None:
+    # Three requests after Alice's first read the public system prompt's blocks: 75%, not the
+    # 0% of public counters that counted nothing (every count went to the tenant that asked).
+    system_message = {"role": "system", "content": SYSTEM_PROMPT}
+    system = render(smollm2_tokenizer, [system_message], False)
+    public = len(system) // 16 * 16
+    completed = subprocess.run(
+        [shutil.which("prefixgate") or f"{sys.prefix}/bin/prefixgate", "demo"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "300"},
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr
+    lines = completed.stdout.splitlines()
+    assert (
+        f"the public budget: {public // 16} cached blocks, reuse 75% ({3 * public} of "
+        f"{4 * public} prompt tokens in public blocks)"
+    ) in lines
+    # Each tenant's reuse counts all its prompts, the public blocks it read included.
+    tenants = [line for line in lines if line.startswith("tenant ")]
+    assert len(tenants) == 2
+    assert re.fullmatch(
+        r"tenant 'acme': \d+ cached blocks, reuse \d+% \(\d+ of \d+ prompt tokens\)", tenants[0]
+    ), tenants[0]
+    question = {"role": "user", "content": "What is the capital of France?"}
+    carol = len(render(smollm2_tokenizer, [system_message, question], True))
+    assert re.fullmatch(
+        rf"tenant 'globex': \d+ cached blocks, reuse {public / carol:.0%} \({public} of "
+        rf"{carol} prompt tokens\)",
+        tenants[1],
+    ), tenants[1]
 
 
 def test_generate_streams_an_answer_from_the_embedded_model(smollm2_dir: Path) -> None:
