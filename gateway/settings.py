@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from datetime import timedelta
 from functools import cached_property
@@ -48,6 +49,30 @@ def default_state_dir() -> Path:
 def _default_database_url(data: dict[str, Any]) -> str:
     state_dir = data.get("state_dir") or default_state_dir()
     return f"sqlite:///{state_dir / 'prefixgate.db'}"
+
+
+# A query parameter whose value is a credential (redis-py takes `?password=`).
+_CREDENTIAL_PARAMETER = re.compile(
+    r"([?&;](?:password|passwd|pass|pwd|secret|token|key|auth)[^=&;#]*=)[^&;#]*", re.IGNORECASE
+)
+
+
+def without_credentials(text: str) -> str:
+    """`text` as it may be shown: in a URL (a database's, Redis's, a worker's) everything
+    between `://` and the last `@` becomes `user:***` (or `***`), and a credential in its
+    query `***`.
+
+    By the shape the clients read, not the URL standard's: SQLAlchemy and redis-py take a
+    password with `/`, `#` or `?` in it, which `urlsplit` would cut short. Hiding too much (an
+    `@` later in the URL) is the safe side."""
+    scheme, separator, rest = text.partition("://")
+    if not separator:
+        return text
+    if "@" in rest:
+        user_info, _, host = rest.rpartition("@")
+        user, colon, _ = user_info.partition(":")
+        rest = f"{user}:***@{host}" if colon and "/" not in user else f"***@{host}"
+    return f"{scheme}://" + _CREDENTIAL_PARAMETER.sub(r"\1***", rest)
 
 
 class Settings(BaseSettings):
@@ -228,9 +253,10 @@ class Settings(BaseSettings):
 
     # Scale-out: engine workers behind this gateway
     workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """Engine workers to route to instead of running the engine in this process: http://host:port
+    """Engine workers to route to instead of running the engine in this process: https://host:port
     URLs, comma-separated, or dns://NAME:PORT (every address NAME resolves to, such as a
-    Kubernetes headless Service, re-resolved every worker_poll_s)."""
+    Kubernetes headless Service, re-resolved every worker_poll_s), dialled over mutual TLS
+    (http:// only with worker_plaintext)."""
     worker_secret: SecretStr | None = None
     """Shared secret between gateways and workers (at least 16 characters); `prefixgate worker`
     and a gateway with `workers` both need it."""

@@ -16,7 +16,6 @@ import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
-from urllib.parse import urlsplit, urlunsplit
 
 import typer
 from typer._click import Context, HelpFormatter
@@ -137,13 +136,15 @@ def shown(value: Any, listed: bool = False) -> Any:
     `listed`: the value is a list setting's text, its items separated by commas (a comma
     elsewhere may be a password's).
     """
+    from gateway.settings import without_credentials
+
     if isinstance(value, list | tuple):
         return [shown(item) for item in value]
-    if not isinstance(value, str) or "@" not in value:
+    if not isinstance(value, str):
         return value
     if listed:
-        return ",".join(_without_password(item) for item in value.split(","))
-    return _without_password(value)
+        return ",".join(without_credentials(item) for item in value.split(","))
+    return without_credentials(value)
 
 
 def env_name(setting: str) -> str:
@@ -261,18 +262,6 @@ def _printable(value: Any, field: FieldInfo) -> Any:
     if _is_secret(field):
         return None if value is None else HIDDEN
     return shown(value, _is_list(field))
-
-
-def _without_password(text: str) -> str:
-    try:
-        parts = urlsplit(text)
-        password = parts.password
-    except ValueError:  # not a URL after all, yet it may hold one: hide it whole
-        return HIDDEN
-    if password is None:
-        return text
-    user_info, _, host = parts.netloc.rpartition("@")
-    return urlunsplit(parts._replace(netloc=f"{user_info.partition(':')[0]}:***@{host}"))
 
 
 def _refusals(error: ValidationError) -> dict[str, str]:

@@ -132,6 +132,41 @@ def test_secrets_show_only_whether_and_where_they_are_set(cli: Cli, tmp_path: Pa
     assert by_variable["PREFIXGATE_METRICS_TOKEN"] == "(unset)  (default)"
 
 
+@pytest.mark.parametrize(
+    ("setting", "value", "shown_as"),
+    [
+        # Passwords the clients take with `/`, `#` or `?` in them (urlsplit would cut them).
+        (
+            "DATABASE_URL",
+            "postgresql+psycopg://app:s3cr/et@db/pg",
+            "postgresql+psycopg://app:***@db/pg",
+        ),
+        (
+            "DATABASE_URL",
+            "postgresql+psycopg://app:p#w?x@db/pg",
+            "postgresql+psycopg://app:***@db/pg",
+        ),
+        ("REDIS_URL", "redis://h:6379/0?password=topsecret", "redis://h:6379/0?password=***"),
+        ("REDIS_URL", "redis://tokenonly@h:6379/0", "redis://***@h:6379/0"),
+    ],
+)
+def test_a_password_in_a_url_is_hidden_whatever_it_holds(
+    cli: Cli, tmp_path: Path, setting: str, value: str, shown_as: str
+) -> None:
+    cli.env[f"PREFIXGATE_{setting}"] = value
+    completed = run_in(cli, tmp_path, "settings", "--json")
+    assert listed(completed)[setting.lower()]["value"] == shown_as
+    for secret in ("s3cr/et", "p#w?x", "topsecret", "tokenonly"):
+        assert secret not in completed.stdout + completed.stderr
+
+
+def test_serve_help_hides_a_workers_password(cli: Cli, tmp_path: Path) -> None:
+    cli.env["PREFIXGATE_WORKERS"] = "https://u:p#w@h1:1,https://h2:2"
+    serve = help_of(run_in(cli, tmp_path, "serve", "--help"))
+    assert "p#w" not in serve
+    assert squeezed("https://u:***@h1:1,https://h2:2, from PREFIXGATE_WORKERS") in serve
+
+
 def test_a_refused_value_is_shown_with_its_reason_and_a_refused_secret_stays_hidden(
     cli: Cli,
 ) -> None:
