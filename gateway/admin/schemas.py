@@ -31,8 +31,11 @@ _ISO_DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[T ]")
 
 
 def _iso_only(value: object) -> object:
-    """Pydantic would read "2766" as seconds since 1970; a time here is ISO 8601 or nothing."""
-    if isinstance(value, str) and not _ISO_DATE_TIME.match(value):
+    """Pydantic would read "2766" (or 2766) as seconds since 1970; a time here is ISO 8601 or
+    nothing."""
+    if not isinstance(value, str | datetime) or (
+        isinstance(value, str) and not _ISO_DATE_TIME.match(value)
+    ):
         raise ValueError("expected an ISO 8601 date-time with a time zone")
     return value
 
@@ -45,9 +48,32 @@ def _in_utc(value: datetime) -> datetime:
     return value.astimezone(UTC)
 
 
-# A point in time from a query string: ISO 8601 with a time zone (2026-11-30T12:00:00Z),
-# handed on in UTC.
+# A point in time from a query string or a body: ISO 8601 with a time zone
+# (2026-11-30T12:00:00Z), handed on in UTC.
 IsoTime = Annotated[AwareDatetime, BeforeValidator(_iso_only), AfterValidator(_in_utc)]
+
+
+def _utc_named(value: object) -> object:
+    """A time as the console writes it ("2030-01-31 23:59:59 UTC") is ISO 8601 in UTC."""
+    if isinstance(value, str) and value.strip().upper().endswith("UTC"):
+        return value.strip()[:-3].strip() + "Z"
+    return value
+
+
+def _utc_if_naive(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+# A time a person typed (the console's UTC fields): as IsoTime, but written the way the
+# console shows times ("... UTC"), or without a zone, which is UTC. Before-validators run last
+# to first: the UTC suffix goes before the ISO check.
+TypedTime = Annotated[
+    datetime,
+    BeforeValidator(_iso_only),
+    BeforeValidator(_utc_named),
+    AfterValidator(_utc_if_naive),
+    AfterValidator(_in_utc),
+]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Limit = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Blocks = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -141,7 +167,7 @@ class KeyCreate(Body):
     name: Name
     role: Literal["inference", "tenant-admin"] = "inference"
     # JSON has no datetime or uuid type: these two parse from strings.
-    expires_at: datetime | None = Field(
+    expires_at: IsoTime | None = Field(
         default=None, strict=False, description="ISO 8601 with a time zone"
     )
 

@@ -20,6 +20,7 @@ from gateway.cli.common import app, one_line
 from gateway.cli.key_commands import keys_app
 from gateway.cli.prefix_commands import prefixes_app
 from gateway.cli.tenant_commands import tenants_app
+from tenancy.errors import InvalidInput
 
 __all__ = ["app", "main"]
 ROOT_COMMAND_MODULES = (engine_commands, serve_command, settings_command, worker_command)
@@ -54,6 +55,9 @@ def main() -> None:
     except typer.TyperException as error:
         _error_line(error.format_message())
         sys.exit(error.exit_code)
+    except InvalidInput as error:  # the tenancy layer's refusal of a value given to it
+        _error_line(str(error))
+        sys.exit(2)
     except typer.Abort:
         _error_line("aborted")
         sys.exit(1)

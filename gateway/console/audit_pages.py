@@ -19,10 +19,11 @@ from datetime import UTC, datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from gateway.admin.callers import AdminCaller
+from gateway.admin.schemas import TypedTime
 from gateway.admin.service import audit_downloads, audit_events
 from gateway.admin.service.audit_events import AuditEventPage
 from gateway.admin.service.chain_status import chain_status
@@ -56,24 +57,8 @@ class AuditQuery(BaseModel):
     tenant: uuid.UUID | None = None
     action: Annotated[str, Field(max_length=100)] | None = None
     outcome: Annotated[str, Field(max_length=32)] | None = None
-    since: datetime | None = None
-    until: datetime | None = None
-
-    @field_validator("since", "until", mode="before")
-    @classmethod
-    def _utc_suffix(cls, typed: object) -> object:
-        """A time as the console writes it ("2030-01-31 23:59:59 UTC") is ISO 8601 in UTC."""
-        if isinstance(typed, str) and typed.upper().endswith("UTC"):
-            return typed[:-3].strip() + "Z"
-        return typed
-
-    @field_validator("since", "until")
-    @classmethod
-    def _utc(cls, moment: datetime | None) -> datetime | None:
-        """A time typed without a zone is UTC; one with a zone is the same moment in UTC."""
-        if moment is not None and moment.tzinfo is None:
-            return moment.replace(tzinfo=UTC)
-        return None if moment is None else moment.astimezone(UTC)
+    since: TypedTime | None = None
+    until: TypedTime | None = None
 
     def selection(self) -> AuditFilter:
         """The admin API's filter for these fields."""

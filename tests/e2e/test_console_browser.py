@@ -731,6 +731,13 @@ def test_bad_input_gives_the_form_back_with_a_message(console_gateway: Gateway) 
                 assert message in answer.text.lower() or message in answer.text
         assert console.get("/admin/tenants", page="x").status_code == 400
         assert console.get("/admin/audit", since="yesterday").status_code == 400
+        # Out of range once in UTC, or a bare number: the field's error on the page, never a
+        # 500 (a time zone offset took 9999-12-31 past the year 9999).
+        for since in ("9999-12-31T23:59:59-05:00", "0001-01-01T00:00:00+05:00", "1733500000"):
+            for path in ("/admin/audit", "/admin/audit/export"):
+                answer = console.get(path, since=since)
+                assert answer.status_code == 400, (path, since, answer.text[:300])
+                assert "text/html" in answer.headers["content-type"], (path, since)
     with admin_client(console_gateway) as api:  # an empty weight was refused, not a no-op
         assert api.get(f"/tenants/{tenant_id}").json()["scheduling_weight"] == 1.0
 

@@ -121,7 +121,9 @@ def test_expiry_must_carry_a_time_zone_and_lie_ahead(gateway: Gateway, admin_tok
     with admin_client(gateway, admin_token) as client:
         tenant_id = _new_tenant(client)
         keys = f"/tenants/{tenant_id}/keys"
-        for expires_at in ("2099-01-01T00:00:00", "2000-01-01T00:00:00Z", "soon"):
+        # A time zone offset that takes the year past 9999 in UTC was a 500 (and no audit event).
+        out_of_range = ("9999-12-31T23:59:59-05:00", "0001-01-01T00:00:00+05:00", 4102444800)
+        for expires_at in ("2099-01-01T00:00:00", "2000-01-01T00:00:00Z", "soon", *out_of_range):
             answer = client.post(keys, json={"name": "x", "expires_at": expires_at})
             assert answer.status_code == 400, (expires_at, answer.text)
             assert answer.json()["error"]["param"] == "expires_at"
