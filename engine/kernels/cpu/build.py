@@ -107,23 +107,37 @@ def load() -> None:
         os.environ["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
     directory = build_directory()
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with open(directory / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                # torch's own baton file: with our lock held no other build of this key runs,
-                # so one left here is from a build that was killed, and torch would wait on it
-                # for ever.
-                (directory / "lock").unlink(missing_ok=True)
-                _build_and_load(directory)
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+        try:
+            _load_locked(directory)
+        except OSError:
+            built = directory / f"prefixgate_cpu_{directory.name}.so"
+            if not built.is_file():
+                raise
+            # A read-only cache (an image's, under a read-only root) that holds this build: no
+            # lock can be taken there, and none is needed to load it.
+            torch.ops.load_library(str(built))  # type: ignore[no-untyped-call]
     except (OSError, RuntimeError, ImportError) as error:
         # The compiler's whole output stays in the chained exception; the message is its gist.
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         failure = KernelUnavailable(f"cannot build the CPU kernels: {first_line}")
         _failures.append(failure)
         raise failure from error
+
+
+def _load_locked(directory: Path) -> None:
+    """Build this source for this machine unless it is built, and load it, under the build
+    directory's lock."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            # torch's own baton file: with our lock held no other build of this key runs, so
+            # one left here is from a build that was killed, and torch would wait on it for
+            # ever.
+            (directory / "lock").unlink(missing_ok=True)
+            _build_and_load(directory)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _build_and_load(directory: Path) -> None:

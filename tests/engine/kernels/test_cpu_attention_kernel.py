@@ -396,3 +396,30 @@ def test_write_kv_refuses_a_slot_outside_the_pool_and_writes_nothing() -> None:
     assert pool.count_nonzero() == 0
     with pytest.raises(RuntimeError, match="one contiguous int64 per token"):
         torch.ops.prefixgate.write_kv(pool[0], pool[1], key, value, torch.arange(20).int())
+
+
+def test_a_built_kernel_loads_where_no_lock_can_be_taken(tmp_path: Path) -> None:
+    # An image's kernel cache under a read-only root: the build is there, `.lock` cannot be
+    # opened for writing (here a directory stands in its way, which stops root too). Before,
+    # the engine fell back to the torch backend, half as fast.
+    built = cpu_build.build_directory()
+    shutil.copytree(built, tmp_path / built.name)
+    (tmp_path / built.name / ".lock").unlink(missing_ok=True)
+    (tmp_path / built.name / ".lock").mkdir()
+    environment = os.environ | {"PREFIXGATE_KERNEL_CACHE": str(tmp_path)}
+    probe = subprocess.run(
+        [sys.executable, "-c", "from engine.kernels.cpu import build; build.load(); "
+         "import torch; print(hasattr(torch.ops.prefixgate, 'paged_attention'))"],
+        env=environment, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.strip() == "True"
+    # Without the build, the same refusal as any failed build: one line, no traceback.
+    shutil.rmtree(tmp_path / built.name)
+    (tmp_path / built.name / ".lock").mkdir(parents=True)
+    failed = subprocess.run(
+        [sys.executable, "-c", "from engine.kernels.cpu import build; build.load()"],
+        env=environment, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert failed.returncode != 0
+    assert "KernelUnavailable: cannot build the CPU kernels" in failed.stderr
