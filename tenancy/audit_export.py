@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from datetime import UTC, datetime
@@ -42,6 +43,7 @@ from tenancy.audit_log import record_from_row
 from tenancy.audit_search import AuditFilter
 from tenancy.errors import InvalidInput
 from tenancy.models import AuditEvent
+from tenancy.private_paths import PRIVATE_FILE
 
 FORMAT = "prefixgate-audit-v1"
 FORMATS = ("jsonl", "csv")
@@ -67,10 +69,15 @@ class ExportTooLarge(InvalidInput):
 def export_events(
     session: Session, selection: AuditFilter, out: Path, file_format: str, signing_key: str
 ) -> int:
-    """Write the selected events to `out`; returns how many."""
+    """Write the selected events to `out` (a new file mode 0600, like the audit files it
+    comes from); returns how many."""
     _check_format(file_format)
-    with open(out, "w", encoding="utf-8", newline="") as handle:
+    with open(out, "w", encoding="utf-8", newline="", opener=_private) as handle:
         return write_export(session, selection, handle, file_format, signing_key)
+
+
+def _private(path: str, flags: int) -> int:
+    return os.open(path, flags, PRIVATE_FILE)
 
 
 def write_export(

@@ -55,8 +55,12 @@ def check_database_url(url: str) -> str:
 
 def make_engine(url: str, **options: Any) -> Engine:
     """An engine for `url`; SQLite gets foreign keys on, cross-thread use allowed, and its
-    file (mode 0600) and the file's directory (mode 0700) created on first use."""
+    file (mode 0600) and the file's directory (mode 0700) created on first use.
+
+    A failed statement's error never holds its bound values (`hide_parameters`): they can be
+    a key's hash, a TOTP secret or a tenant's data, and the error goes to the server's log."""
     check_database_url(url)
+    options.setdefault("hide_parameters", True)
     if url.startswith("sqlite"):
         database = make_url(url).database
         if database and database != ":memory:" and not database.startswith("file:"):

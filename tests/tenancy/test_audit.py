@@ -96,6 +96,7 @@ def signed_export(migrated_template: str, tmp_path_factory: pytest.TempPathFacto
     store.close()
     out = workdir / "audit.jsonl"
     assert "exported 8 events" in cli.ok("audit", "export", "--out", str(out))
+    assert out.stat().st_mode & 0o777 == 0o600  # private, like the audit files it comes from
     assert cli.ok("audit", "verify", str(out)).startswith("ok: 8 events verified")
     yield cli, out
     drop_database(name)
