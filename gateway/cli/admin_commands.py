@@ -81,8 +81,8 @@ def admins_create(
         return admin_json(admin, tenant)
 
     created = audited_change(
-        "admin.create",
-        "admin",
+        "operator.create",
+        "operator",
         username,
         create,
         tenant=tenant,
@@ -129,8 +129,8 @@ def admins_set_password(username: str, password_file: PasswordFileOption = None)
     """Set an operator's password; it also ends the account's sessions."""
     password = read_password(password_file)
     audited_change(
-        "admin.set_password",
-        "admin",
+        "operator.set_password",
+        "operator",
         username,
         lambda s, _: admin_json(
             admin_service.change_password(s, admin_service.find_admin(s, username).id, password)
@@ -150,7 +150,7 @@ def admins_enrol_totp(username: str) -> None:
         secret = totp.begin_enrolment(session, admin, cipher)
         return secret, totp.provisioning_uri(secret, admin.username)
 
-    secret, uri = audited_change("admin.totp_begin", "admin", username, begin)
+    secret, uri = audited_change("operator.totp_begin", "operator", username, begin)
     typer.echo(f"add this to the operator's authenticator app:\n  {uri}\n  secret: {secret}")
     if sys.stdin.isatty():
         code: str = typer.prompt("Code the app shows now")
@@ -161,7 +161,7 @@ def admins_enrol_totp(username: str) -> None:
         admin = admin_service.find_admin(session, username)
         totp.confirm_enrolment(session, admin, code, cipher)
 
-    audited_change("admin.totp_enable", "admin", username, confirm)
+    audited_change("operator.totp_enable", "operator", username, confirm)
     typer.echo(f"{username}: second factor enrolled")
 
 
@@ -173,7 +173,7 @@ def admins_reset_totp(username: str) -> None:
     def reset(session: Any, _: Any) -> bool:
         return totp.remove(session, admin_service.find_admin(session, username))
 
-    had = audited_change("admin.totp_reset", "admin", username, reset)
+    had = audited_change("operator.totp_reset", "operator", username, reset)
     typer.echo(f"{username}: second factor removed" if had else f"{username}: had no second factor")
 
 
@@ -184,8 +184,8 @@ def _totp_cipher() -> totp.TotpCipher:
 
 def _set_disabled(username: str, disabled: bool) -> None:
     audited_change(
-        "admin.disable" if disabled else "admin.enable",
-        "admin",
+        "operator.disable" if disabled else "operator.enable",
+        "operator",
         username,
         lambda s, _: admin_json(
             admin_service.set_disabled(s, admin_service.find_admin(s, username).id, disabled)
@@ -198,6 +198,7 @@ def db_upgrade() -> None:
     """Create or migrate the schema to the newest version."""
     from sqlalchemy.exc import OperationalError
 
+    from gateway.settings import without_credentials
     from tenancy.migrate import head_revision, upgrade
 
     settings = load_settings()
@@ -205,4 +206,5 @@ def db_upgrade() -> None:
         upgrade(settings.database_url)
     except OperationalError as error:
         fail(f"cannot reach the database: {error.orig}")
-    typer.echo(f"database schema at {head_revision()}")
+    database = without_credentials(settings.database_url)
+    typer.echo(f"database schema at {head_revision()} ({database})")

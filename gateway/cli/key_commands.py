@@ -69,7 +69,7 @@ def keys_create(
         return created_key_json(created, owner)
 
     result = audited_change(
-        action="key.create",
+        action="api_key.create",
         resource_type="api_key",
         resource_id=f"{tenant}/{name}",
         change=create,
@@ -118,7 +118,7 @@ def keys_revoke(tenant: TenantOption, key_id: Annotated[str, typer.Argument()]) 
     def revoke(session: Session, _: Store) -> None:
         api_keys.revoke_key(session, tenants.get_tenant(session, tenant).id, key_id)
 
-    audited_change("key.revoke", "api_key", key_id, revoke, tenant=tenant)
+    audited_change("api_key.revoke", "api_key", key_id, revoke, tenant=tenant)
     typer.echo(f"revoked {key_id}")
 
 
@@ -138,7 +138,7 @@ def keys_rotate(
         return created_key_json(created, owner, rotated_from=key_id)
 
     result = audited_change(
-        action="key.rotate",
+        action="api_key.rotate",
         resource_type="api_key",
         resource_id=key_id,
         change=rotate,

@@ -73,7 +73,7 @@ def prefixes_add(
         return prefix_json(created)
 
     result = audited_change(
-        action="prefix.add",
+        action="prefix.create",
         resource_type="public_prefix",
         resource_id=f"{model}/{namespace}/{name}",
         change=add,

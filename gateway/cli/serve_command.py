@@ -30,7 +30,8 @@ def serve(
         str | None,
         typer.Option(
             help="Route to engine workers instead of running the engine here: "
-            "http://host:port,... or dns://NAME:PORT (needs PREFIXGATE_WORKER_SECRET).",
+            "https://host:port,... or dns://NAME:PORT (mutual TLS: needs the worker secret, "
+            "signing key and PREFIXGATE_WORKER_TLS_* files).",
         ),
     ] = None,
     demo: Annotated[
@@ -140,19 +141,28 @@ def _create_demo_admin(state: Any) -> None:
     store.record(
         AuditRecord(
             actor_type="cli",
-            action="admin.create",
+            action="operator.create",
             outcome="success",
             actor_id="serve --demo",
-            resource_type="admin",
+            resource_type="operator",
             resource_id=DEMO_ADMIN,
         )
     )
-    console = f"http://{state.settings.host}:{state.settings.port}/admin"
+    console = f"{_client_base(state.settings)}/admin"
     typer.echo(
         f"console: {console}  user {DEMO_ADMIN}, password (shown only now): {password}\n"
         f"  change it on the console's My account page, or with "
         f"`prefixgate admins set-password {DEMO_ADMIN}`"
     )
+
+
+def _client_base(settings: Any) -> str:
+    """The address a client on this machine uses: a wildcard listen address (0.0.0.0, ::)
+    is where the server listens, not where a client connects."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "[::1]", "": "127.0.0.1"}.get(settings.host)
+    if host is None:
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    return f"http://{host}:{settings.port}"
 
 
 def _create_demo_tenant(state: Any) -> None:
@@ -186,7 +196,7 @@ def _create_demo_tenant(state: Any) -> None:
             resource_id=DEMO_TENANT,
         )
     )
-    url = f"http://{state.settings.host}:{state.settings.port}/v1"
+    url = f"{_client_base(state.settings)}/v1"
     typer.echo(f"demo tenant created; its API key (shown only now):\n  {created.secret}")
     models = " or ".join(state.models.names())
     typer.echo(f"try: OPENAI_BASE_URL={url} OPENAI_API_KEY=<key> with model {models}")

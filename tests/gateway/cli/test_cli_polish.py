@@ -76,3 +76,21 @@ def test_serve_help_says_settings_are_variables_and_points_to_their_list(cli: Cl
 def cli_json(cli: Cli) -> list[dict[str, object]]:
     listed: list[dict[str, object]] = json.loads(cli.ok("settings", "--json"))
     return listed
+
+
+@pytest.mark.parametrize(
+    ("host", "base"),
+    [
+        ("0.0.0.0", "http://127.0.0.1:8000"),  # where it listens is not where a client goes
+        ("::", "http://[::1]:8000"),
+        ("127.0.0.1", "http://127.0.0.1:8000"),
+        ("fd00::7", "http://[fd00::7]:8000"),
+        ("gateway.internal", "http://gateway.internal:8000"),
+    ],
+)
+def test_the_demo_banner_gives_an_address_a_client_can_use(host: str, base: str) -> None:
+    from types import SimpleNamespace
+
+    from gateway.cli.serve_command import _client_base
+
+    assert _client_base(SimpleNamespace(host=host, port=8000)) == base

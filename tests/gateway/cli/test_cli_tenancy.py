@@ -61,7 +61,7 @@ def test_key_commands_authenticate_until_revoked_never_list_secrets_and_are_audi
         )
         actions = [e.action for e in session.scalars(select(AuditEvent).order_by(AuditEvent.seq))]
     store.close()
-    assert actions == ["tenant.create", "key.create", "key.rotate", "key.revoke"]
+    assert actions == ["tenant.create", "api_key.create", "api_key.rotate", "api_key.revoke"]
 
 
 def test_scheduling_weight_is_set_at_creation_or_later_listed_and_audited(
@@ -115,6 +115,9 @@ def test_a_weight_is_a_plain_decimal_shown_exactly(postgres_url: str, tmp_path: 
         (["keys", "revoke", "--tenant", "acme", "zzzzzzzzzzzz"], "no key 'zzzzzzzzzzzz'"),
         (["keys", "rotate", "--tenant", "acme", "x", "--grace", "soon"], "--grace: expected"),
         (["audit", "export", "--out", "/nonexistent/dir/a.jsonl"], "cannot write"),
+        # The year 10000 in UTC: out of range (was "unexpected InvalidInput", exit 1).
+        (["audit", "export", "--out", "a.jsonl", "--since", "9999-12-31T23:59:59-05:00"],
+         "since is out of range"),
     ],
 )  # fmt: skip
 def test_bad_input_gets_one_line_and_a_non_zero_exit(
@@ -199,10 +202,10 @@ def test_a_refused_change_is_audited_with_the_tenant_it_was_about(
         ("tenant.set_quota", acme),
         ("tenant.set_weight", acme),
         ("tenant.set_sharing", acme),
-        ("key.create", acme),
-        ("key.revoke", acme),
-        ("key.rotate", acme),
+        ("api_key.create", acme),
+        ("api_key.revoke", acme),
+        ("api_key.rotate", acme),
         ("tenant.suspend", gone),
-        ("key.create", None),
+        ("api_key.create", None),
     ]
     assert gone is not None
