@@ -34,7 +34,6 @@ from typing import Any
 import httpx
 
 from bench.common import BENCH_MODEL, emit, machine
-from engine.cache.budget import PUBLIC_OWNER
 
 WORKER_SECRET = "bench-routing-worker-secret"
 MODES = ("round_robin", "cache_aware")
@@ -222,17 +221,9 @@ def routed_gateway(
 
 
 def spread(server: Any) -> dict[str, int]:
-    """Prompt tokens each worker was sent, from its tenants' counters (polled now; the public
-    budget's count the same tokens again, those in public blocks)."""
+    """Prompt tokens each worker was sent, from its own counters (polled now)."""
     server.gateway.engine.workers.poll_once()
-    return {
-        url: sum(
-            stats.counters.prompt_tokens
-            for owner, stats in worker.owners.items()
-            if owner is not PUBLIC_OWNER
-        )
-        for url, worker in server.gateway.engine.worker_stats().items()
-    }
+    return {url: stats.prompt_tokens for url, stats in server.gateway.engine.worker_stats().items()}
 
 
 def compare(

@@ -34,7 +34,7 @@ done
     || fail "$PYTHON lacks the 'build' package: pip install build (it is in the dev extra)"
 docker info >/dev/null 2>&1 || fail "no Docker daemon answers; start one, e.g. as root: \
 dockerd --bridge=none --iptables=false &"
-VERSION=$("$PYTHON" -c "import tomllib; print(tomllib.load(open('$ROOT/pyproject.toml', 'rb'))['project']['version'])")
+VERSION=$("$PYTHON" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' "$ROOT/pyproject.toml")
 
 # The classic builder: BuildKit would fetch its Dockerfile front end from a registry.
 export DOCKER_BUILDKIT=0
@@ -45,17 +45,19 @@ debian_base() {
     fi
     command -v debootstrap >/dev/null || fail "no registry answers and debootstrap is not \
 installed (apt-get install debootstrap), so there is no base image to build on"
-    local rootfs
+    local rootfs made=true
     rootfs=$(mktemp -d /var/tmp/prefixgate-rootfs.XXXXXX)
     say "making $DEBIAN_BASE with debootstrap from $DEBIAN_MIRROR (about a minute)"
+    # No apt caches left in the layer. The root file system goes whatever happens.
     debootstrap --variant=minbase \
         --include=python3,python3-venv,g++,tini,ca-certificates \
-        bookworm "$rootfs" "$DEBIAN_MIRROR" >&2
-    # Apt inside later builds: no recommends, and no caches left in a layer.
-    rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
-    tar -C "$rootfs" -c . | docker import \
-        --change 'ENV LANG=C.UTF-8' --change 'CMD ["/bin/bash"]' - "$DEBIAN_BASE" >/dev/null
+        bookworm "$rootfs" "$DEBIAN_MIRROR" >&2 \
+        && rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/* \
+        && tar -C "$rootfs" -c . | docker import \
+            --change 'ENV LANG=C.UTF-8' --change 'CMD ["/bin/bash"]' - "$DEBIAN_BASE" >/dev/null \
+        || made=false
     rm -rf "$rootfs"
+    $made || fail "could not make $DEBIAN_BASE (debootstrap's output is above)"
 }
 
 if [ -z "${BASE_IMAGE:-}" ]; then
@@ -72,8 +74,19 @@ fi
 CONTEXT=$ROOT/build/images
 rm -rf "$CONTEXT"
 mkdir -p "$CONTEXT/wheels"
+SOURCE=$(mktemp -d /var/tmp/prefixgate-source.XXXXXX)
+trap 'rm -rf "$SOURCE"' EXIT
+# The release wheel, from the tracked files only (as a clean clone has them, with this
+# checkout's edits): no untracked file, build/ or egg-info of development gets in.
 say "building the release wheel (sdist, then the wheel from it)"
-"$PYTHON" -m build --no-isolation --outdir "$CONTEXT/dist" "$ROOT" >/dev/null
+if git -C "$ROOT" rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+    (cd "$ROOT" && git ls-files -z | tar --null --ignore-failed-read -T - -c 2>/dev/null) \
+        | tar -x -C "$SOURCE"
+else
+    # An unpacked sdist: it holds only the release's files, and perhaps what we made.
+    tar -C "$ROOT" --exclude=./build --exclude=./.venv -c . | tar -x -C "$SOURCE"
+fi
+"$PYTHON" -m build --no-isolation --outdir "$CONTEXT/dist" "$SOURCE" >/dev/null
 mv "$CONTEXT"/dist/prefixgate-"$VERSION"-py3-none-any.whl "$CONTEXT/wheels/"
 rm -rf "$CONTEXT/dist"
 download() {

@@ -7,9 +7,10 @@
 #  2. deploy/smoke/compose.yaml up: certificates, PostgreSQL, the one-shot migration, Redis,
 #     two workers and two gateways, all on the host's network on 127.0.0.1, on ports
 #     SMOKE_PORT_BASE (default 18000) to SMOKE_PORT_BASE+5, with fresh secrets;
-#  3. deploy/smoke/check.py through each gateway with the real openai client (a chat, a stream,
-#     a second turn with cached tokens, another tenant's identical prompt with none, the
-#     console's login page);
+#  3. two tenants and a public system prompt made with the CLI; deploy/smoke/check.py through
+#     each gateway with the real openai client (a chat, a stream, a second turn with cached
+#     tokens, another user of the tenant and the other tenant with the same prompt, who get the
+#     public prompt's blocks and nothing more, the console's login page);
 #  4. down, volumes included; then nothing of the run may be left: no container, no volume,
 #     no listener on its ports.
 # Prints a summary with each phase's time; exits non-zero when anything failed. Not part of
@@ -37,7 +38,7 @@ elif command -v docker-compose >/dev/null; then
 else
     fail "neither the compose plugin nor docker-compose is installed (apt-get install docker-compose)"
 fi
-VERSION=$("$PYTHON" -c "import tomllib; print(tomllib.load(open('$ROOT/pyproject.toml', 'rb'))['project']['version'])")
+VERSION=$("$PYTHON" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' "$ROOT/pyproject.toml")
 IMAGE=prefixgate:$VERSION-cpu
 
 declare -A PORTS=(
@@ -45,7 +46,7 @@ declare -A PORTS=(
     [SMOKE_WORKER_1_PORT]=$((BASE + 2)) [SMOKE_WORKER_2_PORT]=$((BASE + 3))
     [SMOKE_POSTGRES_PORT]=$((BASE + 4)) [SMOKE_REDIS_PORT]=$((BASE + 5))
 )
-listening() { "$PYTHON" -c "import socket, sys; s = socket.socket(); sys.exit(s.connect_ex(('127.0.0.1', $1)) != 0)"; }
+listening() { "$PYTHON" -c 'import socket, sys; sys.exit(socket.socket().connect_ex(("127.0.0.1", int(sys.argv[1]))) != 0)' "$1"; }
 for name in "${!PORTS[@]}"; do
     if listening "${PORTS[$name]}"; then
         fail "port ${PORTS[$name]} ($name) is taken: set SMOKE_PORT_BASE to a free range"
@@ -64,35 +65,37 @@ DOCKER_BUILDKIT=0 docker build --quiet --network host --build-arg "BASE_IMAGE=$b
     -t "$SERVICES_IMAGE" "$ROOT/deploy/smoke" >/dev/null
 SERVICES_S=$(seconds_since "$phase")
 
+# The run's secrets live in SCRATCH: removed on every exit, with the stack if it went up.
 SCRATCH=$(mktemp -d)
 ENV_FILE=$SCRATCH/compose.env
+compose() { "${COMPOSE[@]}" -p "$PROJECT" -f "$COMPOSE_FILE" --env-file "$ENV_FILE" "$@"; }
+UP=false
+DOWN_S=
+cleanup() {
+    local status=$?
+    if $UP && [ "$status" -ne 0 ] && [ "${SMOKE_KEEP:-}" = 1 ]; then
+        say "left up for a look (SMOKE_KEEP=1): ${COMPOSE[*]} -p $PROJECT -f $COMPOSE_FILE --env-file $ENV_FILE down -v"
+        return
+    fi
+    if $UP && [ -z "$DOWN_S" ]; then
+        compose down --volumes --remove-orphans --timeout 60 >/dev/null 2>&1 || true
+    fi
+    rm -rf "$SCRATCH"
+}
+trap cleanup EXIT
 python3 "$ROOT/deploy/generate_secrets.py" "$ROOT/deploy/compose.env.example" "$ENV_FILE" >/dev/null
 {
     echo "PREFIXGATE_IMAGE=$IMAGE"
     echo "SMOKE_SERVICES_IMAGE=$SERVICES_IMAGE"
     for name in "${!PORTS[@]}"; do echo "$name=${PORTS[$name]}"; done
 } >>"$ENV_FILE"
-compose() { "${COMPOSE[@]}" -p "$PROJECT" -f "$COMPOSE_FILE" --env-file "$ENV_FILE" "$@"; }
-
-DOWN_S=
-cleanup() {
-    local status=$?
-    if [ "$status" -ne 0 ] && [ "${SMOKE_KEEP:-}" = 1 ]; then
-        say "left up for a look (SMOKE_KEEP=1): ${COMPOSE[*]} -p $PROJECT -f $COMPOSE_FILE --env-file $ENV_FILE down -v"
-        return
-    fi
-    if [ -z "$DOWN_S" ]; then
-        compose down --volumes --remove-orphans --timeout 60 >/dev/null 2>&1 || true
-    fi
-    rm -rf "$SCRATCH"
-}
-trap cleanup EXIT
 
 say "up: ${COMPOSE[*]} -p $PROJECT -f deploy/smoke/compose.yaml (ports $BASE-$((BASE + 5)))"
 phase=$(date +%s)
+UP=true
 compose up --detach >&2
 GATEWAYS=("http://127.0.0.1:${PORTS[SMOKE_GATEWAY_1_PORT]}" "http://127.0.0.1:${PORTS[SMOKE_GATEWAY_2_PORT]}")
-ready() { "$PYTHON" -c "import httpx, sys; sys.exit(httpx.get('$1/readyz', timeout=5).status_code != 200)" 2>/dev/null; }
+ready() { "$PYTHON" -c 'import httpx, sys; sys.exit(httpx.get(sys.argv[1] + "/readyz", timeout=5).status_code != 200)' "$1" 2>/dev/null; }
 # A container that exited with an error (a long-running service, or a one-shot that failed).
 crashed() {
     docker ps -a --filter "label=com.docker.compose.project=$PROJECT" --filter status=exited \
@@ -116,7 +119,7 @@ for url in "${GATEWAYS[@]}"; do
 done
 UP_S=$(seconds_since "$phase")
 
-# Two tenants and a key each, made with the CLI inside a running gateway's container.
+# Two tenants and a key each, and a public prefix, made with the CLI inside a gateway.
 phase=$(date +%s)
 KEYS=()
 for tenant in acme globex; do
@@ -125,11 +128,22 @@ for tenant in acme globex; do
         | "$PYTHON" -c "import json, sys; print(json.load(sys.stdin)['key'])")
     KEYS+=(--key "$tenant=$key")
 done
+# The checks' system prompt, public: both tenants may read its blocks, nothing more.
+"$PYTHON" "$ROOT/deploy/smoke/check.py" --system-prompt | compose exec -T gateway \
+    prefixgate prefixes add --model smollm2-135m-instruct --namespace default \
+    --name smoke-help-desk --text-file /dev/stdin >/dev/null
+# Gateways reload public prefixes every PREFIXGATE_REGISTRY_REFRESH_S (2 s): a request sent
+# sooner scopes the prompt private, and its blocks never match the public ones after it.
+sleep 5
 REPORT=$SCRATCH/report.json
 checks_status=0
 "$PYTHON" "$ROOT/deploy/smoke/check.py" --gateway "${GATEWAYS[0]}" --gateway "${GATEWAYS[1]}" \
     "${KEYS[@]}" >"$REPORT" || checks_status=$?
 CHECKS_S=$(seconds_since "$phase")
+if [ "$checks_status" -ne 0 ] && [ "${SMOKE_KEEP:-}" = 1 ]; then
+    cat "$REPORT" >&2
+    exit 1  # the exit trap leaves the stack up
+fi
 containers=$(compose ps -q | wc -l)
 
 phase=$(date +%s)
@@ -151,7 +165,7 @@ for url, checks in report["gateways"].items():
         print(f"{mark} {url} {check['check']:<13} {check['seconds']:>6.2f} s  {check['seen']}")
 EOF
 echo "image $IMAGE: $(($(docker image inspect --format '{{.Size}}' "$IMAGE") / 1000000)) MB"
-echo "times: images ${BUILD_S} s (PostgreSQL+Redis image ${SERVICES_S} s), up to both gateways ready ${UP_S} s, checks ${CHECKS_S} s, down ${DOWN_S} s"
+echo "times: PrefixGate image ${BUILD_S} s (0 when it existed), PostgreSQL+Redis image ${SERVICES_S} s, up to both gateways ready ${UP_S} s, checks ${CHECKS_S} s, down ${DOWN_S} s"
 echo "containers while up: $containers; after down: $left containers, $left_volumes volumes, listeners on ports: ${listeners[*]:-none}"
 if [ "$checks_status" -ne 0 ] || [ "$left" -ne 0 ] || [ "$left_volumes" -ne 0 ] || [ ${#listeners[@]} -ne 0 ]; then
     echo "smoke: FAILED"

@@ -1,8 +1,10 @@
 """What deploy/smoke.sh checks through each gateway of the running stack, with the real
 `openai` client: a chat, a stream, a second turn that reuses the first one's cached tokens,
-the second tenant's identical prompt with no cached tokens, and the console's login page.
+another user of the tenant and the second tenant with the same prompt, who both get the
+public system prompt's blocks and nothing more, and the console's login page.
 
     python deploy/smoke/check.py --gateway URL [--gateway URL ...] --key TENANT=KEY ...
+    python deploy/smoke/check.py --system-prompt   # the text smoke.sh registers as public
 
 Prints one JSON object (the checks, their timings, and `held`); exits 1 when a check fails.
 """
@@ -20,13 +22,19 @@ import httpx
 import openai
 
 MODEL = "smollm2-135m-instruct"
-# Long enough to fill whole KV blocks, so that a second turn has cached blocks to reuse.
+# Registered as a public prefix by smoke.sh: long enough for the policy's four whole blocks.
 SYSTEM = (
-    "You are the help desk of a small bicycle shop. Answer in one short sentence, politely, "
-    "and never promise a repair date. The shop opens at nine and closes at six, Monday to "
-    "Saturday; it sells city bikes, road bikes and spare parts, and repairs all of them."
+    "You are the help desk of a small bicycle shop in the old town. Answer in one short "
+    "sentence, politely, and never promise a repair date. The shop opens at nine and closes at "
+    "six, Monday to Saturday, and is closed on public holidays. It sells city bikes, road bikes, "
+    "children's bikes and spare parts, and it repairs all of them, whoever sold them; a repair "
+    "is quoted before any work starts, and the quote is free of charge."
 )
-QUESTION = "Do you repair road bikes?"
+# Long enough for whole blocks of its own after the system prompt's: the private part.
+QUESTION = (
+    "Good morning. My road bike's rear derailleur skips gears on every climb, and the chain "
+    "squeaks even after I cleaned and oiled it last weekend. Do you repair road bikes?"
+)
 
 
 def timed(checks: list[dict[str, Any]], name: str, check: Callable[[], str]) -> None:
@@ -95,21 +103,38 @@ def check_gateway(url: str, keys: dict[str, str], user: str) -> list[dict[str, A
             max_tokens=16,
             temperature=0,  # type: ignore[arg-type]
         )
+        answers["second"] = answer
         cached = cached_tokens(answer)
         assert cached > 0, f"no cached tokens of {answer.usage.prompt_tokens}"
         return f"{cached} of {answer.usage.prompt_tokens} prompt tokens cached"
 
-    def other_tenant() -> str:
-        answer = second.chat.completions.create(
+    def public_only(client: openai.OpenAI, who: str, asker: str) -> str:
+        """The opening again, from someone who may read the public system prompt's blocks
+        but not the first user's: some cached tokens, fewer than the first user's turn."""
+        answer = client.chat.completions.create(
             model=MODEL,
             messages=opening,
-            user=user,
+            user=asker,
             max_tokens=8,
             temperature=0,  # type: ignore[arg-type]
         )
-        cached = cached_tokens(answer)
-        assert cached == 0, f"{second_tenant} got {cached} cached tokens of {first_tenant}'s"
-        return f"{second_tenant}: 0 of {answer.usage.prompt_tokens} prompt tokens cached"
+        cached, own = cached_tokens(answer), cached_tokens(answers["second"])
+        assert 0 < cached < own, f"{who}: {cached} cached tokens, the first user's turn {own}"
+        answers[who] = answer
+        return f"{who}: {cached} of {answer.usage.prompt_tokens} prompt tokens cached (public)"
+
+    def other_user() -> str:
+        return public_only(first, f"{first_tenant}'s other user", f"{user}-other")
+
+    def other_tenant() -> str:
+        seen = public_only(second, second_tenant, user)
+        # Exactly the public blocks: what the first tenant's other user got, no more.
+        cached, public = (
+            cached_tokens(answers[second_tenant]),
+            cached_tokens(answers[f"{first_tenant}'s other user"]),
+        )
+        assert cached == public, f"{second_tenant} got {cached} cached tokens, public {public}"
+        return seen
 
     def console() -> str:
         page = httpx.get(f"{url}/admin/login", timeout=30)
@@ -118,21 +143,31 @@ def check_gateway(url: str, keys: dict[str, str], user: str) -> list[dict[str, A
         assert style.status_code == 200 and style.text.strip(), style.status_code
         return "login page and its style sheet"
 
-    for name, check in [("chat", chat), ("stream", stream), ("second turn", second_turn),
-                        ("other tenant", other_tenant), ("console", console)]:  # fmt: skip
-        if name == "second turn" and "first" not in answers:
-            checks.append({"check": name, "held": False, "seen": "no first turn", "seconds": 0})
-            continue
+    steps = [
+        ("chat", chat),
+        ("stream", stream),
+        ("second turn", second_turn),
+        ("other user", other_user),
+        ("other tenant", other_tenant),
+        ("console", console),
+    ]
+    for name, check in steps:
         timed(checks, name, check)
     return checks
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--gateway", action="append", required=True, help="a gateway's URL")
-    parser.add_argument("--key", action="append", required=True, help="TENANT=KEY, twice")
+    parser.add_argument("--gateway", action="append", help="a gateway's URL")
+    parser.add_argument("--key", action="append", help="TENANT=KEY, twice")
+    parser.add_argument("--system-prompt", action="store_true", help="print it and exit")
     args = parser.parse_args(argv)
-    keys = dict(item.split("=", 1) for item in args.key)
+    if args.system_prompt:
+        print(SYSTEM, end="")
+        return 0
+    if not args.gateway:
+        parser.error("--gateway: at least one")
+    keys = dict(item.split("=", 1) for item in args.key or [])
     if len(keys) < 2:
         parser.error("--key: two tenants' keys")
     result = {

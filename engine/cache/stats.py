@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.cache.budget import Owner
+from engine.cache.budget import PUBLIC_OWNER, Owner
 from engine.cache.kv_cache_manager import KVCacheManager
 from engine.cache.quotas import OwnerCounters
 
@@ -37,6 +37,16 @@ class CacheStats:
     def evicted_blocks(self) -> int:
         """Evictions of every owner, own and pressure."""
         return sum(owner.counters.evicted_blocks for owner in self.owners.values())
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the engine was asked for: its tenants' (the public budget's counters
+        hold the same tokens again, those in public blocks)."""
+        return sum(
+            stats.counters.prompt_tokens
+            for owner, stats in self.owners.items()
+            if owner is not PUBLIC_OWNER
+        )
 
 
 def snapshot(cache: KVCacheManager) -> CacheStats:

@@ -14,7 +14,6 @@ import re
 import stat
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,19 @@ import pytest
 import yaml
 
 from gateway.workers.tls import WorkerTLS
-from tests.deploy.tools import DEPLOY, REPO, handshake, prefixgate, redis_check_passes, run
+from tests.deploy.tools import (
+    DEPLOY,
+    handshake,
+    prefixgate,
+    redis_check_passes,
+    release_version,
+    run,
+)
 
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yaml"
 COMPOSE_SMOKE = DEPLOY / "smoke" / "compose.yaml"
-VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+VERSION = release_version()
 ENV_EXAMPLE = DEPLOY / "compose.env.example"
 GATEWAYS = ("gateway", "gateway-2")
 WORKERS = ("worker-1", "worker-2")

@@ -167,6 +167,12 @@ def test_the_image_is_installed_from_the_release_wheel_in_the_staged_context(nam
             if not words[0].startswith("--from="):
                 copied |= set(words[:-1])
     assert copied == set(STAGED), "the Dockerfile copies what the script does not stage"
+    # The runtime stage takes the health check from the context, nothing else: the wheels and
+    # the build machine's certificate bundle stay in the build stage.
+    *_, runtime = stages(name)
+    from_context = [c for c in values(runtime, "COPY") if not c.startswith("--from=")]
+    assert [c.split()[0] for c in from_context] == ["healthcheck.py"]
+    assert not [v for v in values(runtime, "ENV") if "PIP_CERT" in v or "ca-bundle" in v]
     runs = " ".join(value for stage in stages(name) for value in values(stage, "RUN"))
     assert "/tmp/context/wheels/prefixgate-*.whl" in runs
     assert "--editable" not in runs and " -e " not in runs

@@ -25,18 +25,20 @@ import openai
 import pytest
 
 from bench.local_server import free_port
+from engine.kernels.cpu.build import HEADERS, SOURCES, build_directory
+from tests.deploy.tools import release_version
 
 ROOT = Path(__file__).resolve().parents[2]
-VERSION = "0.1.0"
-# What the server reads at run time, beside the Python modules.
+VERSION = release_version()
+# What the server reads at run time, beside the Python modules: the CPU kernel's sources
+# (built on first use), and one of each kind of the rest.
 RUNTIME_DATA = [
+    *(f"engine/kernels/cpu/{name}" for name in SOURCES + HEADERS),
     "tenancy/migrations/env.py",
     "tenancy/migrations/script.py.mako",
     "tenancy/migrations/versions/0001_initial_schema.py",
     "policies/default.yaml",
     "engine/model/chat_templates/smollm2-tools.jinja",
-    "engine/kernels/cpu/paged_attention.cpp",
-    "engine/kernels/cpu/cpu_vector.h",
     "gateway/console/templates/login.html",
     "gateway/console/static/console.css",
     "gateway/limits/limits.lua",
@@ -122,6 +124,13 @@ def test_the_installed_wheel_runs_from_an_empty_directory(
     imports = "import gateway, tenancy; print(gateway.__file__); print(tenancy.__file__)"
     where = _run(installed / "bin" / "python", "-c", imports, cwd=empty, env=env)
     assert all(line.startswith(str(installed)) for line in where.split()), where
+    # The kernel the installed package builds on first use is keyed by its sources' bytes,
+    # the compiler flags and torch: the same key as this checkout's build, so the build the
+    # server loads below is exactly the build of the wheel's sources (the image build
+    # compiles them from the wheel).
+    key = "from engine.kernels.cpu.build import build_directory; print(build_directory().name)"
+    installed_key = _run(installed / "bin" / "python", "-c", key, cwd=empty, env=env).strip()
+    assert installed_key == build_directory().name
     assert _run(prefixgate, "--version", cwd=empty, env=env).strip() == f"prefixgate {VERSION}"
     upgraded = _run(prefixgate, "db", "upgrade", cwd=empty, env=env)
     assert (tmp_path / "state" / "prefixgate" / "prefixgate.db").is_file(), upgraded

@@ -30,6 +30,7 @@ from bench.served_gateway import GatewayProcess, gateway_process
 from gateway.workers.membership import WorkerSet
 from gateway.workers.remote_engine import RemoteEngine
 from gateway.workers.routing import RoutingConfig
+from gateway.workers.wire import read_stats
 from tenancy import api_keys, tenants
 from tenancy.store import Store
 from tenancy.tenants import TenantLimits
@@ -225,9 +226,8 @@ def worker_state(worker: LocalWorker) -> dict[str, Any]:
 
 
 def prompt_tokens_seen(worker: LocalWorker) -> int:
-    """Prompt tokens the worker's engine has been asked for, over every owner."""
-    owners = worker_state(worker)["stats"]["owners"]
-    return sum(int(owner["counters"]["prompt_tokens"]) for owner in owners.values())
+    """Prompt tokens the worker's engine has been asked for (its tenants' counters)."""
+    return read_stats(worker_state(worker)["stats"]).prompt_tokens
 
 
 def seconds_until(condition: Callable[[], bool], timeout_s: float) -> float:

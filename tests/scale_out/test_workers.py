@@ -33,6 +33,7 @@ from engine.sampling.sampler import SamplingParams
 from gateway.workers import wire
 from gateway.workers.remote_engine import RemoteEngine
 from gateway.workers.signing import SIGNATURE_HEADER, RequestSigner, generation_view
+from gateway.workers.wire import read_stats
 from tenancy.tenants import TenantLimits
 from tests.support.admin import admin_client
 from tests.support.browser import ConsoleSession
@@ -599,8 +600,8 @@ def test_the_secret_alone_cannot_ask_for_a_tenants_cache(
 
 
 def prompt_tokens_counted(worker: LocalWorker) -> int:
-    owners = worker_state(worker)["stats"]["owners"]
-    return sum(int(owner["counters"]["prompt_tokens"]) for owner in owners.values())
+    """Prompt tokens the worker's engine has been asked for (its tenants' counters)."""
+    return read_stats(worker_state(worker)["stats"]).prompt_tokens
 
 
 def test_only_clients_with_a_certificate_the_ca_signed_reach_a_worker(
