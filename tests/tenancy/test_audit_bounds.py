@@ -90,7 +90,7 @@ def test_oversized_details_become_a_flagged_excerpt() -> None:
 
 
 def test_unstorable_text_in_columns_is_replaced_and_flagged() -> None:
-    fitted = bounded(AuditRecord("cli", "key.create", "success", actor_id="op\x00s\udfff"))
+    fitted = bounded(AuditRecord("cli", "api_key.create", "success", actor_id="op\x00s\udfff"))
     assert fitted.actor_id == "op\ufffds\ufffd" and fitted.details == {"sanitized": ["actor_id"]}
 
 
@@ -100,9 +100,9 @@ def test_oversized_fields_reach_postgresql_flagged_and_nothing_queues_behind_the
     store = Store.open(postgres_url, tmp_path / "audit.spool", "k", "signing-key", 5)
     try:
         long_ip = AuditRecord("gateway", "auth.failure", "failure", source_ip="1" * 100)
-        long_key = AuditRecord("cli", "key.create", "success", resource_id="acme/" + "k" * 200)
+        long_key = AuditRecord("cli", "api_key.create", "success", resource_id="acme/" + "k" * 200)
         unstorable = AuditRecord(
-            "cli", "key.create", "success", actor_id="a\x00b", details={"temperature": math.nan}
+            "cli", "api_key.create", "success", actor_id="a\x00b", details={"temperature": math.nan}
         )
         for record in (long_ip, long_key, unstorable):
             assert store.audit.record(record) is True  # written, not spooled as an "outage"
@@ -132,7 +132,7 @@ def test_cli_key_with_a_200_character_name_is_created_and_audited(
     created = cli.json("keys", "create", "--tenant", "acme", "--name", name)
     store = Store.open(postgres_url, tmp_path / "reader.spool", "cli-key-secret", "s", 100)
     try:
-        key_events = [event for event in stored_events(store) if event.action == "key.create"]
+        key_events = [event for event in stored_events(store) if event.action == "api_key.create"]
     finally:
         store.close()
     assert len(key_events) == 1 and key_events[0].outcome == "success"
