@@ -207,7 +207,8 @@ def redirect(
 
 def flash_of(request: Request) -> dict[str, str]:
     """The flash the redirect to this page carried (empty if none, or if meant for another)."""
-    flash = flash_cookie(request)
+    state: GatewayState = request.app.state.gateway
+    flash = flash_cookie(request, state.settings.secret("jwt_secret"))
     return flash if flash.get("page") == request.url.path else {}
 
 
@@ -268,7 +269,9 @@ class ConsoleRoute(APIRoute):
             try:
                 response = await handler(request)
                 if isinstance(response, Redirect) and response.flash:
-                    set_flash_cookie(request, response, response.flash)
+                    state: GatewayState = request.app.state.gateway
+                    secret = state.settings.secret("jwt_secret")
+                    set_flash_cookie(request, response, secret, response.flash)
                 return response
             except LoginRequired as refused:
                 return redirect("/admin/login", reason=refused.reason)

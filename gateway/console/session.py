@@ -14,7 +14,8 @@ HMAC of that nonce in the form; a page of another site can neither read nor set 
 
 What a form did travels to the next page in the cookie `pg_flash` (a redirect-after-POST's
 flash, see `pages.Redirect`), not in its address: a reload or a copied address shows no stale
-"saved" message. It holds codes and ids, never a secret, and lives a minute at most.
+"saved" message. It holds codes and ids, never a secret, lives a minute at most, and carries
+an HMAC under the JWT secret: a cookie set by anyone else (a sibling site, say) is ignored.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ LOGIN_COOKIE_MAX_AGE_S = 3600
 FLASH_COOKIE_MAX_AGE_S = 60  # the page after the redirect reads it at once
 _SESSION_PURPOSE = b"prefixgate-console-csrf\x00"
 _LOGIN_PURPOSE = b"prefixgate-console-login\x00"
+_FLASH_PURPOSE = b"prefixgate-console-flash\x00"
 
 
 def session_csrf(secret: str, jti: str) -> str:
@@ -81,19 +83,24 @@ def clear_login_cookie(request: Request, response: Response) -> None:
     _set(request, response, LOGIN_COOKIE, "", 0)
 
 
-def set_flash_cookie(request: Request, response: Response, flash: Mapping[str, str]) -> None:
+def set_flash_cookie(
+    request: Request, response: Response, secret: str, flash: Mapping[str, str]
+) -> None:
     """Carry `flash` (short text values by name) to the next page the browser shows."""
     encoded = base64.urlsafe_b64encode(urlencode(flash).encode()).decode().rstrip("=")
-    _set(request, response, FLASH_COOKIE, encoded, FLASH_COOKIE_MAX_AGE_S)
+    signed = f"{encoded}.{_mac(secret, _FLASH_PURPOSE, encoded)}"
+    _set(request, response, FLASH_COOKIE, signed, FLASH_COOKIE_MAX_AGE_S)
 
 
 def clear_flash_cookie(request: Request, response: Response) -> None:
     _set(request, response, FLASH_COOKIE, "", 0)
 
 
-def flash_cookie(request: Request) -> dict[str, str]:
+def flash_cookie(request: Request, secret: str) -> dict[str, str]:
     """The flash in the request's cookie (empty if none, or if it is not one of ours)."""
-    encoded = request.cookies.get(FLASH_COOKIE, "")
+    encoded, _, mac = request.cookies.get(FLASH_COOKIE, "").partition(".")
+    if not token_matches(_mac(secret, _FLASH_PURPOSE, encoded), mac):
+        return {}
     try:
         text = base64.urlsafe_b64decode(encoded + "=" * (-len(encoded) % 4)).decode()
     except ValueError:  # binascii.Error and UnicodeDecodeError are ValueErrors

@@ -22,6 +22,7 @@ One gateway of its own (so quotas can change freely) and one browser for the who
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 import re
@@ -1103,6 +1104,12 @@ def test_a_quota_saved_in_tokens_comes_back_in_tokens(console_gateway: Gateway) 
         reservation = re.search(r'<input id="quota-reservation"[^>]*value="([^"]*)"', page)
         assert reservation is not None and reservation.group(1) == "2"
         assert '<option value="blocks" selected>' in page.split('id="quota-reservation_unit"')[1]
+        # A flash the gateway did not sign (set by a sibling site, say) is ignored: no notice.
+        forged = base64.urlsafe_b64encode(b"page=/admin/tenants&done=tenant_created").decode()
+        for value in (forged, f"{forged}.{'0' * 64}"):
+            console.client.cookies.set("pg_flash", value, path="/admin")
+            assert "Tenant created." not in console.get("/admin/tenants").text
+        console.client.cookies.delete("pg_flash", path="/admin")
 
 
 def test_audit_rows_show_missing_values_as_dashes_and_details_full_width(
