@@ -61,14 +61,18 @@ def check_gateway(url: str, keys: dict[str, str], user: str) -> list[dict[str, A
     checks: list[dict[str, Any]] = []
     answers: dict[str, Any] = {}
 
-    def chat() -> str:
-        answer = first.chat.completions.create(
+    def ask(client: openai.OpenAI, messages: list[dict[str, str]], asker: str, tokens: int) -> Any:
+        """One greedy chat completion of `messages` for `asker`, not streamed."""
+        return client.chat.completions.create(
             model=MODEL,
-            messages=opening,
-            user=user,
-            max_tokens=24,
-            temperature=0,  # type: ignore[arg-type]
+            messages=messages,  # type: ignore[arg-type]
+            user=asker,
+            max_tokens=tokens,
+            temperature=0,
         )
+
+    def chat() -> str:
+        answer = ask(first, opening, user, 24)
         answers["first"] = answer
         text = answer.choices[0].message.content or ""
         assert text.strip(), "an empty answer"
@@ -96,13 +100,7 @@ def check_gateway(url: str, keys: dict[str, str], user: str) -> list[dict[str, A
         reply = answers["first"].choices[0].message.content or ""
         messages = [*opening, {"role": "assistant", "content": reply},
                     {"role": "user", "content": "And city bikes?"}]  # fmt: skip
-        answer = first.chat.completions.create(
-            model=MODEL,
-            messages=messages,
-            user=user,
-            max_tokens=16,
-            temperature=0,  # type: ignore[arg-type]
-        )
+        answer = ask(first, messages, user, 16)
         answers["second"] = answer
         cached = cached_tokens(answer)
         assert cached > 0, f"no cached tokens of {answer.usage.prompt_tokens}"
@@ -111,13 +109,7 @@ def check_gateway(url: str, keys: dict[str, str], user: str) -> list[dict[str, A
     def public_only(client: openai.OpenAI, who: str, asker: str) -> str:
         """The opening again, from someone who may read the public system prompt's blocks
         but not the first user's: some cached tokens, fewer than the first user's turn."""
-        answer = client.chat.completions.create(
-            model=MODEL,
-            messages=opening,
-            user=asker,
-            max_tokens=8,
-            temperature=0,  # type: ignore[arg-type]
-        )
+        answer = ask(client, opening, asker, 8)
         cached, own = cached_tokens(answer), cached_tokens(answers["second"])
         assert 0 < cached < own, f"{who}: {cached} cached tokens, the first user's turn {own}"
         answers[who] = answer

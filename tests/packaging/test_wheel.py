@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import time
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from bench.local_server import free_port
+from bench.local_server import free_port, wait_until_ready
 from engine.kernels.cpu.build import HEADERS, SOURCES, build_directory
 from tests.deploy.tools import release_version
 
@@ -136,27 +135,18 @@ def test_the_installed_wheel_runs_from_an_empty_directory(
     assert (tmp_path / "state" / "prefixgate" / "prefixgate.db").is_file(), upgraded
 
     port = free_port()
-    server = subprocess.Popen(
-        [prefixgate, "serve", "--demo", "--port", str(port)], cwd=empty, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    output: list[str] = []
+    log = tmp_path / "serve.log"  # beside the working directory, which must stay empty
+    with log.open("wb") as sink:
+        server = subprocess.Popen(
+            [prefixgate, "serve", "--demo", "--port", str(port)], cwd=empty, env=env,
+            stdout=sink, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     try:
-        key = None
-        for line in server.stdout or []:
-            output.append(line)
-            if line.strip().startswith("pgk_"):
-                key = line.strip()
-                break
-        assert key is not None, "".join(output)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and server.poll() is None:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
-                    break
-            except httpx.ConnectError:
-                time.sleep(0.2)
-        assert server.poll() is None, "".join(output)
+        wait_until_ready(f"http://127.0.0.1:{port}", server, log, timeout_s=180)
+        printed = log.read_text(errors="replace")
+        keys = [line.strip() for line in printed.splitlines() if line.strip().startswith("pgk_")]
+        assert keys, printed
+        key = keys[0]
         api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
         answer = api.chat.completions.create(
             model="smollm2-135m-instruct",
