@@ -9,7 +9,7 @@ generation) matched just before it. Anything else is a miss.
 from __future__ import annotations
 
 from engine.cache.block_hash import BlockHash
-from engine.cache.block_pool import Block
+from engine.cache.block_pool import Block, extends
 from engine.cache.scope import CacheScope
 
 
@@ -74,6 +74,11 @@ class PrefixCache:
         block.parent_generation = -1 if parent is None else parent.generation
         block.scope = scope
         block.token_bytes = token_bytes
+        # What eviction by value needs: how deep the block is (its recompute cost grows with
+        # it) and that the parent is no longer a leaf.
+        block.position = 0 if parent is None else parent.position + 1
+        if parent is not None and extends(block, parent):
+            parent.children += 1
         self._blocks[key] = block
         return block
 

@@ -80,6 +80,7 @@ def test_making_room_for_oneself_counts_as_own_eviction() -> None:
 
     # Within its quota, but the pool is short: t1's own block is the global LRU victim.
     full = make_manager(num_blocks=8)
+    full.quotas.set_eviction("lru")  # the global LRU victim, as the comment below says
     run_prompt(full, request("t1", list(range(17)), Tenant("t1")))  # 4 cached, oldest
     run_prompt(full, request("t2", list(range(50, 59)), Tenant("t2")))  # 2 cached
     run_prompt(full, request("t1", list(range(100, 109)), Tenant("t1")))  # 3 new, 2 free

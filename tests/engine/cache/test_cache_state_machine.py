@@ -1,4 +1,5 @@
-"""I5 (and I2, I4 on the way) over random multi-tenant operation sequences."""
+"""I5 (and I2, I4 on the way) over random multi-tenant operation sequences, under each
+eviction policy."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from engine.cache.budget import (
     TenantBudget,
 )
 from engine.cache.cache_request import CacheRequest, request_block_scopes
+from engine.cache.eviction import EvictionPolicy
 from engine.cache.scope import NO_CACHE, Public, Segment, Tenant, User
 from tests.support.cache import make_manager
 
@@ -35,9 +37,12 @@ class Live:
 
 
 class CacheMachine(RuleBasedStateMachine):
+    eviction: EvictionPolicy = "value"
+
     def __init__(self) -> None:
         super().__init__()
         self.manager = make_manager(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+        self.manager.quotas.set_eviction(self.eviction)
         self.live: dict[str, Live] = {}
         self.counter = 0
 
@@ -182,6 +187,20 @@ class CacheMachine(RuleBasedStateMachine):
         self.manager.pool.check_consistency()
 
     @invariant()
+    def each_owners_victim_ranks_lowest_among_its_idle_blocks(self) -> None:
+        pool = self.manager.pool
+        for owner in [*TENANTS, PUBLIC_OWNER]:
+            idle = pool.idle_blocks(owner)
+            victim = pool.victim(owner)
+            if not idle:
+                assert victim is None
+                continue
+            assert victim is not None and victim in idle
+            assert pool.rank(victim) == min(pool.rank(block) for block in idle)
+            if self.eviction == "lru":
+                assert victim is idle[0], "lru: the least recently used goes first"
+
+    @invariant()
     def ref_counts_match_live_requests(self) -> None:
         expected: dict[int, int] = {}
         for request_id in self.live:
@@ -211,10 +230,17 @@ class CacheMachine(RuleBasedStateMachine):
                 assert block.key in self.manager.prefix_cache
 
 
-TestCacheStateMachine = CacheMachine.TestCase
-TestCacheStateMachine.settings = settings(
+class LruCacheMachine(CacheMachine):
+    eviction: EvictionPolicy = "lru"
+
+
+MACHINE_SETTINGS = settings(
     max_examples=150,
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+TestCacheStateMachine = CacheMachine.TestCase
+TestCacheStateMachine.settings = MACHINE_SETTINGS
+TestLruCacheStateMachine = LruCacheMachine.TestCase
+TestLruCacheStateMachine.settings = MACHINE_SETTINGS

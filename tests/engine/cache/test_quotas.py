@@ -54,6 +54,7 @@ def test_tenant_over_quota_evicts_its_own_lru_blocks_first() -> None:
 
 def test_full_pool_evicts_global_lru_above_reservations_only() -> None:
     manager = make_manager(num_blocks=12)
+    manager.quotas.set_eviction("lru")  # by value, see test_eviction_policy.py
     manager.set_budget("t1", TenantBudget(quota_blocks=12, reserved_blocks=4))
     cache_blocks(manager, "t1", 0, 4)  # oldest, but reserved
     cache_blocks(manager, "t2", 100, 4)
