@@ -59,10 +59,15 @@ def block_token_bytes(token_bytes: bytes | bytearray, index: int, block_size: in
     return bytes(token_bytes[index * stride : (index + 1) * stride])
 
 
+def length_prefixed(data: bytes) -> bytes:
+    """`data` behind its 4-byte little-endian length, so consecutive fields can never run
+    together (every encoding of keys and sealed tier values is built of such fields)."""
+    return len(data).to_bytes(4, "little") + data
+
+
 def _length_prefixed(text: str) -> bytes:
-    """UTF-8 text behind its 4-byte length, so consecutive fields can never run together."""
-    raw = text.encode("utf-8")
-    return len(raw).to_bytes(4, "little") + raw
+    """UTF-8 text, length-prefixed."""
+    return length_prefixed(text.encode("utf-8"))
 
 
 @cache
