@@ -4,15 +4,23 @@ State belongs to the deployment, never to the working directory: `state_dir` def
 `$XDG_STATE_HOME/prefixgate` (else `~/.local/state/prefixgate`), and the embedded SQLite
 database lives there too, so `make run` and the CLI agree from any directory.
 
-Secrets (the key-hashing secret, the audit signing key, the admin JWT secret) come from the
-environment in production. When one is not set, a random value is generated once and kept in
-`<state_dir>/secrets.json` (mode 0600), so a fresh `make run` is safe without configuration
-and keeps working across restarts. The database remembers a fingerprint of the secrets it was
-set up with; `open_store` refuses a process whose secrets differ (`SecretMismatch`).
+Secrets (the key-hashing secret, the audit signing key, the admin JWT secret, the master key)
+come from the environment in production. When one is not set, a random value is generated once
+and kept in `<state_dir>/secrets.json` (mode 0600), so a fresh `make run` is safe without
+configuration and keeps working across restarts. The database remembers a fingerprint of the
+secrets it was set up with; `open_store` refuses a process whose secrets differ
+(`SecretMismatch`).
+
+The master key wraps every tenant's and public prefix's data key (tenancy/seal_keys.py), which
+seal the blocks of the second KV tier. Only a process that makes or reads data keys needs it:
+its fingerprint is checked (and recorded on first use) where the tier is on or the key is set,
+so a CLI run from another state directory never records a master key nobody uses.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 import re
@@ -32,10 +40,32 @@ from tenancy.login_failures import LoginDelays
 from tenancy.private_paths import PRIVATE_FILE, private_directory
 from tenancy.store import Store
 
-_GENERATED_SECRETS = ("key_hash_secret", "audit_signing_key", "jwt_secret")
+_GENERATED_SECRETS = ("key_hash_secret", "audit_signing_key", "jwt_secret", "master_key")
 # The secrets the store works with: keys hashed or checkpoints signed under another value
 # would fail (401s, "forged" checkpoints), so the database holds their fingerprints.
 STORE_SECRETS = ("key_hash_secret", "audit_signing_key")
+# Data keys wrapped under another master key do not unwrap: checked like the store's secrets
+# wherever data keys are made or read (`Settings.checked_secrets`).
+MASTER_KEY = "master_key"
+MASTER_KEY_BYTES = 32
+MASTER_KEY_FORMAT = (
+    "32 random bytes in URL-safe base64, 43 characters (make one with "
+    "`python3 -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
+)
+
+
+def master_key_bytes(text: str) -> bytes:
+    """The 32 bytes a master key's text stands for (URL-safe base64, padded or not); a
+    ValueError that never repeats the text otherwise."""
+    unpadded = text.strip().rstrip("=")
+    try:
+        # validate=True: a character outside the alphabet is an error, not silently skipped.
+        decoded = base64.b64decode(unpadded + "=" * (-len(unpadded) % 4), b"-_", validate=True)
+    except (binascii.Error, ValueError):
+        decoded = b""
+    if len(decoded) != MASTER_KEY_BYTES or len(unpadded) != 43:
+        raise ValueError(f"the master key must be {MASTER_KEY_FORMAT}")
+    return decoded
 
 
 def default_state_dir() -> Path:
@@ -98,6 +128,11 @@ class Settings(BaseSettings):
     """Signs audit checkpoints and export trailers; generated into secrets.json when unset."""
     jwt_secret: SecretStr | None = None
     """Secret for admin session tokens; generated into secrets.json when unset."""
+    master_key: SecretStr | None = None
+    """Wraps each tenant's and public prefix's data key, which seal the second KV tier's
+    blocks: 32 random bytes in URL-safe base64 (43 characters), the same on every replica, for
+    good (data keys wrapped under another do not unwrap); generated into secrets.json when
+    unset."""
     audit_spool_path: Path | None = None
     """Where audit events wait while the database is unreachable; default:
     <state_dir>/audit.spool."""
@@ -157,6 +192,28 @@ class Settings(BaseSettings):
     (calibrated at start, refitted from its steps; shown in /readyz)."""
     public_cache_blocks: int | None = None
     """Quota of the public budget, in blocks; default: the whole pool."""
+
+    kv_eviction: Literal["value", "lru"] = "value"
+    """Which idle cached KV block is evicted first, in the pool and in the tier: value (the
+    least prefill time its reuse has saved per byte, aged) or lru (least recently used, for
+    comparison)."""
+    # The second KV tier: blocks that leave the pool, sealed per tenant (tenancy/seal_keys.py)
+    kv_tier: Literal["off", "disk", "redis"] = "off"
+    """Where KV blocks evicted from the pool live on: off, disk (a file per worker in
+    kv_tier_dir) or redis (one store every worker shares, at kv_tier_redis_url). Each block is
+    sealed (AES-256-GCM) under its tenant's or public prefix's data key, wrapped by
+    master_key; deleting a tenant makes its blocks there unreadable at once."""
+    kv_tier_dir: Path | None = None
+    """Directory of the disk tier; default: <state_dir>/kv-tier."""
+    kv_tier_capacity_bytes: int = Field(default=4 << 30, ge=1)
+    """Most bytes the tier holds (per worker on disk; in all on Redis); default: 4 GiB."""
+    kv_tier_redis_url: str | None = None
+    """Redis of the redis tier (redis://[:password@]host:port/db, rediss:// for TLS); default:
+    redis_url."""
+    public_tier_quota_bytes: int | None = Field(default=None, ge=0)
+    """Quota of the public budget in the tier, in bytes; default: the public pool budget's
+    bytes (public_cache_blocks x the bytes of a block). A tenant's own tier quota is set per
+    tenant (default: its pool quota's bytes)."""
     enable_prefix_caching: bool = True
     """Reuse cached prefixes; false computes every prompt in full."""
 
@@ -330,7 +387,7 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("redis_url")
+    @field_validator("redis_url", "kv_tier_redis_url")
     @classmethod
     def _redis_scheme(cls, value: str | None) -> str | None:
         if value is not None and urlsplit(value).scheme not in ("redis", "rediss", "unix"):
@@ -350,6 +407,25 @@ class Settings(BaseSettings):
         if value is not None and len(value.get_secret_value()) < 32:
             raise ValueError("the worker signing key must be at least 32 characters")
         return value
+
+    @field_validator("master_key")
+    @classmethod
+    def _master_key_format(cls, value: SecretStr | None) -> SecretStr | None:
+        """Kept in one spelling (unpadded), so its fingerprint does not depend on padding."""
+        if value is None:
+            return None
+        decoded = master_key_bytes(value.get_secret_value())
+        return SecretStr(base64.urlsafe_b64encode(decoded).decode().rstrip("="))
+
+    @model_validator(mode="after")
+    def _tier_store_named(self) -> Settings:
+        """The redis tier needs a Redis: its own URL or the gateway's."""
+        if self.kv_tier == "redis" and self.tier_redis_url is None:
+            raise ValueError(
+                "kv_tier redis needs a Redis: set PREFIXGATE_KV_TIER_REDIS_URL or "
+                "PREFIXGATE_REDIS_URL"
+            )
+        return self
 
     @model_validator(mode="after")
     def _worker_tls_complete(self) -> Settings:
@@ -383,6 +459,31 @@ class Settings(BaseSettings):
         configured: SecretStr | None = getattr(self, name)
         return configured.get_secret_value() if configured is not None else None
 
+    def master_key_bytes(self) -> bytes:
+        """The deployment's master key (configured, else generated for this state directory)
+        as the 32 bytes that wrap data keys; ValueError if secrets.json holds a bad one."""
+        return master_key_bytes(self.secret(MASTER_KEY))
+
+    @property
+    def uses_master_key(self) -> bool:
+        """Whether this process makes or reads data keys (the tier is on), or was given a
+        master key to check against the database's."""
+        return self.kv_tier != "off" or self.master_key is not None
+
+    def checked_secrets(self) -> tuple[str, ...]:
+        """The secrets `open_store` holds against the database's fingerprints."""
+        return (*STORE_SECRETS, MASTER_KEY) if self.uses_master_key else STORE_SECRETS
+
+    @property
+    def tier_dir(self) -> Path:
+        """Where the disk tier keeps its files."""
+        return self.kv_tier_dir or self.state_dir / "kv-tier"
+
+    @property
+    def tier_redis_url(self) -> str | None:
+        """The Redis of the redis tier: its own URL, else the gateway's (None: neither)."""
+        return self.kv_tier_redis_url or self.redis_url
+
     @property
     def spool_path(self) -> Path:
         return self.audit_spool_path or self.state_dir / "audit.spool"
@@ -411,7 +512,7 @@ class Settings(BaseSettings):
             return store
         try:
             differ = mismatched_secrets(
-                store.sessions, {name: self.secret(name) for name in STORE_SECRETS}
+                store.sessions, {name: self.secret(name) for name in self.checked_secrets()}
             )
         except BaseException:
             store.close()

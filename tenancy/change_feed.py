@@ -6,7 +6,9 @@ delete) or an API key (create, revoke, rotate) bumps `tenancy_changes.seq` in th
 transaction. The bump has one home: session listeners that `track` installs on every
 sessionmaker `make_sessions` builds, so no repository function can forget it. A key's
 `last_used_at`, written on every authentication, is not a change. A gateway polls
-`current_seq` (one indexed single-row read) and, when it moved, reads `tenant_budgets`.
+`current_seq` (one indexed single-row read) and, when it moved, reads `tenant_budgets`: each
+tenant's pool quota and reservation (blocks) and its second-tier quota and reservation (bytes;
+None is the default, resolved by the engine from the pool's).
 
 On PostgreSQL the bump also sends `NOTIFY prefixgate_tenancy`, which the database delivers
 only when the transaction commits, to every gateway that listens (`ChangeListener`): a change
@@ -44,6 +46,10 @@ class TenantRow:
     status: str
     cache_quota_blocks: int
     cache_reservation_blocks: int
+    # Bytes in the second KV tier; None: the default (the quota: the pool quota's bytes,
+    # resolved with the engine's bytes per block; the reservation: none).
+    tier_quota_bytes: int | None = None
+    tier_reservation_bytes: int | None = None
 
 
 def current_seq(session: Session) -> int:
@@ -60,11 +66,21 @@ def tenant_budgets(session: Session) -> dict[str, TenantRow]:
             Tenant.status,
             Tenant.cache_quota_blocks,
             Tenant.cache_reservation_blocks,
+            Tenant.tier_quota_bytes,
+            Tenant.tier_reservation_bytes,
         )
     )
     return {
-        str(tenant_id): TenantRow(str(tenant_id), slug, status, quota, reservation)
-        for tenant_id, slug, status, quota, reservation in rows
+        str(row.id): TenantRow(
+            str(row.id),
+            row.slug,
+            row.status,
+            row.cache_quota_blocks,
+            row.cache_reservation_blocks,
+            row.tier_quota_bytes,
+            row.tier_reservation_bytes,
+        )
+        for row in rows
     }
 
 

@@ -1,6 +1,7 @@
 """SQLAlchemy models: tenants, API keys, operators (their sessions and failed logins), public
-prefixes, the audit log, and what the database knows about its deployment (secret
-fingerprints, the KV pool, the gateways serving it, a change counter).
+prefixes, the data keys that seal their second-tier KV blocks (wrapped), the audit log, and
+what the database knows about its deployment (secret fingerprints, the KV pool, the gateways
+serving it, a change counter).
 
 Constraint names follow one convention (`NAMING_CONVENTION`) so migrations are static and
 reversible on every database. Times are timezone-aware UTC. Every value written through the
@@ -24,6 +25,7 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     Integer,
+    LargeBinary,
     MetaData,
     SmallInteger,
     String,
@@ -104,6 +106,16 @@ class Tenant(Base):
             "scheduling_weight >= {} AND scheduling_weight <= {}".format(*SCHEDULING_WEIGHT_RANGE),
             name="scheduling_weight_range",
         ),
+        CheckConstraint(
+            "(tier_quota_bytes IS NULL OR tier_quota_bytes >= 0) AND "
+            "(tier_reservation_bytes IS NULL OR tier_reservation_bytes >= 0)",
+            name="tier_quota_not_negative",
+        ),
+        CheckConstraint(
+            "tier_quota_bytes IS NULL OR tier_reservation_bytes IS NULL OR "
+            "tier_reservation_bytes <= tier_quota_bytes",
+            name="tier_reservation_within_quota",
+        ),
     )
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True, default=uuid.uuid4)
@@ -118,6 +130,11 @@ class Tenant(Base):
     tokens_per_minute: Mapped[int] = mapped_column(Integer, default=1_000_000)
     max_concurrent: Mapped[int] = mapped_column(Integer, default=16)
     scheduling_weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1.0")
+    # The tenant's budget in the second KV tier, in bytes. NULL is the default: for the quota
+    # the pool quota's bytes (cache_quota_blocks x the bytes of a block of the engine's model,
+    # which the engine resolves), for the reservation none (0), as in the pool.
+    tier_quota_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    tier_reservation_bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
@@ -218,6 +235,21 @@ class PublicPrefix(Base):
     created_by: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+
+
+class WrappedDataKey(Base):
+    """The data key of a tenant or a public prefix (tenancy/seal_keys.py), stored only wrapped:
+    AES-256-GCM under the deployment's master key, bound to its subject and key id."""
+
+    __tablename__ = "seal_keys"
+
+    # `tenant:<uuid>` or `prefix:<uuid>`: one key per owner, whichever gateway makes it first.
+    subject: Mapped[str] = mapped_column(String(64), primary_key=True)
+    # Public: it names the key inside sealed values (`t-<tenant hex[:12]>-<8 random hex>`).
+    key_id: Mapped[str] = mapped_column(String(64), unique=True)
+    # nonce (12 bytes) || ciphertext of the 32-byte key || tag (16 bytes); never the key.
+    wrapped: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
 class AuditEvent(Base):

@@ -1,7 +1,8 @@
 """Storage of admin-registered public prefixes (the policy module decides what they mean).
 
 A prefix is named by (model, namespace, name), as the CLI does, or by its id, as the admin API
-does.
+does. Deleting one shreds its data key (tenancy/seal_keys.py) in the same transaction: its
+blocks in a second tier are unreadable from the commit on.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from tenancy.errors import Conflict, InvalidInput, NotFound
 from tenancy.models import PublicPrefix
+from tenancy.seal_keys import shred_prefix_key
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
@@ -90,13 +92,14 @@ def set_enabled_by_id(session: Session, prefix_id: uuid.UUID, enabled: bool) -> 
     return _set_enabled(session, get_prefix_by_id(session, prefix_id), enabled)
 
 
-def delete_prefix(session: Session, model: str, namespace: str, name: str) -> None:
-    _delete(session, get_prefix(session, model, namespace, name))
+def delete_prefix(session: Session, model: str, namespace: str, name: str) -> bool:
+    """Delete the prefix named so and shred its data key; whether it had one."""
+    return _delete(session, get_prefix(session, model, namespace, name))
 
 
-def delete_prefix_by_id(session: Session, prefix_id: uuid.UUID) -> None:
-    """Delete the prefix with this id."""
-    _delete(session, get_prefix_by_id(session, prefix_id))
+def delete_prefix_by_id(session: Session, prefix_id: uuid.UUID) -> bool:
+    """Delete the prefix with this id and shred its data key; whether it had one."""
+    return _delete(session, get_prefix_by_id(session, prefix_id))
 
 
 def _set_enabled(session: Session, prefix: PublicPrefix, enabled: bool) -> PublicPrefix:
@@ -105,6 +108,10 @@ def _set_enabled(session: Session, prefix: PublicPrefix, enabled: bool) -> Publi
     return prefix
 
 
-def _delete(session: Session, prefix: PublicPrefix) -> None:
+def _delete(session: Session, prefix: PublicPrefix) -> bool:
+    prefix_id = prefix.id
     session.delete(prefix)
+    # Deleted first: the row's lock makes a data key being made at this moment commit before
+    # the shredding reads (or find no prefix and make none).
     session.flush()
+    return shred_prefix_key(session, prefix_id)

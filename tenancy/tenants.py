@@ -1,7 +1,16 @@
-"""Tenants: create, look up, change quotas, sharing and scheduling weight, suspend, delete."""
+"""Tenants: create, look up, change quotas, sharing and scheduling weight, suspend, delete.
+
+A tenant has two cache budgets: its quota and reservation in the KV pool, in blocks (checked
+against the pool a server recorded), and in the second KV tier, in bytes. A tier quota left
+unset (NULL) is the default, the pool quota's bytes, which the engine resolves with its model's
+bytes per block (`cache_quota_blocks` x bytes per block); a tier reservation left unset is none
+(0), as a pool reservation is by default. Deleting a tenant shreds its data key
+(tenancy/seal_keys.py) in the same transaction.
+"""
 
 from __future__ import annotations
 
+import enum
 import re
 import uuid
 from dataclasses import dataclass
@@ -13,11 +22,23 @@ from sqlalchemy.orm import Session
 from tenancy.deployment import Pool, recorded_pool
 from tenancy.errors import Conflict, InvalidInput, NotFound
 from tenancy.models import SCHEDULING_WEIGHT_RANGE, SHARING_MODES, ApiKey, Tenant, utcnow
+from tenancy.seal_keys import shred_tenant_key
 
 DEFAULT_QUOTA_BLOCKS = 1024
 _SLUG = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
 # Metrics label the public budget's blocks owner="public"; no tenant may share that name.
 RESERVED_SLUGS = frozenset({"public"})
+# The largest byte count a tier quota column holds (BIGINT).
+MAX_TIER_BYTES = (1 << 63) - 1
+
+
+class Unchanged(enum.Enum):
+    """A field a change leaves as it is, where None means something (a default)."""
+
+    UNCHANGED = "unchanged"
+
+
+UNCHANGED = Unchanged.UNCHANGED
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +52,9 @@ class TenantLimits:
     # Against other tenants with work, the tenant's share of the engine's service is in
     # proportion to it; equal weights share equally.
     scheduling_weight: float = 1.0
+    # Bytes in the second KV tier; None: the default (the pool quota's bytes; no reservation).
+    tier_quota_bytes: int | None = None
+    tier_reservation_bytes: int | None = None
 
 
 def weight_text(weight: float) -> str:
@@ -103,6 +127,24 @@ def check_quota(
     return pool
 
 
+def check_tier_quota(quota_bytes: int | None, reservation_bytes: int | None) -> None:
+    """Refuse (`InvalidInput`) a tier quota or reservation below zero or beyond a BIGINT, or a
+    reservation above the quota when both are set (None is the default, always allowed)."""
+    given = {"tier_quota_bytes": quota_bytes, "tier_reservation_bytes": reservation_bytes}
+    for name, value in given.items():
+        what = name.removesuffix("_bytes").replace("_", " ")
+        if value is not None and not 0 <= value <= MAX_TIER_BYTES:
+            raise InvalidInput(f"{what} must be between 0 and {MAX_TIER_BYTES} bytes", name)
+    if quota_bytes is None or reservation_bytes is None:
+        return
+    if reservation_bytes > quota_bytes:
+        raise InvalidInput(
+            f"tier reservation ({reservation_bytes} bytes) must not exceed the tier quota "
+            f"({quota_bytes} bytes)",
+            "tier_reservation_bytes",
+        )
+
+
 def create_tenant(
     session: Session,
     slug: str,
@@ -126,6 +168,7 @@ def create_tenant(
         pool = recorded_pool(session)
         quota = DEFAULT_QUOTA_BLOCKS if pool is None else min(DEFAULT_QUOTA_BLOCKS, pool.blocks)
     check_quota(session, quota, limits.cache_reservation_blocks)
+    check_tier_quota(limits.tier_quota_bytes, limits.tier_reservation_bytes)
     for name in ("requests_per_minute", "tokens_per_minute", "max_concurrent"):
         if getattr(limits, name) < 0:
             raise InvalidInput(f"{name.replace('_', ' ')} must not be negative", name)
@@ -143,6 +186,8 @@ def create_tenant(
         tokens_per_minute=limits.tokens_per_minute,
         max_concurrent=limits.max_concurrent,
         scheduling_weight=limits.scheduling_weight,
+        tier_quota_bytes=limits.tier_quota_bytes,
+        tier_reservation_bytes=limits.tier_reservation_bytes,
     )
     session.add(tenant)
     try:
@@ -167,6 +212,8 @@ def tenant_settings(row: Tenant) -> dict[str, object]:
         "tokens_per_minute": row.tokens_per_minute,
         "max_concurrent": row.max_concurrent,
         "scheduling_weight": row.scheduling_weight,
+        "tier_quota_bytes": row.tier_quota_bytes,
+        "tier_reservation_bytes": row.tier_reservation_bytes,
     }
 
 
@@ -261,18 +308,37 @@ def set_quota(
     slug: str,
     quota_blocks: int | None = None,
     reservation_blocks: int | None = None,
+    tier_quota_bytes: int | Unchanged | None = UNCHANGED,
+    tier_reservation_bytes: int | Unchanged | None = UNCHANGED,
 ) -> Tenant:
-    """Change a tenant's cache quota, reservation or both; what is not given stays."""
-    if quota_blocks is None and reservation_blocks is None:
-        raise InvalidInput("give a new quota, a new reservation or both", "cache_quota_blocks")
+    """Change a tenant's cache quota, reservation, tier quota, tier reservation or several;
+    what is not given stays (a tier field given as None goes back to the default)."""
+    if (quota_blocks, reservation_blocks) == (None, None) and (
+        tier_quota_bytes is UNCHANGED and tier_reservation_bytes is UNCHANGED
+    ):
+        raise InvalidInput(
+            "give a new quota, a new reservation, a new tier quota or tier reservation",
+            "cache_quota_blocks",
+        )
     tenant = get_tenant(session, slug)
     quota = tenant.cache_quota_blocks if quota_blocks is None else quota_blocks
     reservation = (
         tenant.cache_reservation_blocks if reservation_blocks is None else reservation_blocks
     )
+    tier_quota = (
+        tenant.tier_quota_bytes if isinstance(tier_quota_bytes, Unchanged) else tier_quota_bytes
+    )
+    tier_reservation = (
+        tenant.tier_reservation_bytes
+        if isinstance(tier_reservation_bytes, Unchanged)
+        else tier_reservation_bytes
+    )
+    check_tier_quota(tier_quota, tier_reservation)
     check_quota(session, quota, reservation, tenant)
     tenant.cache_quota_blocks = quota
     tenant.cache_reservation_blocks = reservation
+    tenant.tier_quota_bytes = tier_quota
+    tenant.tier_reservation_bytes = tier_reservation
     session.flush()
     return tenant
 
@@ -296,8 +362,17 @@ def set_status(session: Session, slug: str, status: str) -> Tenant:
     return tenant
 
 
-def delete_tenant(session: Session, slug: str) -> Tenant:
-    """Mark a tenant deleted and revoke all its keys; its audit trail stays."""
+@dataclass(frozen=True, slots=True)
+class DeletedTenant:
+    """A tenant just deleted, and whether a data key of its was shredded with it."""
+
+    tenant: Tenant
+    data_key_shredded: bool  # False: it never had one (nothing reached the second tier)
+
+
+def delete_tenant(session: Session, slug: str) -> DeletedTenant:
+    """Mark a tenant deleted, revoke all its keys and shred its data key, so whatever of it a
+    second tier holds is unreadable from the commit on; its audit trail stays."""
     tenant = get_tenant(session, slug)
     tenant.status = "deleted"
     now = utcnow()
@@ -306,5 +381,7 @@ def delete_tenant(session: Session, slug: str) -> Tenant:
         .where(ApiKey.tenant_id == tenant.id, ApiKey.revoked_at.is_(None))
         .values(revoked_at=now)
     )
+    # Flushed first: the row's lock makes a data key being made at this moment commit before
+    # the shredding reads (or see the tenant deleted and make none).
     session.flush()
-    return tenant
+    return DeletedTenant(tenant, shred_tenant_key(session, tenant.id))

@@ -2,7 +2,8 @@
 
 `apply_change` runs the change in a transaction and records exactly one audit event for it,
 whatever the outcome: who (operator or tenant-admin key, and from where), what (action and
-resource), and the resource before and after. A refused change (a tenancy rule, a tenant the
+resource), the resource before and after, and what else the change did (a deletion's
+`data_key_shredded`). A refused change (a tenancy rule, a tenant the
 caller may not see) is audited as a failure and answered in the API's error shape. After a
 successful commit this process applies it at once (`TenancySync.poll`: key checks forgotten,
 cache budgets set in the engine, a deleted tenant's blocks purged); other gateways are notified
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, NoReturn, TypeVar
 
 from sqlalchemy.orm import Session
@@ -37,6 +38,8 @@ class Changed(Generic[T]):
     tenant_id: str | None = None
     before: dict[str, Any] | None = None
     after: dict[str, Any] | None = None
+    # What else the change did, beside `before` and `after` in the event's details.
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,7 @@ def apply_change(
         api_error = error if isinstance(error, APIError) else from_tenancy_error(error)
         _audit(state, caller, action, "failure", action.tenant_id, {"error": api_error.message})
         raise api_error from error
-    details = {"before": changed.before, "after": changed.after}
+    details = {"before": changed.before, "after": changed.after, **changed.details}
     _audit(state, caller, action, "success", changed.tenant_id or action.tenant_id, details)
     try:
         state.tenancy_sync.poll()

@@ -84,6 +84,8 @@ def tenant_out(state: GatewayState, tenant: Tenant) -> TenantOut:
         created_at=tenant.created_at,
         quota=amount(state, tenant.cache_quota_blocks),
         reservation=amount(state, tenant.cache_reservation_blocks),
+        tier_quota_bytes=tenant.tier_quota_bytes,
+        tier_reservation_bytes=tenant.tier_reservation_bytes,
         cache=cache_usage(state, tenant),
     )
 

@@ -2,7 +2,8 @@
 
 Cache sizes are shown three ways, because operators think in different units: KV blocks (what
 the engine counts), tokens (blocks x block size) and bytes (what the quota costs in memory for
-the served model).
+the served model). Second-tier quotas are in bytes only (a tier holds blocks of any model);
+null is the default: the pool quota's bytes, and no reservation.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from engine.cache.stats import OwnerStats
 from tenancy.models import SCHEDULING_WEIGHT_RANGE
+from tenancy.tenants import MAX_TIER_BYTES
 
 _ISO_DATE_TIME = re.compile(r"^\d{4}-\d{2}-\d{2}[T ]")
 
@@ -77,6 +79,15 @@ TypedTime = Annotated[
 Name = Annotated[str, StringConstraints(min_length=1, max_length=200)]
 Limit = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Blocks = Annotated[int, Field(ge=0, le=2**31 - 1)]
+TierBytes = Annotated[int, Field(ge=0, le=MAX_TIER_BYTES)]
+TIER_QUOTA_HELP = (
+    "Bytes the tenant may keep in the second KV tier; null: the default, its pool quota's "
+    "bytes (the quota in blocks x the bytes of a block of the model)"
+)
+TIER_RESERVATION_HELP = (
+    "Bytes of the tenant's in the second KV tier that no other tenant's blocks can evict, at "
+    "most the tier quota; null: the default, none"
+)
 SchedulingWeight = Annotated[
     float,
     Field(
@@ -130,6 +141,10 @@ class TenantCreate(Body):
     tokens_per_minute: Limit = 1_000_000
     max_concurrent: Limit = 16
     scheduling_weight: SchedulingWeight = 1.0
+    tier_quota_bytes: TierBytes | None = Field(default=None, description=TIER_QUOTA_HELP)
+    tier_reservation_bytes: TierBytes | None = Field(
+        default=None, description=TIER_RESERVATION_HELP
+    )
 
 
 class TenantUpdate(Body):
@@ -155,12 +170,26 @@ class TenantUpdate(Body):
 
 
 class QuotaUpdate(Body):
-    """A new quota, reservation or both, each in blocks or in tokens (rounded up to blocks)."""
+    """A new quota, reservation or both, each in blocks or in tokens (rounded up to blocks),
+    and a new tier quota or tier reservation in bytes: a field left out stays as it is, a tier
+    field sent as null goes back to the default."""
 
     quota_blocks: Blocks | None = None
     quota_tokens: Blocks | None = None
     reservation_blocks: Blocks | None = None
     reservation_tokens: Blocks | None = None
+    tier_quota_bytes: TierBytes | None = Field(default=None, description=TIER_QUOTA_HELP)
+    tier_reservation_bytes: TierBytes | None = Field(
+        default=None, description=TIER_RESERVATION_HELP
+    )
+
+    def tier_changes(self) -> dict[str, int | None]:
+        """The tier fields this body sets (null included), by name; the others stay."""
+        return {
+            name: getattr(self, name)
+            for name in ("tier_quota_bytes", "tier_reservation_bytes")
+            if name in self.model_fields_set
+        }
 
 
 class KeyCreate(Body):
@@ -248,6 +277,11 @@ class PoolBlocks(BaseModel):
         description="Cached tokens over prompt tokens (the public budget's: of the prompt tokens "
         "in public blocks, those read from cache); 0 without prompts"
     )
+    tier_cached_tokens: int = Field(
+        0, description="Of the cached tokens, those read back from the second KV tier"
+    )
+    tier_bytes: int = Field(0, description="Bytes the owner holds in the second KV tier now")
+    tier_entries: int = Field(0, description="Blocks the owner holds in the second KV tier now")
 
     @classmethod
     def of(cls, stats: OwnerStats, **identity: object) -> Self:
@@ -261,7 +295,10 @@ class PoolBlocks(BaseModel):
                 "quota_blocks": stats.quota_blocks,
                 "prompt_tokens": counters.prompt_tokens,
                 "cached_tokens": counters.cached_tokens,
+                "tier_cached_tokens": counters.tier_tokens,
                 "hit_ratio": counters.reuse,
+                "tier_bytes": stats.tier_bytes,
+                "tier_entries": stats.tier_entries,
                 **identity,
             }
         )
@@ -317,6 +354,8 @@ class TenantOut(BaseModel):
     created_at: datetime
     quota: Amount
     reservation: Amount
+    tier_quota_bytes: int | None = Field(description=TIER_QUOTA_HELP)
+    tier_reservation_bytes: int | None = Field(description=TIER_RESERVATION_HELP)
     cache: CacheUsage
 
 

@@ -122,11 +122,15 @@ def prefixes_disable(model: ModelOption, namespace: NamespaceOption, name: NameO
 
 @prefixes_app.command("delete")
 def prefixes_delete(model: ModelOption, namespace: NamespaceOption, name: NameOption) -> None:
-    """Remove a prefix from the registry."""
+    """Remove a prefix from the registry and shred its data key (its second-tier blocks are
+    unreadable at once)."""
+    # Read by the audit event after the change: whether a data key was shredded.
+    details: dict[str, Any] = {}
+
+    def delete(session: Session, _: Store) -> None:
+        details["data_key_shredded"] = prefixes.delete_prefix(session, model, namespace, name)
+
     audited_change(
-        "prefix.delete",
-        "public_prefix",
-        f"{model}/{namespace}/{name}",
-        lambda s, _: prefixes.delete_prefix(s, model, namespace, name),
+        "prefix.delete", "public_prefix", f"{model}/{namespace}/{name}", delete, details=details
     )
     typer.echo(f"deleted {namespace}/{name}")

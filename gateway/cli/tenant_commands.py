@@ -1,6 +1,9 @@
 """Tenant commands: `tenants create|list|show|set-quota|set-sharing|set-weight|suspend|delete`.
 
 Every change runs in one transaction and is audited, whatever its outcome (`audited_change`).
+A tenant's second-tier quota and reservation are bytes (`--tier-quota-bytes 512MiB`), or
+`default`: for the quota the pool quota's bytes (the engine works them out for its model), for
+the reservation none.
 """
 
 from __future__ import annotations
@@ -23,15 +26,26 @@ from gateway.cli.common import (
 from tenancy import deployment, tenants
 from tenancy.errors import TenancyError
 from tenancy.models import SCHEDULING_WEIGHT_RANGE, Tenant
+from tenancy.tenants import UNCHANGED, Unchanged
 
 tenants_app = typer.Typer(help="Create and manage tenants.", no_args_is_help=True)
 WEIGHT_HELP = (
     "Scheduling weight, 0.01 to 100: against other tenants with work, the tenant's share of "
     "the engine's service is in proportion to it (equal weights share equally)."
 )
+TIER_QUOTA_HELP = (
+    "Bytes in the second KV tier (a number, or with KiB, MiB, GiB or TiB), or `default`: the "
+    "pool quota's bytes."
+)
+TIER_RESERVATION_HELP = (
+    "Bytes in the second KV tier no other tenant can evict, at most the tier quota (a number, "
+    "or with KiB, MiB, GiB or TiB), or `default`: none."
+)
 # A plain decimal number with an optional exponent: not Python's float spellings (1_0, " 2",
 # nan, inf), which would set a weight nobody meant.
 _DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_BYTES = re.compile(r"([0-9]+)\s*(B|KiB|MiB|GiB|TiB)?")
+_UNIT_BYTES = {None: 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 
 
 def parse_weight(text: str | float) -> float:
@@ -45,6 +59,19 @@ def parse_weight(text: str | float) -> float:
         low, high = (tenants.weight_text(bound) for bound in SCHEDULING_WEIGHT_RANGE)
         raise typer.BadParameter(f"expected a decimal number from {low} to {high} (got {text!r})")
     return float(text)
+
+
+def parse_tier_bytes(text: str | None, option: str) -> int | Unchanged | None:
+    """A tier size typed on the command line: UNCHANGED when not given, None for `default`,
+    else whole bytes (a plain number, or one with KiB, MiB, GiB or TiB); one line otherwise."""
+    if text is None:
+        return UNCHANGED
+    if text.strip() == "default":
+        return None
+    match = _BYTES.fullmatch(text.strip())
+    if match is None:
+        fail(f"{option}: expected bytes (536870912 or 512MiB) or default, got {text!r}")
+    return int(match[1]) * _UNIT_BYTES[match[2]]
 
 
 def tenant_json(tenant: Tenant) -> dict[str, Any]:
@@ -73,6 +100,8 @@ def show_tenant(tenant: dict[str, Any], as_json: bool) -> None:
         print_json(tenant)
         return
     for field, value in tenant.items():
+        if field.startswith("tier_") and value is None:
+            value = "default"
         typer.echo(f"{field:<26} {value}")
 
 
@@ -89,13 +118,21 @@ def tenants_create(
     tpm: Annotated[int, typer.Option(help="Tokens per minute.")] = 1_000_000,
     concurrent: Annotated[int, typer.Option(help="Concurrent requests.")] = 16,
     scheduling_weight: Annotated[float, typer.Option(help=WEIGHT_HELP, parser=parse_weight)] = 1.0,
+    tier_quota_bytes: Annotated[str | None, typer.Option(help=TIER_QUOTA_HELP)] = None,
+    tier_reservation_bytes: Annotated[str | None, typer.Option(help=TIER_RESERVATION_HELP)] = None,
     no_public_prefixes: Annotated[
         bool, typer.Option("--no-public-prefixes", help="Never use shared public prefixes.")
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Create a tenant."""
-    limits = tenants.TenantLimits(quota, reservation, rpm, tpm, concurrent, scheduling_weight)
+    tier_quota = _default_if_unset(parse_tier_bytes(tier_quota_bytes, "--tier-quota-bytes"))
+    tier_reservation = _default_if_unset(
+        parse_tier_bytes(tier_reservation_bytes, "--tier-reservation-bytes")
+    )
+    limits = tenants.TenantLimits(
+        quota, reservation, rpm, tpm, concurrent, scheduling_weight, tier_quota, tier_reservation
+    )
     tenant = audited_change(
         "tenant.create",
         "tenant",
@@ -109,9 +146,16 @@ def tenants_create(
             "quota": quota,
             "reservation": reservation,
             "scheduling_weight": scheduling_weight,
+            "tier_quota_bytes": tier_quota,
+            "tier_reservation_bytes": tier_reservation,
         },
     )
     report(tenant, as_json, f"created tenant {slug} ({tenant['id']}){pool_note(tenant)}")
+
+
+def _default_if_unset(value: int | Unchanged | None) -> int | None:
+    """A new tenant's tier size: not given is the default."""
+    return None if isinstance(value, Unchanged) else value
 
 
 @tenants_app.command("list")
@@ -149,25 +193,44 @@ def tenants_set_quota(
     slug: str,
     quota: Annotated[int | None, typer.Option(help="Cache quota in KV blocks.")] = None,
     reservation: Annotated[int | None, typer.Option(help="Reserved cache blocks.")] = None,
+    tier_quota_bytes: Annotated[str | None, typer.Option(help=TIER_QUOTA_HELP)] = None,
+    tier_reservation_bytes: Annotated[str | None, typer.Option(help=TIER_RESERVATION_HELP)] = None,
     as_json: JsonOption = False,
 ) -> None:
-    """Change a tenant's cache quota, reservation or both (what is not given stays)."""
-    if quota is None and reservation is None:
-        fail("give --quota, --reservation or both")
+    """Change a tenant's cache quota, reservation, tier quota or tier reservation (what is not
+    given stays)."""
+    tier_quota = parse_tier_bytes(tier_quota_bytes, "--tier-quota-bytes")
+    tier_reservation = parse_tier_bytes(tier_reservation_bytes, "--tier-reservation-bytes")
+    tier = {
+        name: value
+        for name, value in (
+            ("tier_quota_bytes", tier_quota),
+            ("tier_reservation_bytes", tier_reservation),
+        )
+        if not isinstance(value, Unchanged)
+    }
+    if quota is None and reservation is None and not tier:
+        fail("give --quota, --reservation, --tier-quota-bytes or --tier-reservation-bytes")
     tenant = audited_change(
         "tenant.set_quota",
         "tenant",
         slug,
-        lambda s, _: with_pool(s, tenants.set_quota(s, slug, quota, reservation)),
+        lambda s, _: with_pool(s, tenants.set_quota(s, slug, quota, reservation, **tier)),
         tenant=slug,
-        details={"quota": quota, "reservation": reservation},
+        details={"quota": quota, "reservation": reservation, **tier},
     )
     report(
         tenant,
         as_json,
         f"{slug}: quota {tenant['cache_quota_blocks']}, "
-        f"reserved {tenant['cache_reservation_blocks']}{pool_note(tenant)}",
+        f"reserved {tenant['cache_reservation_blocks']}, "
+        f"tier quota {_bytes_text(tenant['tier_quota_bytes'])}, "
+        f"tier reserved {_bytes_text(tenant['tier_reservation_bytes'])}{pool_note(tenant)}",
     )
+
+
+def _bytes_text(value: int | None) -> str:
+    return "default" if value is None else f"{value} bytes"
 
 
 @tenants_app.command("set-sharing")
@@ -227,12 +290,15 @@ def tenants_suspend(
 
 @tenants_app.command("delete")
 def tenants_delete(slug: str) -> None:
-    """Delete a tenant and revoke all its keys (its audit trail stays)."""
-    audited_change(
-        "tenant.delete",
-        "tenant",
-        slug,
-        lambda s, _: tenant_json(tenants.delete_tenant(s, slug)),
-        tenant=slug,
-    )
+    """Delete a tenant, revoke all its keys and shred its data key (its second-tier blocks
+    are unreadable at once); its audit trail stays."""
+    # Read by the audit event after the change: whether a data key was shredded.
+    details: dict[str, Any] = {}
+
+    def delete(session: Session, _: object) -> dict[str, Any]:
+        deleted = tenants.delete_tenant(session, slug)
+        details["data_key_shredded"] = deleted.data_key_shredded
+        return tenant_json(deleted.tenant)
+
+    audited_change("tenant.delete", "tenant", slug, delete, tenant=slug, details=details)
     typer.echo(f"{slug}: deleted")

@@ -90,7 +90,9 @@ NOTICES = {
     "weight_set": Notice("Scheduling weight saved: the tenant's next request carries it."),
     "tenant_suspended": Notice("Tenant suspended: its keys stop working."),
     "tenant_resumed": Notice("Tenant resumed."),
-    "tenant_deleted": Notice("Tenant deleted; its cached blocks were purged."),
+    "tenant_deleted": Notice(
+        "Tenant deleted; its cached blocks were purged, its data key destroyed."
+    ),
     "key_revoked": Notice("Key revoked."),
     "prefix_added": Notice("Public prefix added."),
     "prefix_enabled": Notice("Public prefix enabled."),

@@ -9,8 +9,10 @@ share would tell a tenant-admin what the other tenants got), its keys, and the f
 change it. Every change is the admin service's function (`gateway.admin.service.tenants`)
 that the admin API calls too: the same validation, the same audit event, the same effect on the
 engine. Suspend, resume and delete go through a confirmation page first. A quota saved in tokens
-comes back in tokens. The tenants table's hit ratio and prompt tokens are the last minutes' (the
-usage window), as the tenant's page shows them; "—" where there was no prompt to hit.
+comes back in tokens; the second tier's quota and reservation sit beside the pool's in the same
+form (gateway/console/quota_form.py). The tenants table's hit ratio and prompt tokens are the
+last minutes' (the usage window), as the tenant's page shows them; "—" where there was no prompt
+to hit.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from fastapi import APIRouter, Query, Request
 from starlette.responses import Response
 
 from gateway.admin.callers import AdminCaller
-from gateway.admin.schemas import CreatedKeyOut, KeyOut, QuotaUpdate, TenantCreate, TenantUpdate
+from gateway.admin.schemas import CreatedKeyOut, KeyOut, TenantCreate, TenantUpdate
 from gateway.admin.service import keys as key_service
 from gateway.admin.service import tenants as tenant_service
 from gateway.admin.service import usage as usage_service
@@ -37,6 +39,16 @@ from gateway.console.pages import (
     flash_of,
     redirect,
     render,
+)
+from gateway.console.quota_form import (
+    BYTE_UNITS,
+    QUOTA_FIELDS,
+    QUOTA_PARAMS,
+    UNITS,
+    pool_unit,
+    quota_body,
+    saved_units,
+    tier_amount,
 )
 from gateway.errors import APIError
 from gateway.http.deps import StateDep
@@ -63,17 +75,6 @@ UPDATE_FORMS = {
     "settings": (SETTINGS_FIELDS, {"display_name"}, "tenant_updated"),
     "scheduling": (SCHEDULING_FIELDS, SCHEDULING_FIELDS, "weight_set"),
 }
-QUOTA_FIELDS = {"quota", "quota_unit", "reservation", "reservation_unit"}
-# The admin API's names for the quota form's two amounts (the API's `param`s).
-QUOTA_PARAMS = {
-    "quota_blocks": "quota",
-    "quota_tokens": "quota",
-    "cache_quota_blocks": "quota",
-    "reservation_blocks": "reservation",
-    "reservation_tokens": "reservation",
-    "cache_reservation_blocks": "reservation",
-}
-UNITS = ("blocks", "tokens")
 # Confirmed actions: what the confirmation page says, and what is done after it.
 STATUS_ACTIONS = {
     "suspend": (
@@ -84,8 +85,9 @@ STATUS_ACTIONS = {
     "resume": ("Resume", "Its API keys work again."),
     "delete": (
         "Delete",
-        "Its keys are revoked, its cached KV blocks are purged and zeroed, and it disappears "
-        "from the console. The audit trail stays. This cannot be undone.",
+        "Its keys are revoked, its cached KV blocks are purged and zeroed, its data key is "
+        "destroyed (whatever of it the second KV tier holds is unreadable at once), and it "
+        "disappears from the console. The audit trail stays. This cannot be undone.",
     ),
 }
 
@@ -154,12 +156,8 @@ def set_quota(
         return render_tenant(
             request, caller, state, tenant_id, "quota", errors, form.values, None, error.status
         )
-    # The page shows the form again in the units the operator used (blocks unless told).
-    units = {
-        name: form.get(name)
-        for name in ("quota_unit", "reservation_unit")
-        if form.get(name) in UNITS and form.get(name) != "blocks"
-    }
+    # The page shows the form again in the units the operator used.
+    units = saved_units(form)
     return redirect(f"/admin/tenants/{tenant_id}", done="quota_set", details=units)
 
 
@@ -204,20 +202,6 @@ def delete(tenant_id: uuid.UUID, caller: CallerDep, form: FormDep, state: StateD
     return _confirmed(tenant_id, "delete", caller, form, state)
 
 
-def quota_body(form: Form) -> QuotaUpdate:
-    """The API's quota body from the form's amounts and their units (blocks or tokens)."""
-    data: dict[str, str] = {}
-    for what in ("quota", "reservation"):
-        amount = form.get(what).strip()
-        if not amount:
-            continue
-        unit = form.get(f"{what}_unit", "blocks")
-        if unit not in UNITS:
-            raise APIError.invalid(f"{what} unit must be blocks or tokens", what)
-        data[f"{what}_{unit}"] = amount
-    return Form(data).body(QuotaUpdate)
-
-
 def create_key_scope(tenant_id: uuid.UUID) -> str:
     """What the single-use "create a key" form of this tenant does (its nonce's scope)."""
     return f"create-key:{tenant_id}"
@@ -257,8 +241,12 @@ def render_tenant(
         if key.state == "active"
     }
     flash = flash_of(request)
-    quota_unit = _unit(flash.get("quota_unit"))
-    reservation_unit = _unit(flash.get("reservation_unit"))
+    quota_unit = pool_unit(flash.get("quota_unit"))
+    reservation_unit = pool_unit(flash.get("reservation_unit"))
+    tier_quota = tier_amount(tenant.tier_quota_bytes, flash.get("tier_quota_unit"))
+    tier_reservation = tier_amount(
+        tenant.tier_reservation_bytes, flash.get("tier_reservation_unit")
+    )
     values: dict[str, dict[str, Any]] = {
         "settings": {
             "display_name": tenant.display_name,
@@ -274,6 +262,10 @@ def render_tenant(
             "quota_unit": quota_unit,
             "reservation": getattr(tenant.reservation, reservation_unit),
             "reservation_unit": reservation_unit,
+            "tier_quota": tier_quota[0],
+            "tier_quota_unit": tier_quota[1],
+            "tier_reservation": tier_reservation[0],
+            "tier_reservation_unit": tier_reservation[1],
         },
         "key": {"name": "", "role": "inference", "expires_at": ""},
         "rotate": {"grace_seconds": 86_400},
@@ -299,12 +291,8 @@ def render_tenant(
         bytes_per_block=spec.bytes_per_block,
         pool_blocks=state.engine.pool.num_blocks,
         units=UNITS,
+        byte_units=[(unit, unit) for unit in reversed(BYTE_UNITS)],  # B first
     )
-
-
-def _unit(asked: str | None) -> str:
-    """The unit a save was made in (the page's flash: tokens), else blocks."""
-    return asked if asked in UNITS else "blocks"
 
 
 def _update_tenant(

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gateway.settings import master_key_bytes
 from gateway.workers.tls import WorkerTLS
 from tests.deploy.tools import (
     DEPLOY,
@@ -168,6 +169,19 @@ def test_gateway_routes_to_both_workers_on_their_port_over_https(compose: dict[s
             value = services[worker]["environment"][shared]
             assert value == services["gateway"]["environment"][shared], (worker, shared)
     assert len(services["gateway"]["environment"]["PREFIXGATE_WORKER_SIGNING_KEY"]) >= 32
+
+
+def test_every_gateway_gets_the_master_key_the_generator_made_and_it_is_a_valid_one(
+    compose: dict[str, Any], env: dict[str, str]
+) -> None:
+    """A gateway refuses a master key that is not 32 bytes of URL-safe base64: the generator's
+    must pass, and no other service (a worker, the migration) gets it."""
+    for name, service in compose["services"].items():
+        given = service.get("environment", {}).get("PREFIXGATE_MASTER_KEY")
+        assert (given is not None) == (name in GATEWAYS), name
+        if given is not None:
+            assert given == env["PREFIXGATE_MASTER_KEY"], name
+    assert len(master_key_bytes(env["PREFIXGATE_MASTER_KEY"])) == 32
 
 
 def test_nobody_chooses_plain_http_to_workers(compose: dict[str, Any]) -> None:

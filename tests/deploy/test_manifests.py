@@ -1134,6 +1134,7 @@ def test_workers_get_the_worker_secret_and_nothing_else(
         "PREFIXGATE_KEY_HASH_SECRET",
         "PREFIXGATE_AUDIT_SIGNING_KEY",
         "PREFIXGATE_JWT_SECRET",
+        "PREFIXGATE_MASTER_KEY",
         "PREFIXGATE_WORKER_SECRET",
         SIGNING_KEY,
         "PREFIXGATE_REDIS_URL",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -141,3 +142,46 @@ def test_serve_refuses_other_secrets_in_one_line(tmp_path: Path) -> None:
     intruder.env["PREFIXGATE_KEY_HASH_SECRET"] = "another-key-secret"
     line = intruder.error("serve", "--port", "0")
     assert "key_hash_secret is not the one this database was set up with" in line
+
+
+MASTER_KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8"  # bytes 0..31, URL-safe base64
+
+
+def test_the_master_key_is_held_to_the_database_where_data_keys_are_used(
+    sqlite_url: str, tmp_path: Path
+) -> None:
+    common: dict[str, Any] = {
+        "database_url": sqlite_url, "key_hash_secret": "k", "audit_signing_key": "s",
+    }  # fmt: skip
+    # The tier off and no master key given: a process in another state directory (a CLI run
+    # elsewhere) records no master key, so it cannot lock the deployment's gateways out.
+    Settings(**common, state_dir=tmp_path / "elsewhere").open_store().close()
+    assert "master_key" not in fingerprints(sqlite_url, tmp_path)
+    # The tier on: the generated key of the state directory is recorded on first use...
+    tier_on = Settings(**common, state_dir=tmp_path / "state", kv_tier="disk")
+    tier_on.open_store().close()
+    generated = json.loads((tmp_path / "state" / "secrets.json").read_text())["master_key"]
+    assert fingerprints(sqlite_url, tmp_path)["master_key"] == fingerprint(generated)
+    assert tier_on.master_key_bytes() == base64.urlsafe_b64decode(generated + "=")
+    # ...and a process with another one is refused, naming it and the fix.
+    with pytest.raises(SecretMismatch) as raised:
+        Settings(**common, state_dir=tmp_path / "elsewhere", kv_tier="disk").open_store()
+    assert raised.value.names == ["master_key"]
+    assert "set PREFIXGATE_MASTER_KEY" in str(raised.value)
+    with pytest.raises(SecretMismatch):  # given, even with the tier off, it is checked
+        Settings(**common, state_dir=tmp_path / "state", master_key=MASTER_KEY).open_store()
+    given = Settings(**common, state_dir=tmp_path / "elsewhere", master_key=generated + "=")
+    given.open_store().close()  # the same key, padded: the same fingerprint
+
+
+@pytest.mark.parametrize(
+    "bad", ["too-short", MASTER_KEY + "A", MASTER_KEY[:-1] + "!", "AAEC" * 11, " " * 43]
+)
+def test_a_bad_master_key_is_refused_in_one_line_that_never_shows_it(
+    bad: str, tmp_path: Path
+) -> None:
+    cli = Cli(f"sqlite:///{tmp_path / 'prefixgate.db'}", tmp_path / "state")
+    cli.env["PREFIXGATE_MASTER_KEY"] = bad
+    line = cli.error("tenants", "list")
+    assert line.startswith("prefixgate: error: setting master_key: the master key must be 32")
+    assert "URL-safe base64" in line and (bad.strip() == "" or bad not in line)

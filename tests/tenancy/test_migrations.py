@@ -15,7 +15,7 @@ from tenancy.models import Base
 
 TABLES = {"tenants", "api_keys", "admins", "public_prefixes", "audit_events", "audit_head",
           "audit_checkpoints", "secret_fingerprints", "deployment", "tenancy_changes",
-          "admin_sessions", "gateway_instances", "admin_login_failures"}  # fmt: skip
+          "admin_sessions", "gateway_instances", "admin_login_failures", "seal_keys"}  # fmt: skip
 
 
 def tables(url: str) -> set[str]:
@@ -88,7 +88,7 @@ def test_0002_adds_deployment_state_to_a_0001_database_and_removes_only_it(
         downgrade(empty_postgres_url, "0001")
         assert tables(empty_postgres_url) == TABLES - {
             "secret_fingerprints", "deployment", "tenancy_changes", "admin_sessions",
-            "gateway_instances", "admin_login_failures",
+            "gateway_instances", "admin_login_failures", "seal_keys",
         }  # fmt: skip
         with engine.connect() as connection:
             assert connection.execute(text("SELECT slug FROM tenants")).all() == [("old",)]
@@ -143,7 +143,9 @@ def test_0004_adds_the_gateway_list_and_its_downgrade_removes_only_it(
     assert tables(empty_postgres_url) == TABLES
     assert schema_drift(empty_postgres_url) == []
     downgrade(empty_postgres_url, "0003")
-    assert tables(empty_postgres_url) == TABLES - {"gateway_instances", "admin_login_failures"}
+    assert tables(empty_postgres_url) == TABLES - {
+        "gateway_instances", "admin_login_failures", "seal_keys",
+    }  # fmt: skip
 
 
 def test_0005_gives_existing_tenants_weight_one_and_its_downgrade_removes_only_the_weight(
@@ -208,5 +210,62 @@ def test_0006_drops_the_account_lock_keeps_operators_and_its_downgrade_brings_it
                 text("SELECT username, failed_logins, locked_until FROM admins")
             ).all()
             assert row == [("old", 0, None)]
+    finally:
+        engine.dispose()
+
+
+def test_0007_adds_data_keys_and_default_tier_quotas_and_its_downgrade_removes_only_them(
+    empty_database: str,
+) -> None:
+    from sqlalchemy import text
+    from sqlalchemy.exc import IntegrityError
+
+    url = empty_database
+    upgrade(url, "0006")
+    engine = make_engine(url)
+    try:
+        with engine.begin() as connection:  # a tenant made before the upgrade
+            connection.execute(text(
+                "INSERT INTO tenants (id, slug, display_name, status, sharing_mode, "
+                "may_use_public_prefixes, cache_quota_blocks, cache_reservation_blocks, "
+                "requests_per_minute, tokens_per_minute, max_concurrent, scheduling_weight, "
+                "created_at, updated_at) VALUES ('00000000000000000000000000000001', 'old', "
+                "'Old', 'active', 'user', true, 8, 0, 1, 1, 1, 2.5, CURRENT_TIMESTAMP, "
+                "CURRENT_TIMESTAMP)"
+            ))  # fmt: skip
+        upgrade(url)
+        assert schema_drift(url) == []
+        assert "seal_keys" in tables(url)
+        with engine.connect() as connection:
+            tier = text("SELECT slug, tier_quota_bytes, tier_reservation_bytes FROM tenants")
+            assert connection.execute(tier).all() == [("old", None, None)]  # the default
+        # Bytes past 32 bits fit; a negative size or a reservation over the quota does not.
+        with engine.begin() as connection:
+            connection.execute(text(
+                "UPDATE tenants SET tier_quota_bytes = 8589934592, tier_reservation_bytes = 1"
+            ))  # fmt: skip
+        for refused in ("tier_quota_bytes = -1", "tier_reservation_bytes = -1",
+                        "tier_reservation_bytes = 8589934593"):  # fmt: skip
+            with pytest.raises(IntegrityError), engine.begin() as connection:
+                connection.execute(text(f"UPDATE tenants SET {refused}"))
+        with engine.begin() as connection:  # a reservation without a quota is the engine's
+            connection.execute(text(
+                "UPDATE tenants SET tier_quota_bytes = NULL, tier_reservation_bytes = 5"
+            ))  # fmt: skip
+        with engine.begin() as connection:
+            row = "('tenant:x', 'k1', :wrapped, CURRENT_TIMESTAMP)"
+            insert = text(
+                f"INSERT INTO seal_keys (subject, key_id, wrapped, created_at) VALUES {row}"
+            )
+            connection.execute(insert, {"wrapped": b"\0" * 60})
+        with pytest.raises(IntegrityError), engine.begin() as connection:  # one key a subject
+            connection.execute(insert, {"wrapped": b"\1" * 60})
+        downgrade(url, "0006")
+        assert tables(url) == TABLES - {"seal_keys"}
+        columns = {column["name"] for column in inspect(engine).get_columns("tenants")}
+        assert not {"tier_quota_bytes", "tier_reservation_bytes"} & columns
+        with engine.connect() as connection:
+            weights = text("SELECT slug, scheduling_weight FROM tenants")
+            assert connection.execute(weights).all() == [("old", 2.5)]
     finally:
         engine.dispose()

@@ -99,7 +99,9 @@ def test_cli_set_quota_keeps_the_reservation_and_says_when_no_pool_is_known(
     updated = cli.json("tenants", "set-quota", "acme", "--quota", "8")
     assert (updated["cache_quota_blocks"], updated["cache_reservation_blocks"]) == (8, 4)
     assert updated["pool_blocks"] is None
-    assert cli.error("tenants", "set-quota", "acme").endswith("give --quota, --reservation or both")
+    assert cli.error("tenants", "set-quota", "acme").endswith(
+        "give --quota, --reservation, --tier-quota-bytes or --tier-reservation-bytes"
+    )
     store = Store.open(postgres_url, tmp_path / "spool", "cli-key-secret", "cli-signing-key")
     record_pool(store, 100)
     store.close()

@@ -19,6 +19,7 @@ from tenancy.api_keys import VerifiedKey
 from tenancy.errors import InvalidInput
 from tenancy.models import ApiKey, PublicPrefix, Tenant
 from tenancy.prefixes import add_prefix
+from tenancy.seal_keys import tenant_data_key
 from tenancy.store import Store
 from tenancy.tenants import TenantLimits
 
@@ -60,6 +61,8 @@ EVERY_CHANGE: list[tuple[str, Callable[[Session], object]]] = [
     ("set sharing", lambda s: tenants.set_sharing(s, "acme", "tenant")),
     ("set limits (bulk statement)", lambda s: set_limits_in_bulk(s, "acme")),
     ("set scheduling weight", lambda s: tenants.set_scheduling_weight(s, "acme", 2.5)),
+    ("set tier quota", lambda s: tenants.set_quota(s, "acme", tier_quota_bytes=1 << 30)),
+    ("tier quota back to default", lambda s: tenants.set_quota(s, "acme", tier_quota_bytes=None)),
     ("suspend", lambda s: tenants.set_status(s, "acme", "suspended")),
     ("resume", lambda s: tenants.set_status(s, "acme", "active")),
     ("create key", lambda s: new_key(s, "acme")),
@@ -90,6 +93,7 @@ def test_authentication_reads_and_other_tables_do_not_move_the_counter(store: St
         tenants.list_tenants(session)
         add_prefix(session, "m", "default", "p", "You are helpful.", "test")
         session.execute(update(PublicPrefix).values(enabled=False))
+        tenant_data_key(session, bytes(32), created.key.tenant_id)  # a data key, made
     assert seq(store) == before
 
 
@@ -118,6 +122,12 @@ def test_tenant_budgets_show_the_latest_quota_and_deleted_tenants(store: Store) 
         budgets = changes.tenant_budgets(session)
     assert budgets[str(acme.id)] == changes.TenantRow(str(acme.id), "acme", "active", 48, 4)
     assert budgets[str(globex.id)].status == "deleted"
+    with store.transaction() as session:  # the second tier's budget travels on the same row
+        tenants.set_quota(session, "acme", tier_quota_bytes=5 << 30, tier_reservation_bytes=1)
+        budgets = changes.tenant_budgets(session)
+    assert budgets[str(acme.id)] == changes.TenantRow(
+        str(acme.id), "acme", "active", 48, 4, tier_quota_bytes=5 << 30, tier_reservation_bytes=1
+    )
 
 
 TOO_LARGE: list[tuple[str, Callable[[Session], Any], str]] = [

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import tenancy
-from tenancy import admins, api_keys, tenants
+from tenancy import admins, api_keys, seal_keys, tenants
 from tenancy.audit_chain import AuditRecord
 from tenancy.audit_export import ExportFilter, export_events
 from tenancy.audit_verification import verify_file
@@ -30,6 +30,8 @@ COVERED = {
     "tenancy.admins.list_admins",
     # Pinned in tests/tenancy/test_audit_search.py (another tenant's events never count).
     "tenancy.audit_search.request_totals",
+    "tenancy.seal_keys.tenant_data_key",
+    "tenancy.seal_keys.shred_tenant_key",
 }
 
 
@@ -79,6 +81,20 @@ def test_key_functions_never_reach_another_tenants_keys(
         assert beta_key.key_id not in {k.key_id for k in api_keys.list_keys(session, alpha.id)}
     with store.transaction() as session:
         assert api_keys.get_key(session, beta.id, beta_key.key_id).revoked_at is None
+
+
+def test_data_key_functions_never_reach_another_tenants_key(
+    store: Any, two_tenants: tuple[Any, Any, Any, Any]
+) -> None:
+    alpha, beta, _, _ = two_tenants
+    master_key = bytes(32)
+    with store.transaction() as session:
+        alpha_key = seal_keys.tenant_data_key(session, master_key, alpha.id)
+        beta_key = seal_keys.tenant_data_key(session, master_key, beta.id)
+        assert alpha_key.secret != beta_key.secret and alpha_key.key_id != beta_key.key_id
+        assert seal_keys.shred_tenant_key(session, alpha.id) is True
+        assert seal_keys.tenant_data_key(session, master_key, beta.id) == beta_key
+        assert seal_keys.tenant_data_key(session, master_key, alpha.id) != alpha_key  # a new one
 
 
 def test_deleted_tenants_are_not_found_by_id(

@@ -53,5 +53,5 @@ def update_prefix(
 
 @router.delete("/{prefix_id}", status_code=204)
 def delete_prefix(prefix_id: uuid.UUID, caller: AdminDep, state: StateDep) -> None:
-    """Delete a prefix; its cached blocks are dropped."""
+    """Delete a prefix; its cached blocks are dropped and its data key shredded."""
     prefixes.delete_prefix(state, caller, prefix_id)

@@ -1,5 +1,5 @@
 """Tenants under /admin/api/tenants: list (paged, searchable), create, show, update, cache
-quota, suspend/resume, delete.
+quota (pool and second tier), suspend/resume, delete.
 
 A tenant-admin sees its own tenant only and changes none of these; every change is audited and
 applied to this process before the answer (gateway/admin/service/tenants.py).
@@ -60,7 +60,8 @@ def update_tenant(
 def set_quota(
     tenant_id: uuid.UUID, body: Annotated[QuotaUpdate, Body()], caller: AdminDep, state: StateDep
 ) -> TenantOut:
-    """Set the cache quota and/or reservation, in blocks or tokens; applied to the engine now."""
+    """Set the cache quota and/or reservation, in blocks or tokens, and/or the second tier's
+    quota and reservation, in bytes (null: back to the default); applied to the engine now."""
     return tenants.set_quota(state, caller, tenant_id, body)
 
 
@@ -78,5 +79,6 @@ def resume_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> Te
 
 @router.delete("/{tenant_id}", status_code=204)
 def delete_tenant(tenant_id: uuid.UUID, caller: AdminDep, state: StateDep) -> None:
-    """Delete a tenant: keys revoked, cached KV blocks purged and zeroed; the audit trail stays."""
+    """Delete a tenant: keys revoked, cached KV blocks purged and zeroed, data key shredded;
+    the audit trail stays."""
     tenants.delete_tenant(state, caller, tenant_id)

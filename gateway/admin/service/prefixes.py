@@ -5,7 +5,9 @@ only an admin manages them (a tenant-admin gets 403). Each answer shows what the
 for its model when this gateway serves that model: its tokens, its whole blocks, and a warning
 when it is too short to be shared. A change applies to this process before the answer: the
 model's sharing policy is rebuilt, and a disabled or deleted prefix's cached blocks are dropped
-(and zeroed) in that model's pool, so no request after the answer gets a public hit on it.
+(and zeroed) in that model's pool, so no request after the answer gets a public hit on it. A
+deleted prefix's data key is shredded in the same transaction (its blocks in a second tier are
+unreadable at once); the event says whether there was one (`data_key_shredded`).
 Other gateways rebuild their policy within `registry_refresh_s`; there the old blocks are no
 longer planned as public, so they are never matched again and age out of the cache.
 
@@ -93,13 +95,13 @@ def update_prefix(
 
 
 def delete_prefix(state: GatewayState, caller: AdminCaller, prefix_id: uuid.UUID) -> None:
-    """Delete a prefix; its cached blocks are dropped."""
+    """Delete a prefix; its cached blocks are dropped and its data key shredded."""
 
     def change(session: Session) -> Changed[tuple[str, str, str]]:
         prefix = prefixes.get_prefix_by_id(session, prefix_id)
         before, deleted = _audit_view(prefix), (prefix.model, prefix.namespace, prefix.text)
-        prefixes.delete_prefix_by_id(session, prefix_id)
-        return Changed(deleted, None, before, None)
+        shredded = prefixes.delete_prefix_by_id(session, prefix_id)
+        return Changed(deleted, None, before, None, {"data_key_shredded": shredded})
 
     action = Action("prefix.delete", "public_prefix", str(prefix_id), admin_only=True)
     model, namespace, text = apply_change(state, caller, action, change)

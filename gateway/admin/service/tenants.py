@@ -1,16 +1,18 @@
 """Tenants: list (paged, searchable), create, show, update (limits, sharing, scheduling weight),
-cache quota, suspend/resume, delete.
+cache quota (in the pool and in the second KV tier), suspend/resume, delete.
 
 A tenant-admin sees its own tenant only (any other id is a 404) and changes none of these:
 they are the operator's. Every change is audited with the tenant before and after, and applies
 to this process before the answer (a quota shrink has already evicted the tenant's least
-recently used cached blocks, and the answer's `cache` shows the engine after it).
+recently used cached blocks, and the answer's `cache` shows the engine after it). A deletion's
+event also says whether the tenant's data key was shredded (`data_key_shredded`).
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy.orm import Session
 
@@ -45,6 +47,8 @@ def create_tenant(state: GatewayState, caller: AdminCaller, body: TenantCreate) 
         tokens_per_minute=body.tokens_per_minute,
         max_concurrent=body.max_concurrent,
         scheduling_weight=body.scheduling_weight,
+        tier_quota_bytes=body.tier_quota_bytes,
+        tier_reservation_bytes=body.tier_reservation_bytes,
     )
 
     def change(session: Session) -> Changed[uuid.UUID]:
@@ -85,14 +89,15 @@ def update_tenant(
 def set_quota(
     state: GatewayState, caller: AdminCaller, tenant_id: uuid.UUID, body: QuotaUpdate
 ) -> TenantOut:
-    """Set the cache quota and/or reservation, in blocks or tokens; applied to the engine now."""
+    """Set the cache quota and/or reservation, in blocks or tokens, and/or the tier quota and
+    reservation, in bytes; applied to the engine now."""
 
     def change(session: Session, tenant: Tenant) -> Tenant:
         quota = _blocks(state, body.quota_blocks, body.quota_tokens, "quota")
         reservation = _blocks(
             state, body.reservation_blocks, body.reservation_tokens, "reservation"
         )
-        return tenants.set_quota(session, tenant.slug, quota, reservation)
+        return tenants.set_quota(session, tenant.slug, quota, reservation, **body.tier_changes())
 
     _change_tenant(state, caller, tenant_id, "tenant.set_quota", change)
     return show_tenant(state, caller, tenant_id)
@@ -109,12 +114,14 @@ def resume_tenant(state: GatewayState, caller: AdminCaller, tenant_id: uuid.UUID
 
 
 def delete_tenant(state: GatewayState, caller: AdminCaller, tenant_id: uuid.UUID) -> None:
-    """Delete a tenant: keys revoked, cached KV blocks purged and zeroed; the audit trail stays."""
+    """Delete a tenant: keys revoked, cached KV blocks purged and zeroed, data key shredded
+    (its second-tier blocks unreadable at once); the audit trail stays."""
 
-    def change(session: Session, tenant: Tenant) -> Tenant:
-        return tenants.delete_tenant(session, tenant.slug)
+    def change(session: Session, tenant: Tenant) -> tuple[Tenant, dict[str, Any]]:
+        deleted = tenants.delete_tenant(session, tenant.slug)
+        return deleted.tenant, {"data_key_shredded": deleted.data_key_shredded}
 
-    _change_tenant(state, caller, tenant_id, "tenant.delete", change)
+    _audited_tenant_change(state, caller, tenant_id, "tenant.delete", change)
 
 
 def _set_status(
@@ -135,12 +142,24 @@ def _change_tenant(
     change: Callable[[Session, Tenant], Tenant],
 ) -> None:
     """Apply `change` to a tenant the caller sees (admins only), audited before and after."""
+    _audited_tenant_change(state, caller, tenant_id, action, lambda s, t: (change(s, t), {}))
+
+
+def _audited_tenant_change(
+    state: GatewayState,
+    caller: AdminCaller,
+    tenant_id: uuid.UUID,
+    action: str,
+    change: Callable[[Session, Tenant], tuple[Tenant, dict[str, Any]]],
+) -> None:
+    """`_change_tenant` for a change that says more than the tenant after it: what else it
+    did goes into the event's details."""
 
     def audited(session: Session) -> Changed[None]:
         tenant = visible_tenant(session, caller, tenant_id)
         before = tenants.tenant_settings(tenant)
-        after = tenants.tenant_settings(change(session, tenant))
-        return Changed(None, str(tenant_id), before, after)
+        changed, details = change(session, tenant)
+        return Changed(None, str(tenant_id), before, tenants.tenant_settings(changed), details)
 
     resource = Action(action, "tenant", str(tenant_id), str(tenant_id), admin_only=True)
     apply_change(state, caller, resource, audited)

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
-from tenancy import api_keys
+from tenancy import api_keys, prefixes
 from tenancy.api_keys import VerifiedKey
 from tenancy.migrate import head_revision
-from tenancy.models import AuditEvent
+from tenancy.models import AuditEvent, WrappedDataKey
+from tenancy.seal_keys import DataKeyShredded, prefix_data_key, tenant_data_key
 from tenancy.store import Store
 from tests.support.cli import Cli
+
+MASTER_KEY = bytes(range(32))  # data keys here are made by the test, not by the CLI
 
 
 def test_tenant_commands_change_the_tenant_and_print_it_as_json(
@@ -209,3 +213,81 @@ def test_a_refused_change_is_audited_with_the_tenant_it_was_about(
         ("api_key.create", None),
     ]
     assert gone is not None
+
+
+def test_tier_quotas_are_set_read_and_reset_in_bytes_and_audited(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    cli = Cli(postgres_url, tmp_path / "state")
+    created = cli.json("tenants", "create", "acme", "--tier-quota-bytes", "2GiB")
+    assert (created["tier_quota_bytes"], created["tier_reservation_bytes"]) == (2 << 30, None)
+    said = cli.ok("tenants", "set-quota", "acme", "--tier-reservation-bytes", "536870912")
+    assert said.splitlines()[0] == (
+        "acme: quota 1024, reserved 0, tier quota 2147483648 bytes, tier reserved 536870912 bytes"
+    )
+    line = cli.error("tenants", "set-quota", "acme", "--tier-quota-bytes", "256MiB")
+    assert line.endswith(
+        "tier reservation (536870912 bytes) must not exceed the tier quota (268435456 bytes)"
+    )
+    assert "expected bytes (536870912 or 512MiB) or default" in cli.error(
+        "tenants", "set-quota", "acme", "--tier-quota-bytes", "-5"
+    )
+    reset = cli.json("tenants", "set-quota", "acme", "--tier-quota-bytes", "default")
+    assert (reset["tier_quota_bytes"], reset["tier_reservation_bytes"]) == (None, 536870912)
+    assert "tier_quota_bytes           default" in cli.ok("tenants", "show", "acme")
+    store = Store.open(postgres_url, tmp_path / "spool", "cli-key-secret", "s", 100)
+    with store.transaction() as session:
+        query = select(AuditEvent).where(
+            AuditEvent.action.in_(["tenant.create", "tenant.set_quota"])
+        )
+        events = [
+            (e.action, e.outcome, e.details.get("tier_quota_bytes", "-"))
+            for e in session.scalars(query.order_by(AuditEvent.seq))
+        ]
+    store.close()
+    assert events == [
+        ("tenant.create", "success", 2 << 30),
+        ("tenant.set_quota", "success", "-"),  # the reservation alone
+        ("tenant.set_quota", "failure", 256 << 20),
+        ("tenant.set_quota", "success", None),  # back to the default
+    ]
+
+
+def test_deleting_a_tenant_or_prefix_shreds_its_data_key_and_the_event_says_so(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    cli = Cli(postgres_url, tmp_path / "state")
+    keyed = uuid.UUID(cli.json("tenants", "create", "keyed")["id"])
+    cli.ok("tenants", "create", "unkeyed")
+    text = tmp_path / "system.txt"
+    text.write_text("You are a helpful assistant for every tenant.\n")
+    where = ["--model", "m", "--namespace", "default", "--name", "shared"]
+    cli.ok("prefixes", "add", *where, "--text-file", str(text))
+    store = Store.open(postgres_url, tmp_path / "spool", "cli-key-secret", "s", 100)
+    try:
+        with store.transaction() as session:
+            tenant_data_key(session, MASTER_KEY, keyed)
+            prefix = prefixes.get_prefix(session, "m", "default", "shared")
+            prefix_data_key(session, MASTER_KEY, prefix.id)
+        cli.ok("tenants", "delete", "keyed")
+        cli.ok("tenants", "delete", "unkeyed")
+        cli.ok("prefixes", "delete", *where)
+        with store.transaction() as session:
+            deletions = [
+                (e.action, e.resource_id, e.details["data_key_shredded"])
+                for e in session.scalars(
+                    select(AuditEvent)
+                    .where(AuditEvent.action.in_(["tenant.delete", "prefix.delete"]))
+                    .order_by(AuditEvent.seq)
+                )
+            ]
+            assert session.scalars(select(WrappedDataKey)).all() == []
+            with pytest.raises(DataKeyShredded):
+                tenant_data_key(session, MASTER_KEY, keyed)
+    finally:
+        store.close()
+    assert deletions == [
+        ("tenant.delete", "keyed", True),
+        ("tenant.delete", "unkeyed", False),
+        ("prefix.delete", "m/default/shared", True),
+    ]

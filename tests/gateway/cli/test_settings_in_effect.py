@@ -278,3 +278,60 @@ def help_of(completed: subprocess.CompletedProcess[str]) -> str:
 
 def squeezed(text: str) -> str:
     return "".join(text.split())
+
+
+MASTER_KEY = "AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8"  # bytes 0..31, URL-safe base64
+
+
+def test_the_master_key_is_masked_and_the_tier_settings_show_their_defaults(
+    cli: Cli, tmp_path: Path
+) -> None:
+    cli.env["PREFIXGATE_MASTER_KEY"] = MASTER_KEY
+    cli.env["PREFIXGATE_REDIS_URL"] = f"redis://:{DB_PASSWORD}@redis:6379/0"
+    cli.env["PREFIXGATE_KV_TIER"] = "redis"  # its Redis: the gateway's, by default
+    text, as_json = cli.run("settings"), cli.run("settings", "--json")
+    for completed in (text, as_json):
+        output = completed.stdout + completed.stderr
+        assert MASTER_KEY not in output and DB_PASSWORD not in output
+        assert "warning" not in completed.stderr  # the redis tier has a Redis
+    settings = listed(as_json)
+    assert (settings["master_key"]["value"], settings["master_key"]["secret"]) == (
+        "(set, hidden)",
+        True,
+    )
+    assert settings["kv_tier"]["value"] == "redis"
+    assert settings["kv_tier_capacity_bytes"]["default"] == 4 << 30
+    assert settings["kv_tier_dir"]["value"] is None  # <state_dir>/kv-tier, said its help
+    assert settings["public_tier_quota_bytes"]["value"] is None
+    assert "kv-tier" in settings["kv_tier_dir"]["description"]
+    assert text_lines(text)["PREFIXGATE_MASTER_KEY"] == (
+        "(set, hidden)  (from PREFIXGATE_MASTER_KEY; default: (unset))"
+    )
+
+    cli.env["PREFIXGATE_MASTER_KEY"] = MASTER_KEY[:-2]  # too short: refused, still hidden
+    del cli.env["PREFIXGATE_REDIS_URL"]  # the redis tier without a Redis: refused
+    completed = cli.run("settings", "--json")
+    assert MASTER_KEY[:-2] not in completed.stdout + completed.stderr
+    refused = listed(completed)["master_key"]
+    assert refused["value"] == "(set, hidden)" and "URL-safe base64" in refused["error"]
+    assert completed.stderr.splitlines() == [
+        "prefixgate: warning: settings: kv_tier redis needs a Redis: set "
+        "PREFIXGATE_KV_TIER_REDIS_URL or PREFIXGATE_REDIS_URL"
+    ]
+
+
+def test_tier_settings_follow_the_state_directory_and_the_gateways_redis() -> None:
+    from gateway.settings import Settings
+
+    settings = Settings(state_dir=Path("/srv/pg"), redis_url="redis://r:6379/0")
+    assert settings.tier_dir == Path("/srv/pg/kv-tier")
+    assert settings.tier_redis_url == "redis://r:6379/0"
+    assert settings.uses_master_key is False
+    own = Settings(kv_tier="redis", kv_tier_redis_url="rediss://t:6380/1", kv_tier_dir="/d")
+    assert (own.tier_redis_url, own.tier_dir, own.uses_master_key) == (
+        "rediss://t:6380/1", Path("/d"), True,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="expected redis://"):
+        Settings(kv_tier_redis_url="http://t:6380")
+    with pytest.raises(ValueError, match="greater than or equal to 1"):
+        Settings(kv_tier_capacity_bytes=0)
