@@ -3,13 +3,28 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
 
 from engine.cache.budget import TenantBudget
+from engine.cache.eviction import EvictionPolicy
 from engine.step_cost import StepCost
 from engine.structured.compile_limits import CompileLimits
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    """A second KV tier (engine/cache/tier/): a file of this worker's on local disk, or a
+    Redis store every worker of the model shares."""
+
+    kind: Literal["disk", "redis"]
+    capacity_bytes: int
+    directory: Path | None = None  # disk: where `<worker_name>.tier` lives
+    worker_name: str = "worker"
+    redis_url: str | None = None  # redis: the store, keys under `key_prefix`
+    key_prefix: str = "prefixgate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +49,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto, cpu, torch or triton: see engine/attention/selection.py
     adapter_id: str = ""
+    # Which idle cached block is evicted first: "value" (the least expected prefill time saved
+    # per byte) or "lru" (the least recently used, kept for comparison); engine/cache/eviction.py.
+    eviction: EvictionPolicy = "value"
+    # Blocks that leave the pool live on, sealed per tenant, in a second tier (None: none).
+    kv_tier: TierConfig | None = None
     public_budget: TenantBudget | None = None
     default_budget: TenantBudget | None = None
     # "fair": service counted per tenant over time and steps kept short while another

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -33,7 +34,11 @@ from engine.cache.block_pool import BlockPool
 from engine.cache.kv_cache_manager import KVCacheManager
 from engine.cache.kv_spec import KVSpec, dtype_name
 from engine.cache.stats import snapshot
-from engine.config import EngineConfig
+from engine.cache.tier.backends import make_tier
+from engine.cache.tier.kv_tier import KVTier
+from engine.cache.tier.speed import TierSpeed
+from engine.cache.tier_link import TierLink
+from engine.config import EngineConfig, TierConfig
 from engine.errors import EngineError, EngineRestarted, RequestFailed, TenantDeleted
 from engine.fault_isolation import run_isolated
 from engine.inbox import Inbox
@@ -46,7 +51,7 @@ from engine.request import GenerationDelta
 from engine.sampling.sampler import TokenLogprobs
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from engine.sequence import Sequence, Status
-from engine.step_cost import CostFit, StepCost, calibrate
+from engine.step_cost import CostFit, StepCost, attended_pairs, calibrate
 from engine.step_sampling import sample_next, take_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -77,12 +82,20 @@ class EngineCore:
         self._restarting = False
         pool = BlockPool(spec, num_blocks, self.device, backend.zero_blocks)
         self.runner = ModelRunner(model, pool.kv, backend)
+        hasher = BlockHasher(config.block_size)
+        self.root = hasher.root(loaded.fingerprint, config.adapter_id, dtype_name(kv_dtype))
         # Fewer CPU threads while something else wants the CPUs (None: nothing to govern).
         self.threads = ThreadGovernor.for_device(self.device)
         # The cost model steps are predicted with: calibrated now, then refitted from every step
         # (engine/step_cost.py); one given in the config is used as is.
         calibrated = config.step_cost or self._calibrate(pool, kv_dtype)
         self.cost_fit = CostFit(calibrated, follow=config.step_cost is None)
+        # The second tier, its speed measured now, before the engine says it is ready.
+        self.kv_tier: KVTier | None = None
+        self.tier_speed: TierSpeed | None = None
+        if config.kv_tier is not None:
+            self.kv_tier = self._open_tier(config.kv_tier, spec)
+            self.tier_speed = self.kv_tier.calibrate()
         self._install(pool)
         logger.info("engine: %s", self.describe())
         self.metrics = EngineMetrics()
@@ -104,17 +117,21 @@ class EngineCore:
         scheduled, the configured public and default budgets, tenants' budgets to come with
         their requests."""
         config = self.config
-        hasher = BlockHasher(config.block_size)
-        kv_dtype = dtype_name(pool.spec.dtype)
         self.pool = pool
         self.cache = KVCacheManager(
             pool,
-            hasher,
-            hasher.root(self.loaded.fingerprint, config.adapter_id, kv_dtype),
+            BlockHasher(config.block_size),
+            self.root,
             public_budget=config.public_budget,
             default_budget=config.default_budget,
             enable_prefix_caching=config.enable_prefix_caching,
+            eviction=config.eviction,
+            block_cost=self._block_cost,
         )
+        if self.kv_tier is not None:
+            link = TierLink(self.kv_tier, pool, self.root, self._block_cost, config.eviction)
+            link.speed = self.tier_speed
+            self.cache.attach_tier(link)
         self.scheduler = Scheduler(
             self.cache,
             SchedulerConfig(
@@ -125,6 +142,24 @@ class EngineCore:
             ),
         )
         self.scheduler.service_cost = self.cost_fit.calibrated
+
+    def _open_tier(self, tier: TierConfig, spec: KVSpec) -> KVTier:
+        return make_tier(
+            tier.kind,
+            spec=spec,
+            root=self.root,
+            capacity_bytes=tier.capacity_bytes,
+            directory=tier.directory,
+            worker_name=tier.worker_name,
+            redis_url=tier.redis_url,
+            key_prefix=tier.key_prefix,
+        )
+
+    def _block_cost(self, index: int) -> float:
+        """What recomputing block `index` of a prompt costs now, in ms: its tokens through the
+        projections and their attention over the positions before them."""
+        size = self.config.block_size
+        return self.step_cost.tokens_ms(size, attended_pairs(index * size, size))
 
     def _calibrate(self, pool: BlockPool, kv_dtype: torch.dtype) -> StepCost:
         """The cost model of this model on this machine (engine/step_cost.py), timed now on
@@ -187,6 +222,7 @@ class EngineCore:
             # torch's products, whose order depends on the row count.
             "linear_kernel": "matrix" if self.runner.matrix_linears else "library",
             "kv_blocks": self.pool.num_blocks,
+            "kv_tier": self._describe_tier(),
             "restarts": self.restarts,
             "last_restart_at": self.last_restart_at,
             "scheduling": self.config.scheduling,
@@ -197,6 +233,32 @@ class EngineCore:
                 "fitted_steps": self.cost_fit.steps,
                 "calibrated": self.cost_fit.calibrated.describe(),
             },
+        }
+
+    def _describe_tier(self) -> dict[str, Any] | None:
+        """The second tier, its calibrated speed, and what the cost rule decided so far."""
+        if self.kv_tier is None or self.tier_speed is None:
+            return None
+        link = self.cache.tier
+        stats = self.kv_tier.snapshot()
+        counters = [owner.counters for owner in stats.owners.values()]
+        return {
+            "kind": self.kv_tier.store.kind,
+            "capacity_bytes": self.kv_tier.store.capacity_bytes,
+            "latency_ms": round(self.tier_speed.latency_ms, 3),
+            "bytes_per_s": round(self.tier_speed.bytes_per_s),
+            # The calibrated rule for one block at a prompt's start: read it back, or compute it.
+            "block_load_ms": round(self.tier_speed.load_ms(self.pool.spec.bytes_per_block), 3),
+            "block_compute_ms": round(self._block_cost(0), 3),
+            "loaded_blocks": 0 if link is None else link.loaded_blocks,
+            "recomputed_blocks": 0 if link is None else link.recomputed_blocks,
+            # This engine's traffic with the store, every owner together.
+            "queued": stats.queued,
+            "offloaded_blocks": sum(c.offloads for c in counters),
+            "offloaded_bytes": sum(c.offloaded_bytes for c in counters),
+            "dropped": dict(sum((c.drops for c in counters), Counter())),
+            "missed": dict(sum((c.misses for c in counters), Counter())),
+            "held_bytes": stats.used_bytes,
         }
 
     # -- the step -----------------------------------------------------------------------------
@@ -380,6 +442,8 @@ class EngineCore:
         for sequence in self._scheduled():
             if sequence.request.tenant_id == tenant_id:
                 self._settle(sequence, _tenant_deleted())
+        if self.kv_tier is not None:
+            self.kv_tier.forget_owner(tenant_id)
         return self.cache.purge(tenant_id)
 
     def _scheduled(self) -> list[Sequence]:
@@ -414,7 +478,7 @@ class EngineCore:
             self.metrics.cancelled += 1
             return
         if isinstance(outcome, GenerationDelta):
-            usage = sequence.usage(computed_prompt_positions)
+            usage = sequence.usage(computed_prompt_positions, self.config.block_size)
             self.metrics.record_finish(usage)
             outcome = sequence.final_delta(outcome, usage)
         try:

@@ -29,6 +29,9 @@ from engine.sequence import Sequence, Sink
 from engine.structured.grammar import Grammars
 from engine.validation import ModelLimits, validate
 
+# How long a stopping engine waits for the second tier to store its queued offloads.
+TIER_FLUSH_S = 5.0
+
 
 class Engine(EngineCore):
     """Serves generation requests for one model on a paged, prefix-cached KV pool."""
@@ -64,6 +67,12 @@ class Engine(EngineCore):
         compile processes."""
         self._inbox.stop(timeout)
         self.grammars.close()
+        if self.kv_tier is not None and not self._inbox.running:
+            # What was computed is worth keeping for the next start: offloads still queued
+            # get a moment to be stored.
+            with contextlib.suppress(TimeoutError):  # what is left is recomputed next time
+                self.kv_tier.flush(TIER_FLUSH_S)
+            self.kv_tier.close()
         if self.threads is not None and not self._inbox.running:
             self.threads.restore()  # torch gives later threads the count it was last set to
 

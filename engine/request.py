@@ -6,7 +6,8 @@ from collections import abc
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.cache.budget import TenantBudget
+from engine.cache.budget import PUBLIC_OWNER, TenantBudget
+from engine.cache.cache_request import SOURCE_KINDS, SOURCE_TIERS, CacheLedger, SealKeys
 from engine.cache.scope import NO_CACHE, CacheScope, Segment
 from engine.sampling.sampler import SamplingParams, TokenLogprobs
 
@@ -36,11 +37,40 @@ class GenerationRequest:
     # None, or k >= 0: the log probability of each prompt token after the first, with the k
     # likeliest tokens at its position. Every prompt position is then computed (no cache hit).
     prompt_logprobs: int | None = None
+    # The data keys its blocks are sealed with in a second KV tier (None: it uses no tier).
+    seal_keys: SealKeys | None = None
 
     def prompt_segments(self) -> list[Segment]:
         if self.segments:
             return list(self.segments)
         return [Segment(0, len(self.prompt_token_ids), self.tail_scope)]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSources:
+    """What the cache did for a request: its cached prompt tokens by source (its own private
+    scope, its tenant's, a public prefix; read from the pool or the second tier), the blocks
+    and bytes it loaded from the tier, and the blocks its allocations evicted, per owner (a
+    tenant id, or "public")."""
+
+    cached: dict[str, int] = field(default_factory=dict)  # "own.pool", "public.tier", ...
+    tier_loads: int = 0
+    tier_bytes: int = 0
+    evicted: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, ledger: CacheLedger, block_size: int) -> CacheSources:
+        """A request's ledger as its usage reports it, in tokens; every source is named."""
+        cached = {
+            f"{kind}.{tier}": ledger.sources[kind, tier] * block_size
+            for kind in SOURCE_KINDS
+            for tier in SOURCE_TIERS
+        }
+        evicted = {
+            "public" if owner is PUBLIC_OWNER else str(owner): count
+            for owner, count in ledger.evicted.items()
+        }
+        return cls(cached, ledger.tier_loads, ledger.tier_bytes, evicted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +80,8 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    # Where the cached tokens came from (choice 0 only: the prompt is counted once).
+    cache: CacheSources | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from engine.cache.cache_request import CacheRequest, KeyChain
-from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
+from engine.request import CacheSources, GenerationDelta, GenerationRequest, Timings, Usage
 from engine.sampling.detokenizer import Detokenizer
 from engine.sampling.sampler import MIN_SEED, SEED_LIMIT, TokenLogprobs, make_generator
 from engine.structured.grammar import GrammarState
@@ -39,6 +39,7 @@ def cache_request(request: GenerationRequest) -> CacheRequest:
         segments=request.prompt_segments(),
         tail_scope=request.tail_scope,
         budget=request.budget,
+        seal_keys=request.seal_keys,
     )
 
 
@@ -204,7 +205,7 @@ class Sequence:
         none until it has them all."""
         return not self.wants_prompt_logits
 
-    def usage(self, computed_prompt_positions: int) -> Usage:
+    def usage(self, computed_prompt_positions: int, block_size: int) -> Usage:
         """OpenAI usage; cached tokens are prompt positions the model never computed (I6).
 
         Choices after the first count only their output: the prompt is counted once.
@@ -212,7 +213,8 @@ class Sequence:
         if self.index:
             return Usage(0, 0, len(self.output_ids))
         cached = max(0, self.prompt_len - computed_prompt_positions)
-        return Usage(self.prompt_len, cached, len(self.output_ids))
+        sources = CacheSources.of(self.cache_request.ledger, block_size)
+        return Usage(self.prompt_len, cached, len(self.output_ids), sources)
 
     def final_delta(self, delta: GenerationDelta, usage: Usage) -> GenerationDelta:
         """The finishing `delta` with the request's usage and the times of its phases."""

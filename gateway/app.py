@@ -34,6 +34,7 @@ from gateway.openai import routes as completions
 from gateway.runtime.audit_queue import AuditQueue
 from gateway.runtime.engine_setup import start_local_engine, start_routing
 from gateway.runtime.peers import REPORT_S, Peers, limits_store_id
+from gateway.runtime.seal_keys import SealKeyCache
 from gateway.runtime.served_models import ServedModels
 from gateway.runtime.serving_engine import ServingEngine
 from gateway.runtime.tenancy_sync import TenancySync
@@ -161,7 +162,11 @@ def build_state(
         deployment.record_pool_blocks(session, engine.pool.num_blocks)
     auth = KeyAuthenticator(store, settings.auth_cache_ttl_s, settings.auth_stale_ttl_s)
     usage = UsageHistory(settings.usage_sample_s, settings.usage_window_s)
-    tenancy_sync = TenancySync(store, engine, auth, usage)
+    seal_keys = None
+    if settings.kv_tier != "off":
+        seal_keys = SealKeyCache(store, settings.master_key_bytes())
+        models.seal_keys = seal_keys
+    tenancy_sync = TenancySync(store, engine, auth, usage, seal_keys)
     tenancy_sync.poll()
     tenant_names: dict[str, str] = {}
     limiter = make_limiter(settings)
@@ -200,6 +205,7 @@ def build_state(
         admin_changes=SlidingWindow(settings.admin_changes_per_minute),
         usage=usage,
         tenant_names=tenant_names,
+        seal_keys=seal_keys,
     )
     return state
 

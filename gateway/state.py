@@ -17,6 +17,7 @@ from gateway.limits.tenant_turns import TenantTurns
 from gateway.observability.metrics import GatewayMetrics
 from gateway.runtime.audit_queue import AuditQueue
 from gateway.runtime.peers import Peers
+from gateway.runtime.seal_keys import SealKeyCache
 from gateway.runtime.served_models import ServedModels
 from gateway.runtime.serving_engine import ServingEngine
 from gateway.runtime.tenancy_sync import TenancySync
@@ -51,6 +52,8 @@ class GatewayState:
     admin_changes: SlidingWindow  # changes per admin caller each minute
     usage: UsageHistory  # live cache usage per tenant, for the console's charts
     tenant_names: dict[str, str] = field(default_factory=dict)  # id -> slug, for metrics
+    # Data keys requests carry to a second KV tier (None: the deployment has no tier).
+    seal_keys: SealKeyCache | None = None
     draining: bool = False
     # Whether the warning that a proxy in front of this gateway is not trusted was logged.
     untrusted_proxy_warned: bool = False

@@ -39,12 +39,22 @@ class TenantBudget:
 
     quota_blocks: int
     reserved_blocks: int = 0
+    # The owner's bytes in a second KV tier, and those no other owner's offloads may evict
+    # (None: as many bytes as `quota_blocks` of KV take).
+    tier_quota_bytes: int | None = None
+    tier_reserved_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.quota_blocks < 0:
             raise ValueError("quota_blocks must not be negative")
         if not 0 <= self.reserved_blocks <= self.quota_blocks:
             raise ValueError("reserved_blocks must be between 0 and quota_blocks")
+        if self.tier_quota_bytes is not None and self.tier_quota_bytes < 0:
+            raise ValueError("tier_quota_bytes must not be negative")
+        if self.tier_reserved_bytes < 0 or (
+            self.tier_quota_bytes is not None and self.tier_reserved_bytes > self.tier_quota_bytes
+        ):
+            raise ValueError("tier_reserved_bytes must be between 0 and tier_quota_bytes")
 
 
 @dataclass(frozen=True, slots=True)

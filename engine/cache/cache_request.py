@@ -9,14 +9,64 @@ steps, or is preempted and comes back, hashes each of its blocks once.
 
 from __future__ import annotations
 
-from collections import abc
+from collections import Counter, abc
 from dataclasses import dataclass, field
+
+import torch
 
 from engine.cache.block_hash import TOKEN_ID_BYTES, BlockHash, encode_token_ids
 from engine.cache.block_pool import Block
-from engine.cache.budget import TenantBudget
-from engine.cache.scope import NO_CACHE, CacheScope, Segment, block_scopes, no_less_private
+from engine.cache.budget import Owner, TenantBudget
+from engine.cache.scope import (
+    NO_CACHE,
+    CacheScope,
+    Public,
+    Segment,
+    Tenant,
+    block_scopes,
+    no_less_private,
+)
+from engine.cache.tier.sealing import SealKey
 from engine.math_utils import cdiv
+
+
+@dataclass(frozen=True, slots=True)
+class SealKeys:
+    """The data keys a request's blocks are sealed with in the second tier: its tenant's,
+    and that of the public prefix its public span matched (None: it matched none)."""
+
+    tenant: SealKey
+    public: SealKey | None = None
+
+    def for_scope(self, scope: CacheScope) -> SealKey | None:
+        """The key a block of this scope is sealed with (None: it is not sealed at all)."""
+        return self.public if isinstance(scope, Public) else self.tenant
+
+
+# Where a cached prompt block came from: its scope's kind, and the tier that held it.
+SOURCE_KINDS = ("own", "tenant", "public")
+SOURCE_TIERS = ("pool", "tier")
+
+
+def source_kind(scope: CacheScope) -> str:
+    """A cached block's source as the audit names it: the requester's own private scope,
+    its tenant's shared scope, or a public prefix."""
+    if isinstance(scope, Public):
+        return "public"
+    return "tenant" if isinstance(scope, Tenant) else "own"
+
+
+@dataclass(slots=True, eq=False)
+class CacheLedger:
+    """What the cache did for one request: where its cached prompt blocks came from at its
+    latest admission, what it loaded from the second tier, and the blocks its allocations
+    evicted, per owner, over its whole life (preemptions included)."""
+
+    # (source kind, "pool" or "tier") -> cached blocks, at the latest admission.
+    sources: Counter[tuple[str, str]] = field(default_factory=Counter)
+    tier_loads: int = 0
+    tier_bytes: int = 0
+    evicted: Counter[Owner] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +80,9 @@ class CacheRequest:
     # Scope of the tokens no segment covers: the generated text.
     tail_scope: CacheScope = NO_CACHE
     budget: TenantBudget | None = None
+    # The keys its blocks are sealed with in the second tier (None: it never uses the tier).
+    seal_keys: SealKeys | None = None
+    ledger: CacheLedger = field(default_factory=CacheLedger, compare=False)
 
 
 @dataclass(slots=True, eq=False)
@@ -45,6 +98,11 @@ class KeyChain:
     scopes: list[CacheScope]
     tail_scope: CacheScope
     keys: list[BlockHash] = field(default_factory=list)
+    # Blocks (by index) read back from the second tier and not yet admitted: their KV, loaded
+    # once however many times the request is matched while it waits.
+    staged: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Blocks (by index) whose KV came from the second tier at the latest admission.
+    from_tier: set[int] = field(default_factory=set)
 
     @classmethod
     def of(cls, request: CacheRequest, block_size: int) -> KeyChain:
@@ -71,7 +129,7 @@ class KeyChain:
         """A chain of its own over the same tokens (another choice of the same prompt)."""
         return KeyChain(
             bytearray(self.token_bytes), list(self.scopes), self.tail_scope, list(self.keys)
-        )
+        )  # staged and from_tier are the original's: the copy is another request's
 
 
 @dataclass(slots=True, eq=False)
@@ -101,10 +159,13 @@ class PrefixMatch:
     block_size: int
     _record: CacheSequence = field(repr=False)
     _generations: list[int] = field(repr=False)
+    # Blocks after `blocks` whose KV the second tier gave back (staged on the chain), which
+    # `admit` writes into blocks of the request's own.
+    tier_blocks: int = 0
 
     @property
     def cached_tokens(self) -> int:
-        return len(self.blocks) * self.block_size
+        return (len(self.blocks) + self.tier_blocks) * self.block_size
 
 
 def request_block_scopes(request: CacheRequest, block_size: int) -> list[CacheScope]:

@@ -17,10 +17,19 @@ from collections import Counter, abc
 from engine.cache.block_hash import BlockHash, BlockHasher, block_token_bytes
 from engine.cache.block_pool import Block, BlockPool
 from engine.cache.budget import PUBLIC_OWNER, Owner, Refusal, TenantBudget, owner_of
-from engine.cache.cache_request import CacheRequest, CacheSequence, KeyChain, PrefixMatch
+from engine.cache.cache_request import (
+    CacheRequest,
+    CacheSequence,
+    KeyChain,
+    PrefixMatch,
+    source_kind,
+)
+from engine.cache.eviction import BlockCost, EvictionPolicy, position_cost
 from engine.cache.prefix_cache import PrefixCache
 from engine.cache.quotas import EvictionPlan, OwnerCounters, Quotas
 from engine.cache.scope import Public, Segment
+from engine.cache.tier.store import TierBudget
+from engine.cache.tier_link import TierLink
 from engine.math_utils import cdiv
 
 
@@ -35,7 +44,11 @@ class KVCacheManager:
         public_budget: TenantBudget | None = None,
         default_budget: TenantBudget | None = None,
         enable_prefix_caching: bool = True,
+        eviction: EvictionPolicy = "value",
+        block_cost: BlockCost = position_cost,
     ) -> None:
+        """`eviction` picks which idle block goes first (`engine/cache/eviction.py`);
+        `block_cost` is what recomputing the block at each position costs, in ms."""
         if hasher.block_size != pool.spec.block_size:
             raise ValueError("hasher and pool disagree on block_size")
         self.pool = pool
@@ -45,11 +58,23 @@ class KVCacheManager:
         self.prefix_cache = PrefixCache()
         self.enable_prefix_caching = enable_prefix_caching
         self.quotas = Quotas(
-            pool, self.prefix_cache, default_budget or TenantBudget(pool.num_blocks)
+            pool,
+            self.prefix_cache,
+            default_budget or TenantBudget(pool.num_blocks),
+            eviction,
+            block_cost,
         )
         self._sequences: dict[str, CacheSequence] = {}
         self.peak_active_blocks = 0
+        # The second tier, when the engine has one (`attach_tier`).
+        self.tier: TierLink | None = None
         self.set_budget(PUBLIC_OWNER, public_budget or TenantBudget(pool.num_blocks))
+
+    def attach_tier(self, link: TierLink) -> None:
+        """Offload committed blocks to a second tier and read blocks back from it."""
+        self.tier = link
+        for owner in self.quotas.owners():
+            link.apply_budget(owner, self.tier_budget(owner))
 
     # -- budgets ------------------------------------------------------------------------------
 
@@ -68,7 +93,10 @@ class KVCacheManager:
     def set_budget(self, owner: Owner, budget: TenantBudget) -> int:
         """Set an owner's quota and reservation now; returns how many idle blocks it evicted
         (see `Quotas.set_budget`)."""
-        return self.quotas.set_budget(owner, budget)
+        evicted = self.quotas.set_budget(owner, budget)
+        if self.tier is not None:
+            self.tier.apply_budget(owner, self.tier_budget(owner))
+        return evicted
 
     # -- request lifecycle --------------------------------------------------------------------
 
@@ -88,6 +116,7 @@ class KVCacheManager:
             chain = KeyChain.of(request, self.block_size)
         sequence = CacheSequence(request, chain)
         blocks: list[Block] = []
+        tier_blocks = 0
         if self.enable_prefix_caching and reuse:
             limit = (chain.num_tokens - 1) // self.block_size
             self._extend_keys(chain, limit)
@@ -101,8 +130,10 @@ class KVCacheManager:
                     break
                 blocks.append(block)
                 parent, parent_key = block, key
+            if self.tier is not None:
+                tier_blocks = self.tier.stage(request, chain, len(blocks), limit)
         generations = [block.generation for block in blocks]
-        return PrefixMatch(blocks, self.block_size, sequence, generations)
+        return PrefixMatch(blocks, self.block_size, sequence, generations, tier_blocks)
 
     def admit(self, hit: PrefixMatch, num_new_tokens: int) -> Refusal | None:
         """Start a request: reference its cached prefix and allocate for `num_new_tokens` more.
@@ -118,6 +149,8 @@ class KVCacheManager:
             raise ValueError("stale prefix match: the cache changed since match()")
         if request.budget is not None:
             self.quotas.apply_requested(request.tenant_id, request.budget)
+        if self.tier is not None and request.seal_keys is not None:
+            self.tier.apply_budget(request.tenant_id, self.tier_budget(request.tenant_id))
         pinned = Counter(b.owner for b in hit.blocks if b.ref_count == 0 and b.owner is not None)
         total_tokens = hit.cached_tokens + num_new_tokens
         refusal = self._allocate(sequence, total_tokens, pinned, hit.blocks)
@@ -127,9 +160,11 @@ class KVCacheManager:
         sequence.cached_tokens = hit.cached_tokens
         sequence.committed_blocks = len(hit.blocks)
         sequence.commit_parent = hit.blocks[-1] if hit.blocks else None
+        self._write_staged(sequence, len(hit.blocks), hit.tier_blocks)
         counters = self.quotas.tally(request.tenant_id)
         counters.prompt_tokens += sequence.chain.num_tokens
         counters.cached_tokens += hit.cached_tokens
+        counters.tier_tokens += hit.tier_blocks * self.block_size
         self._tally_public(sequence, hit.blocks)
         return None
 
@@ -199,6 +234,7 @@ class KVCacheManager:
         full_blocks = min(num_computed_tokens // self.block_size, len(sequence.blocks))
         self._extend_keys(chain, full_blocks)
         committed = 0
+        fresh: list[tuple[int, Block]] = []  # committed here, not read back from the tier
         while sequence.committed_blocks < full_blocks:
             index = sequence.committed_blocks
             if index >= len(chain.keys):  # a NoCache block: nothing from here on is cached
@@ -216,9 +252,14 @@ class KVCacheManager:
             if cached is None:
                 sequence.commit_stopped = True
                 break
-            committed += cached is block
+            if cached is block:
+                committed += 1
+                if index not in chain.from_tier:
+                    fresh.append((index, block))
             sequence.commit_parent = cached
             sequence.committed_blocks += 1
+        if self.tier is not None:
+            self.tier.offload(fresh, sequence.request, chain.num_tokens // self.block_size)
         return committed
 
     def blocks_charged(
@@ -293,6 +334,8 @@ class KVCacheManager:
         chain = KeyChain.of(prefix, self.block_size)
         self._extend_keys(chain, full_blocks)
         keys = set(chain.keys)
+        if self.tier is not None:
+            self.tier.drop(chain.keys)
         # A block carries its key exactly while the prefix cache maps that key to it.
         return self.quotas.drop(PUBLIC_OWNER, [b for b in self.pool.blocks if b.key in keys])
 
@@ -329,11 +372,52 @@ class KVCacheManager:
         for block in hits:
             self.pool.ref(block)
         sequence.blocks += hits
-        self.quotas.evict_for(plan)
+        self._evict_for(plan, sequence.request)
         for owner in owners:
             sequence.blocks += self.pool.take(owner, 1)
         self.peak_active_blocks = max(self.peak_active_blocks, self.pool.num_active)
         return None
+
+    def _evict_for(self, plan: EvictionPlan, request: CacheRequest) -> None:
+        """Carry out `plan`'s evictions, counted in the request's ledger per owner."""
+        victims = set(plan.own) | set(plan.allowance)
+        before = {owner: self.quotas.counters(owner).evicted_blocks for owner in victims}
+        self.quotas.evict_for(plan)
+        for owner in victims:
+            evicted = self.quotas.counters(owner).evicted_blocks - before[owner]
+            if evicted:
+                request.ledger.evicted[owner] += evicted
+
+    def _write_staged(self, sequence: CacheSequence, first: int, count: int) -> None:
+        """Write the tier's staged KV of blocks `first`.. into the request's own blocks, cache
+        them, and record where the request's cached blocks came from."""
+        chain = sequence.chain
+        chain.from_tier = set(range(first, first + count))
+        for index in range(first, first + count):
+            kv = chain.staged.pop(index)
+            self.pool.kv[:, :, sequence.blocks[index].block_id].copy_(kv)
+        chain.staged.clear()
+        ledger = sequence.request.ledger
+        ledger.sources.clear()
+        for index in range(first + count):
+            tier = "tier" if index in chain.from_tier else "pool"
+            ledger.sources[source_kind(chain.scopes[index]), tier] += 1
+        if count:
+            ledger.tier_loads += count
+            ledger.tier_bytes += count * self.pool.spec.bytes_per_block
+            self.commit(sequence.request.request_id, (first + count) * self.block_size)
+
+    def tier_budget(self, owner: Owner) -> TierBudget:
+        """The owner's budget in the second tier: its own, else room for as many blocks as its
+        pool quota (each at what the tier charges for one)."""
+        budget = self.quotas.budget(owner)
+        quota = budget.tier_quota_bytes
+        if quota is None:
+            per_block = self.pool.spec.bytes_per_block
+            if self.tier is not None:
+                per_block = self.tier.tier.bytes_per_entry
+            quota = max(budget.quota_blocks * per_block, budget.tier_reserved_bytes)
+        return TierBudget(quota, budget.tier_reserved_bytes)
 
     def _block_bytes(self, chain: KeyChain, index: int) -> bytes:
         """The encoded token ids of block `index`: what a cached block's contents are

@@ -2,13 +2,19 @@
 budgets and the pool, and each owner's running totals.
 
 An allocation is planned before anything changes (`Quotas.plan`):
-- an owner that would go over its quota evicts its own least recently used idle blocks first;
-- a full pool evicts the global LRU idle block among owners above their reservation (or the
-  requesting owners themselves), never a block another owner has reserved;
+- an owner that would go over its quota evicts its own idle blocks first;
+- a full pool evicts idle blocks of owners above their reservation (or of the requesting owners
+  themselves), never a block another owner has reserved;
 - what cannot be satisfied is refused and changes nothing: `QuotaExceeded` (over its own
   quota), `ShareExceeded` (the pool is short and the owner would hold more than the pool less
   what other owners hold within their reservations: its own limit, though no quota says so)
   or `PoolExhausted` (the pool is short for an owner within that share: a crowded pool).
+
+The plan says who loses blocks and how many; which blocks is the eviction policy's choice
+(`engine/cache/eviction.py`, carried out by the pool's `victim`): "value" evicts an owner's
+idle block worth the least per byte (and under pressure, the least worth among the owners the
+plan allows), "lru" the least recently used.
+
 Every eviction is counted on its victim as *own* (the owner made room for itself: over its
 quota, or the pool short for its own allocation) or *pressure* (the pool was short for another
 owner's allocation), so an admin can tell a tight quota from a crowded neighbour. Blocks an admin
@@ -22,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal
 
-from engine.cache.block_pool import Block, BlockPool
+from engine.cache.block_pool import Block, BlockPool, Rank
 from engine.cache.budget import (
     PUBLIC_OWNER,
     Owner,
@@ -32,6 +38,7 @@ from engine.cache.budget import (
     ShareExceeded,
     TenantBudget,
 )
+from engine.cache.eviction import BlockCost, EvictionPolicy, position_cost
 from engine.cache.prefix_cache import PrefixCache
 
 # Why an idle block was evicted, i.e. which of its owner's counters it lands on.
@@ -49,6 +56,8 @@ class OwnerCounters:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # Of the cached tokens, those read back from the second tier (the rest: from the pool).
+    tier_tokens: int = 0
     evicted_own_blocks: int = 0
     evicted_pressure_blocks: int = 0
     purged_blocks: int = 0
@@ -72,7 +81,8 @@ class EvictionPlan:
     needs: Counter[Owner]
     # Each owner's evictions of its own blocks to stay within its quota.
     own: Counter[Owner]
-    # Blocks the pool still lacks after those, taken from the least recently used owners...
+    # Blocks the pool still lacks after those, each taken from the owner whose next victim
+    # ranks lowest (the policy's order)...
     shortfall: int
     # ...each of which may lose up to this many idle blocks.
     allowance: dict[Owner, int]
@@ -82,10 +92,16 @@ class Quotas:
     """Each owner's budget and counters, and the evictions made in their name."""
 
     def __init__(
-        self, pool: BlockPool, prefix_cache: PrefixCache, default_budget: TenantBudget
+        self,
+        pool: BlockPool,
+        prefix_cache: PrefixCache,
+        default_budget: TenantBudget,
+        eviction: EvictionPolicy = "value",
+        block_cost: BlockCost = position_cost,
     ) -> None:
         self.pool = pool
         self.prefix_cache = prefix_cache
+        self.set_eviction(eviction, block_cost)
         self.default_budget = default_budget
         self._budgets: dict[Owner, TenantBudget] = {}
         # Budgets as requests carried them, before any reservation was clamped to fit the pool.
@@ -113,11 +129,18 @@ class Quotas:
             counters = self._counters[owner] = OwnerCounters()
         return counters
 
+    def set_eviction(self, eviction: EvictionPolicy, block_cost: BlockCost = position_cost) -> None:
+        """Choose which idle blocks go first from now on (see the module docstring); the
+        idle blocks are reordered at once. `block_cost`: ms to recompute a block at a position."""
+        self.eviction = eviction
+        self.block_cost = block_cost
+        self.pool.set_eviction(eviction, block_cost)
+
     def set_budget(self, owner: Owner, budget: TenantBudget) -> int:
         """Set an owner's quota and reservation now; returns how many idle blocks it evicted.
 
-        Shrinking below what the owner holds evicts its least recently used idle blocks at
-        once; blocks in use stay until their requests end and are not kept cached after that
+        Shrinking below what the owner holds evicts idle blocks at once (the policy's
+        victims); blocks in use stay until their requests end and are not kept cached after that
         while the owner is over quota.
         """
         others = sum(b.reserved_blocks for o, b in self._budgets.items() if o != owner)
@@ -139,7 +162,7 @@ class Quotas:
             return
         others = sum(b.reserved_blocks for o, b in self._budgets.items() if o != owner)
         reserved = max(0, min(budget.reserved_blocks, self.pool.num_blocks - others))
-        self.set_budget(owner, TenantBudget(budget.quota_blocks, reserved))
+        self.set_budget(owner, dataclasses.replace(budget, reserved_blocks=reserved))
         self._requested[owner] = budget
 
     # -- making room --------------------------------------------------------------------------
@@ -158,7 +181,7 @@ class Quotas:
                 active = self.pool.owned(owner) - self.pool.idle_count(owner) + pinned[owner]
                 return QuotaExceeded(owner, need, quota, active)
             own[owner] = max(0, over)
-        # ...then global LRU evictions if the pool itself is short.
+        # ...then evictions among owners above their reservations if the pool itself is short.
         available = self.pool.num_available + own.total()
         shortfall = len(owners) - available
         allowance: dict[Owner, int] = {}
@@ -201,22 +224,22 @@ class Quotas:
         """Carry out `plan`'s evictions."""
         for owner, count in plan.own.items():
             for _ in range(count):
-                self._evict_oldest(owner, "own")
+                self._evict_next(owner, "own")
         allowance = dict(plan.allowance)
         for _ in range(max(0, plan.shortfall)):
-            owner = min((o for o, left in allowance.items() if left), key=self._oldest_release)
+            owner = min((o for o, left in allowance.items() if left), key=self._victim_rank)
             allowance[owner] -= 1
             # Making room for one's own blocks is not a neighbour's pressure.
-            self._evict_oldest(owner, "own" if owner in plan.needs else "pressure")
+            self._evict_next(owner, "own" if owner in plan.needs else "pressure")
 
     def evict_over_quota(self, owner: Owner) -> int:
-        """Evict the owner's least recently used idle blocks while it holds more than its
+        """Evict the owner's idle blocks (the policy's victims) while it holds more than its
         quota; returns how many."""
         evicted = 0
         while self.pool.owned(owner) > self.budget(owner).quota_blocks:
-            if self.pool.oldest_idle(owner) is None:
+            if self.pool.victim(owner) is None:
                 break
-            self._evict_oldest(owner, "own")
+            self._evict_next(owner, "own")
             evicted += 1
         return evicted
 
@@ -239,13 +262,13 @@ class Quotas:
         self.prefix_cache.remove(block)
         self.pool.clear_identity(block)
 
-    def _oldest_release(self, owner: Owner) -> int:
-        block = self.pool.oldest_idle(owner)
+    def _victim_rank(self, owner: Owner) -> Rank:
+        block = self.pool.victim(owner)
         assert block is not None
-        return block.last_released
+        return self.pool.rank(block)
 
-    def _evict_oldest(self, owner: Owner, cause: EvictionCause) -> None:
-        block = self.pool.oldest_idle(owner)
+    def _evict_next(self, owner: Owner, cause: EvictionCause) -> None:
+        block = self.pool.victim(owner)
         assert block is not None
         self._evict(block, cause)
 
@@ -257,4 +280,4 @@ class Quotas:
         elif cause == "pressure":
             self.tally(block.owner).evicted_pressure_blocks += 1
         self.prefix_cache.remove(block)
-        self.pool.evict(block)
+        self.pool.evict(block, by_policy=cause is not None)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from engine.cache.budget import PUBLIC_OWNER, Owner
 from engine.cache.kv_cache_manager import KVCacheManager
 from engine.cache.quotas import OwnerCounters
+from engine.cache.tier.counters import TierOwnerStats
+from engine.cache.tier.store import TierBudget
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +21,19 @@ class OwnerStats:
     reserved_blocks: int
     quota_blocks: int
     counters: OwnerCounters = field(default_factory=OwnerCounters)
+    # In the second tier: what the owner holds in the store (every worker's, on a shared one)
+    # and its budget there, then this worker's traffic for it.
+    tier_bytes: int = 0
+    tier_entries: int = 0
+    tier_quota_bytes: int = 0
+    tier_reserved_bytes: int = 0
+    tier_offloads: int = 0
+    tier_loads: int = 0
+    tier_loaded_bytes: int = 0
+    tier_misses: int = 0
+    tier_drops: int = 0
+    tier_evicted: int = 0
+    tier_purged: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +48,9 @@ class CacheStats:
     collisions: int
     peak_active_blocks: int
     owners: dict[Owner, OwnerStats]
+    # The second tier: "disk", "redis" (shared by every worker), or None; its capacity.
+    tier_kind: str | None = None
+    tier_capacity_bytes: int = 0
 
     @property
     def evicted_blocks(self) -> int:
@@ -52,17 +71,21 @@ class CacheStats:
 def snapshot(cache: KVCacheManager) -> CacheStats:
     """The cache as it is now: each owner's blocks, budget and reuse, and the pool's counters."""
     pool = cache.pool
+    tier = None if cache.tier is None else cache.tier.tier.snapshot()
     owners = {}
-    for owner in cache.owners():
+    for owner in cache.owners() | (set() if tier is None else set(tier.owners)):
         budget = cache.budget(owner)
         owned, idle = pool.owned(owner), pool.idle_count(owner)
-        owners[owner] = OwnerStats(
+        stats = OwnerStats(
             active_blocks=owned - idle,
             cached_blocks=idle,
             reserved_blocks=budget.reserved_blocks,
             quota_blocks=budget.quota_blocks,
             counters=cache.counters(owner),
         )
+        if tier is not None:
+            stats = _with_tier(stats, tier.owners.get(owner), cache.tier_budget(owner))
+        owners[owner] = stats
     return CacheStats(
         num_blocks=pool.num_blocks,
         free_blocks=pool.num_available,
@@ -72,4 +95,28 @@ def snapshot(cache: KVCacheManager) -> CacheStats:
         collisions=cache.prefix_cache.collisions,
         peak_active_blocks=cache.peak_active_blocks,
         owners=owners,
+        tier_kind=None if tier is None else tier.kind,
+        tier_capacity_bytes=0 if tier is None else tier.capacity_bytes,
+    )
+
+
+def _with_tier(stats: OwnerStats, tier: TierOwnerStats | None, budget: TierBudget) -> OwnerStats:
+    """An owner's stats with its part of the second tier."""
+    stats = dataclasses.replace(
+        stats, tier_quota_bytes=budget.quota_bytes, tier_reserved_bytes=budget.reserved_bytes
+    )
+    if tier is None:
+        return stats
+    counters = tier.counters
+    return dataclasses.replace(
+        stats,
+        tier_bytes=tier.held_bytes,
+        tier_entries=tier.entries,
+        tier_offloads=counters.offloads,
+        tier_loads=counters.loads,
+        tier_loaded_bytes=counters.loaded_bytes,
+        tier_misses=counters.missed,
+        tier_drops=counters.dropped,
+        tier_evicted=counters.evicted_own + counters.evicted_pressure,
+        tier_purged=counters.purged,
     )

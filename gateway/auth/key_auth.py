@@ -33,6 +33,9 @@ class TenantSnapshot:
     tokens_per_minute: int
     max_concurrent: int
     scheduling_weight: float = 1.0  # its share of the engine's service against other tenants
+    # Its bytes in a second KV tier (None: its pool quota's), and those reserved there.
+    tier_quota_bytes: int | None = None
+    tier_reservation_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +116,8 @@ class KeyAuthenticator:
                 tokens_per_minute=tenant.tokens_per_minute,
                 max_concurrent=tenant.max_concurrent,
                 scheduling_weight=tenant.scheduling_weight,
+                tier_quota_bytes=tenant.tier_quota_bytes,
+                tier_reservation_bytes=tenant.tier_reservation_bytes or 0,
             )
             return Caller(
                 str(result.tenant_id), result.tenant_slug, result.key_id, snapshot, result.role

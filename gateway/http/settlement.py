@@ -153,6 +153,14 @@ def _audit_record(
             cached_tokens=settlement.usage.cached_tokens,
             completion_tokens=settlement.usage.completion_tokens,
         )
+        cache = settlement.usage.cache
+        if cache is not None and caller is not None:
+            details.update(
+                cached_by_source=cache.cached,
+                tier_loads=cache.tier_loads,
+                tier_bytes=cache.tier_bytes,
+                evicted_blocks=_evictions(cache.evicted, caller.tenant_id),
+            )
     if settlement.error is not None:
         details["error"] = _error_code(settlement)
         details["param"] = settlement.error.param
@@ -168,6 +176,16 @@ def _audit_record(
         source_ip=settlement.source_ip,
         details=details,
     )
+
+
+def _evictions(evicted: dict[str, int], tenant_id: str) -> dict[str, int]:
+    """The blocks a request's allocations evicted: its own tenant's, the public budget's and
+    other tenants' together. A tenant's administrators read their tenant's events, so no
+    other tenant's id (or how many of its blocks were cached) is named there; each tenant's
+    own counters (`evicted_pressure_blocks`) say what others' pressure cost it."""
+    own = evicted.get(tenant_id, 0)
+    public = evicted.get("public", 0)
+    return {"own": own, "public": public, "other_tenants": sum(evicted.values()) - own - public}
 
 
 def _error_code(settlement: Settlement) -> str | None:

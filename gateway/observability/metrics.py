@@ -219,6 +219,8 @@ class EngineCollector(Collector):
             "Times the engine failed outside any one request and restarted its state.",
             value=self._engine.restarts,
         )
+        if stats.tier_kind is not None:
+            yield from self._tier_metrics(stats)
         yield from _service_metrics(self._engine.service_stats(), self._tenant_name)
         yield from _step_metrics(self._engine)
         if self._engine.threads is not None:
@@ -226,6 +228,40 @@ class EngineCollector(Collector):
         rows = self._engine.worker_rows()
         if rows is not None:  # a routing gateway: its workers' families, even with none named
             yield from _worker_metrics(rows)
+
+    def _tier_metrics(self, stats: CacheStats) -> Iterator[Metric]:
+        """The second KV tier per owner: bytes held against its budget, and the traffic."""
+        held = GaugeMetricFamily(
+            "prefixgate_kv_tier_bytes",
+            "Bytes per owner in the second KV tier, by kind (held, quota, reserved).",
+            labels=["owner", "kind"],
+        )
+        traffic = CounterMetricFamily(
+            "prefixgate_kv_tier_blocks",
+            "Blocks moved to and from the second KV tier per owner, by event.",
+            labels=["owner", "event"],
+        )
+        for owner, own in stats.owners.items():
+            name = self._owner(owner)
+            held.add_metric([name, "held"], own.tier_bytes)
+            held.add_metric([name, "quota"], own.tier_quota_bytes)
+            held.add_metric([name, "reserved"], own.tier_reserved_bytes)
+            for event, count in (
+                ("offloaded", own.tier_offloads),
+                ("loaded", own.tier_loads),
+                ("missed", own.tier_misses),
+                ("dropped", own.tier_drops),
+                ("evicted", own.tier_evicted),
+                ("purged", own.tier_purged),
+            ):
+                traffic.add_metric([name, event], count)
+        yield held
+        yield traffic
+        yield GaugeMetricFamily(
+            "prefixgate_kv_tier_capacity_bytes",
+            "Capacity of the second KV tier.",
+            value=stats.tier_capacity_bytes,
+        )
 
 
 class LimiterCollector(Collector):

@@ -59,6 +59,8 @@ class Choices:
             sum(usage.prompt_tokens for usage in self.usages),
             sum(usage.cached_tokens for usage in self.usages),
             sum(usage.completion_tokens for usage in self.usages),
+            # Choice 0 counts the prompt, and so carries where its cached tokens came from.
+            next((usage.cache for usage in self.usages if usage.cache is not None), None),
         )
 
 

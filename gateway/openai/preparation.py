@@ -21,7 +21,8 @@ from typing import Any
 from opentelemetry.trace import Span
 
 from engine.cache.budget import TenantBudget
-from engine.cache.scope import Public, Tenant, User
+from engine.cache.cache_request import SealKeys
+from engine.cache.scope import NoCache, Public, Tenant, User
 from engine.errors import EngineOverloaded, InvalidRequest
 from engine.request import GenerationRequest
 from engine.sampling.sampler import InvalidSampling, SamplingParams
@@ -230,10 +231,16 @@ def _prepare(
         sampling=sampling,
         segments=plan.segments,
         tail_scope=plan.tail_scope,
-        budget=TenantBudget(tenant.cache_quota_blocks, tenant.cache_reservation_blocks),
+        budget=TenantBudget(
+            tenant.cache_quota_blocks,
+            tenant.cache_reservation_blocks,
+            tenant.tier_quota_bytes,
+            tenant.tier_reservation_bytes,
+        ),
         weight=tenant.scheduling_weight,
         n=n,
         prompt_logprobs=_prompt_logprobs(body, prompt_tokens),
+        seal_keys=_seal_keys(state, model, caller.tenant_id, plan),
     )
     settlement = context.settlement
     settlement.request_id = request_id
@@ -243,6 +250,17 @@ def _prepare(
     return Prepared(
         context, model, request, plan, body.stream, body.include_usage, grammar_wanted=forced
     )
+
+
+def _seal_keys(
+    state: GatewayState, model: ServedModel, tenant_id: str, plan: Plan
+) -> SealKeys | None:
+    """The data keys the request's blocks are sealed with in the second tier (None: the
+    deployment has none, or nothing of the request is cached)."""
+    if state.seal_keys is None or isinstance(plan.tail_scope, NoCache):
+        return None
+    prefix_id = None if plan.public is None else model.sharing.prefix_id(plan.public)
+    return state.seal_keys.for_request(tenant_id, prefix_id)
 
 
 def with_grammar(state: GatewayState, prepared: Prepared) -> Prepared:

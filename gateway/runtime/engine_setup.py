@@ -12,7 +12,7 @@ from pathlib import Path
 
 from engine.attention.selection import check_backend
 from engine.cache.budget import TenantBudget
-from engine.config import EngineConfig
+from engine.config import EngineConfig, TierConfig
 from engine.engine import Engine
 from engine.model.loader import EMBEDDED_MODEL_NAME, LoadedModel, ModelLoadError, load_model
 from engine.precision import resolve_device, resolve_dtype
@@ -69,11 +69,19 @@ def load_configured_model(
     )
 
 
+# The public budget's pool quota when only its tier quota is set: as many blocks as any pool has.
+UNLIMITED_BLOCKS = 2**31 - 1
+
+
 def engine_config(settings: Settings) -> EngineConfig:
     """The engine's configuration as the settings say."""
     public_budget = None
-    if settings.public_cache_blocks is not None:
-        public_budget = TenantBudget(settings.public_cache_blocks)
+    if settings.public_cache_blocks is not None or settings.public_tier_quota_bytes is not None:
+        blocks = settings.public_cache_blocks
+        public_budget = TenantBudget(
+            UNLIMITED_BLOCKS if blocks is None else blocks,
+            tier_quota_bytes=settings.public_tier_quota_bytes,
+        )
     return EngineConfig(
         block_size=settings.block_size,
         kv_cache_bytes=settings.kv_cache_bytes,
@@ -87,6 +95,23 @@ def engine_config(settings: Settings) -> EngineConfig:
         attention_backend=settings.attention_backend,
         public_budget=public_budget,
         compile_limits=compile_limits(settings),
+        kv_tier=tier_config(settings),
+        eviction=settings.kv_eviction,
+    )
+
+
+def tier_config(settings: Settings) -> TierConfig | None:
+    """The second KV tier the settings ask for (None: none). A disk tier's file is named by
+    the served model and the port, so a restarted worker finds its own file again."""
+    if settings.kv_tier == "off":
+        return None
+    return TierConfig(
+        settings.kv_tier,
+        settings.kv_tier_capacity_bytes,
+        directory=settings.tier_dir,
+        worker_name=f"{served_name(settings)}-{settings.port}",
+        redis_url=settings.tier_redis_url,
+        key_prefix=settings.redis_key_prefix,
     )
 
 

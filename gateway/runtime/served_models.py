@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from engine.model.loader import LoadedModel
 from engine.request import GenerationDelta, GenerationRequest
 from engine.structured.grammar import Grammars
+from gateway.runtime.seal_keys import SealKeyCache
 from gateway.runtime.sharing import SharingPolicyHolder
 from gateway.settings import Settings
 from policies.config import PolicyConfig
@@ -92,6 +93,8 @@ class ServedModels:
         self._remote = remote
         self._by_identity: dict[tuple[str, str], ServedModel] = {}  # by name and fingerprint
         self._lock = threading.Lock()
+        # Data keys of a second KV tier, whose prefix keys follow the registries (None: none).
+        self.seal_keys: SealKeyCache | None = None
 
     @classmethod
     def one(
@@ -148,6 +151,9 @@ class ServedModels:
         """
         for model in self.all():
             model.sharing.refresh(self._store)
+        if self.seal_keys is not None:  # a deleted prefix's key is not kept in memory
+            enabled = {i for model in self.all() for i in model.sharing.prefix_ids()}
+            self.seal_keys.forget_prefixes_except(enabled)
         if self._remote is not None:
             remote = self._remote
             with self._lock:  # forget the models no known worker serves any more

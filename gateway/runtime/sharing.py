@@ -12,7 +12,7 @@ import logging
 from engine.model.loader import LoadedModel
 from policies.config import PolicyConfig
 from policies.planner import SharingPolicy
-from policies.registry import build_registry
+from policies.registry import RegisteredPrefix, build_registry
 from tenancy import prefixes
 from tenancy.store import Store
 
@@ -30,6 +30,8 @@ class SharingPolicyHolder:
         self._model = model
         self._block_size = block_size
         self._entries: _Entries | None = None
+        # Each enabled prefix's database id, by (namespace, name): what its data key is under.
+        self._ids: dict[tuple[str, str], str] = {}
         self.current = self._build(())
 
     @property
@@ -42,6 +44,7 @@ class SharingPolicyHolder:
         with store.transaction() as session:
             rows = prefixes.list_prefixes(session, self._model, enabled_only=True)
             entries = tuple((row.namespace, row.name, row.text) for row in rows)
+            self._ids = {(row.namespace, row.name): str(row.id) for row in rows}
         if entries == self._entries:
             return False
         if self._loaded.tokenizer is None:
@@ -49,6 +52,14 @@ class SharingPolicyHolder:
         self.current = self._build(entries)
         self._entries = entries
         return True
+
+    def prefix_ids(self) -> set[str]:
+        """The database ids of the enabled prefixes."""
+        return set(self._ids.values())
+
+    def prefix_id(self, prefix: RegisteredPrefix) -> str | None:
+        """The database id of a registered prefix a plan matched (None: no longer enabled)."""
+        return self._ids.get((prefix.namespace, prefix.name))
 
     def _build(self, entries: _Entries) -> SharingPolicy:
         min_blocks = self._config.min_public_blocks

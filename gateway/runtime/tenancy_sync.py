@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from engine.cache.budget import Owner, TenantBudget
 from gateway.auth.key_auth import KeyAuthenticator
+from gateway.runtime.seal_keys import SealKeyCache
 from gateway.runtime.serving_engine import ServingEngine
 from gateway.runtime.usage_history import UsageHistory
 from tenancy import change_feed
@@ -32,6 +33,7 @@ class TenancySync:
     engine: ServingEngine
     auth: KeyAuthenticator
     usage: UsageHistory | None = None  # a deleted tenant's live usage is forgotten too
+    seal_keys: SealKeyCache | None = None  # and its data key, if this gateway read it
     seq: int | None = None
     tenants: dict[str, TenantRow] = field(default_factory=dict)
     # The background poll and an admin call's own poll (after its change) may overlap.
@@ -65,6 +67,8 @@ class TenancySync:
             before = previous.get(tenant_id)
             if row.status == "deleted":
                 if before is None or before.status != "deleted":
+                    if self.seal_keys is not None:
+                        self.seal_keys.forget_tenant(tenant_id)
                     purged = self.engine.purge_tenant(tenant_id)
                     logger.info("tenant %s deleted: purged %d cached blocks", row.slug, purged)
                     if self.usage is not None:
@@ -81,4 +85,9 @@ class TenancySync:
 
 
 def _budget(row: TenantRow) -> TenantBudget:
-    return TenantBudget(row.cache_quota_blocks, row.cache_reservation_blocks)
+    return TenantBudget(
+        row.cache_quota_blocks,
+        row.cache_reservation_blocks,
+        row.tier_quota_bytes,
+        row.tier_reservation_bytes or 0,
+    )

@@ -342,6 +342,14 @@ def total_stats(parts: list[CacheStats]) -> CacheStats:
             owners[owner] = own if seen is None else _add_owner(seen, own)
     zero = CacheStats(0, 0, 0, 0, 0, 0, 0, {})
     total = zero
+    kinds = {stats.tier_kind for stats in parts}
+    if kinds == {"redis"}:  # one store every worker reads: its usage is counted once
+        owners = {owner: _held_once(own, parts, owner) for owner, own in owners.items()}
+        capacity = max(stats.tier_capacity_bytes for stats in parts)
+    else:
+        capacity = sum(stats.tier_capacity_bytes for stats in parts)
+    tier_kind = _agreed(kinds - {None})
+    total = replace(total, tier_kind=tier_kind, tier_capacity_bytes=capacity)
     for stats in parts:
         total = replace(
             total,
@@ -356,6 +364,19 @@ def total_stats(parts: list[CacheStats]) -> CacheStats:
     return replace(total, owners=owners)
 
 
+def _held_once(total: OwnerStats, parts: list[CacheStats], owner: Owner) -> OwnerStats:
+    """An owner's summed stats with what it holds in a shared tier taken once, not once per
+    worker (each worker reads the same store; the newest reading wins)."""
+    held = [stats.owners[owner] for stats in parts if owner in stats.owners]
+    return replace(
+        total,
+        tier_bytes=max(own.tier_bytes for own in held),
+        tier_entries=max(own.tier_entries for own in held),
+        tier_quota_bytes=max(own.tier_quota_bytes for own in held),
+        tier_reserved_bytes=max(own.tier_reserved_bytes for own in held),
+    )
+
+
 def _add_owner(a: OwnerStats, b: OwnerStats) -> OwnerStats:
     counters = OwnerCounters(
         **{
@@ -363,10 +384,9 @@ def _add_owner(a: OwnerStats, b: OwnerStats) -> OwnerStats:
             for name in a.counters.__dataclass_fields__
         }
     )
-    return OwnerStats(
-        active_blocks=a.active_blocks + b.active_blocks,
-        cached_blocks=a.cached_blocks + b.cached_blocks,
-        reserved_blocks=a.reserved_blocks + b.reserved_blocks,
-        quota_blocks=a.quota_blocks + b.quota_blocks,
-        counters=counters,
-    )
+    sums = {
+        name: getattr(a, name) + getattr(b, name)
+        for name in a.__dataclass_fields__
+        if name != "counters"
+    }
+    return OwnerStats(**sums, counters=counters)

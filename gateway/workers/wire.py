@@ -8,15 +8,19 @@ gateway answers a worker's refusal exactly as it answers its own engine's.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 from typing import Any
 
 from engine import errors
 from engine.cache.budget import PUBLIC_OWNER, Owner, TenantBudget
+from engine.cache.cache_request import SealKeys
 from engine.cache.quotas import OwnerCounters
 from engine.cache.scope import NO_CACHE, CacheScope, NoCache, Public, Segment, Tenant, User
 from engine.cache.stats import CacheStats, OwnerStats
-from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
+from engine.cache.tier.sealing import SealKey
+from engine.request import CacheSources, GenerationDelta, GenerationRequest, Timings, Usage
 from engine.sampling.sampler import SamplingParams, TokenLogprobs
 from engine.structured.grammar import serialized
 from tenancy.errors import InvalidInput
@@ -59,16 +63,54 @@ def read_scope(data: Json) -> CacheScope:
 
 
 def budget_json(budget: TenantBudget) -> Json:
-    return {"quota_blocks": budget.quota_blocks, "reserved_blocks": budget.reserved_blocks}
+    return {
+        "quota_blocks": budget.quota_blocks,
+        "reserved_blocks": budget.reserved_blocks,
+        "tier_quota_bytes": budget.tier_quota_bytes,
+        "tier_reserved_bytes": budget.tier_reserved_bytes,
+    }
 
 
 def read_budget(data: Json) -> TenantBudget:
     try:
-        return TenantBudget(_int(data, "quota_blocks"), _int(data, "reserved_blocks"))
+        tier_quota = data.get("tier_quota_bytes")
+        if tier_quota is not None and type(tier_quota) is not int:
+            raise WireError("tier_quota_bytes must be null or an integer")
+        return TenantBudget(
+            _int(data, "quota_blocks"),
+            _int(data, "reserved_blocks"),
+            tier_quota,
+            _int(data, "tier_reserved_bytes") if "tier_reserved_bytes" in data else 0,
+        )
     except WireError:
         raise
     except ValueError as error:  # negative, or a reservation over the quota
         raise WireError(f"budget: {error}") from None
+
+
+def _seal_key_json(key: SealKey) -> Json:
+    return {"key_id": key.key_id, "secret": base64.b64encode(key.secret).decode()}
+
+
+def _read_seal_key(data: Json) -> SealKey:
+    try:
+        secret = base64.b64decode(_text(data, "secret"), validate=True)
+        return SealKey(_text(data, "key_id"), secret)
+    except (binascii.Error, ValueError) as error:
+        raise WireError(f"seal key: {error}") from None
+
+
+def seal_keys_json(keys: SealKeys) -> Json:
+    """The request's data keys (only ever sent to workers over the authenticated link)."""
+    public = None if keys.public is None else _seal_key_json(keys.public)
+    return {"tenant": _seal_key_json(keys.tenant), "public": public}
+
+
+def read_seal_keys(data: Json) -> SealKeys:
+    public = data.get("public")
+    return SealKeys(
+        _read_seal_key(data["tenant"]), None if public is None else _read_seal_key(public)
+    )
 
 
 def owner_json(owner: Owner) -> str:
@@ -99,6 +141,7 @@ def request_json(request: GenerationRequest) -> Json:
         "grammar": None if request.grammar is None else serialized(request.grammar),
         "n": request.n,
         "prompt_logprobs": request.prompt_logprobs,
+        "seal_keys": None if request.seal_keys is None else seal_keys_json(request.seal_keys),
     }
 
 
@@ -132,6 +175,7 @@ def read_request(data: Json, compile_grammar: Any) -> GenerationRequest:
         if prompt_logprobs is not None and type(prompt_logprobs) is not int:
             raise WireError("prompt_logprobs must be null or an integer")
         budget = None if data.get("budget") is None else read_budget(data["budget"])
+        seal_keys = data.get("seal_keys")
         grammar_text = data.get("grammar")
         return GenerationRequest(
             request_id=_text(data, "request_id"),
@@ -145,6 +189,7 @@ def read_request(data: Json, compile_grammar: Any) -> GenerationRequest:
             grammar=None if grammar_text is None else compile_grammar(str(grammar_text)),
             n=_int(data, "n"),
             prompt_logprobs=prompt_logprobs,
+            seal_keys=None if seal_keys is None else read_seal_keys(seal_keys),
         )
     except KeyError as error:
         raise WireError(f"malformed request: {error.args[0]} is missing") from None
@@ -206,11 +251,24 @@ def read_delta(data: Json) -> GenerationDelta:
             logprobs=_read_logprobs(data.get("logprobs")),
             prompt_logprobs=_read_logprobs(data.get("prompt_logprobs")),
             index=int(data.get("index", 0)),
-            usage=None if usage is None else Usage(**usage),
+            usage=None if usage is None else _read_usage(usage),
             timings=None if timings is None else Timings(**timings),
         )
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
         raise WireError(f"malformed delta: {error!r}") from None
+
+
+def _read_usage(data: Json) -> Usage:
+    cache = data.pop("cache", None)
+    sources = None
+    if cache is not None:
+        sources = CacheSources(
+            {str(k): int(v) for k, v in cache["cached"].items()},
+            int(cache["tier_loads"]),
+            int(cache["tier_bytes"]),
+            {str(k): int(v) for k, v in cache["evicted"].items()},
+        )
+    return Usage(**data, cache=sources)
 
 
 # -- engine errors ----------------------------------------------------------------------------
