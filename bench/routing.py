@@ -24,17 +24,22 @@ import random
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
 from bench.common import BENCH_MODEL, emit, machine
 
+if TYPE_CHECKING:  # both import the gateway: only the run needs them
+    from bench.local_server import RunningServer
+    from bench.local_workers import LocalWorker
+
+T = TypeVar("T")
 WORKER_SECRET = "bench-routing-worker-secret"
 MODES = ("round_robin", "cache_aware")
 # By default a worker's KV pool holds this share of all gsp groups' prompts: one worker cannot
@@ -131,13 +136,42 @@ def chat(client: httpx.Client, key: str, body: dict[str, Any]) -> dict[str, Any]
     return result
 
 
+def gsp_body(model: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    """The request body of one gsp call: a short answer, greedy."""
+    return {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}
+
+
+class Conversation:
+    """One end user's multi-turn chat: its messages so far, each new turn's words drawn from
+    its own seed, so that every run sends the same questions in the same order."""
+
+    def __init__(self, index: int, sizes: Workloads) -> None:
+        self.index = index
+        self.sizes = sizes
+        self._generator = random.Random(sizes.seed * 1000 + index)
+        self.messages = [{"role": "system", "content": "You are a concise travel assistant."}]
+
+    def next_turn(self, model: str) -> dict[str, Any]:
+        """The request body of the next turn: the whole conversation and a new question."""
+        question = words(self._generator, self.sizes.turn_words)
+        self.messages.append({"role": "user", "content": question})
+        return {
+            "model": model, "messages": list(self.messages), "user": f"user-{self.index}",
+            "max_tokens": self.sizes.answer_tokens, "temperature": 0,
+        }  # fmt: skip
+
+    def answered(self, answer: str) -> None:
+        """The model's answer joins the conversation, as a client sends it back next turn."""
+        self.messages.append({"role": "assistant", "content": answer})
+
+
 def run_gsp(base_url: str, keys: dict[str, str], model: str, sizes: Workloads) -> Tally:
     tally = Tally()
     with httpx.Client(base_url=base_url, timeout=120) as client:
 
         def one(call: tuple[str, list[dict[str, str]]]) -> None:
             tenant, messages = call
-            body = {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0}
+            body = gsp_body(model, messages)
             try:
                 tally.add(chat(client, keys[tenant], body)["usage"])
             except Exception as error:  # counted and reported, the run goes on
@@ -154,70 +188,120 @@ def run_chats(base_url: str, key: str, model: str, sizes: Workloads) -> Tally:
     with httpx.Client(base_url=base_url, timeout=120) as client:
 
         def conversation(index: int) -> None:
-            generator = random.Random(sizes.seed * 1000 + index)
-            messages = [{"role": "system", "content": "You are a concise travel assistant."}]
+            talk = Conversation(index, sizes)
             for turn in range(sizes.turns):
-                messages.append({"role": "user", "content": words(generator, sizes.turn_words)})
-                body = {
-                    "model": model, "messages": messages, "user": f"user-{index}",
-                    "max_tokens": sizes.answer_tokens, "temperature": 0,
-                }  # fmt: skip
                 try:
-                    result = chat(client, key, body)
+                    result = chat(client, key, talk.next_turn(model))
                 except Exception as error:
                     tally.fail(f"conversation {index} turn {turn}: {error}")
                     return
                 tally.add(result["usage"])
-                answer = result["choices"][0]["message"]["content"] or ""
-                messages.append({"role": "assistant", "content": answer})
+                talk.answered(result["choices"][0]["message"]["content"] or "")
 
         with ThreadPoolExecutor(sizes.concurrency) as pool:
             list(pool.map(conversation, range(sizes.conversations)))
     return tally
 
 
-@contextmanager
-def routed_gateway(
-    work: Path, model_dir: Path, kv_cache_bytes: int, mode: str, tenants: list[tuple[str, str]]
-) -> Iterator[tuple[Any, list[Any], dict[str, str]]]:
-    """Two fresh workers and a gateway routing to them in `mode`; tenants (slug, sharing
-    mode) with one key each: (server, workers, keys)."""
-    from bench.local_server import serve
-    from bench.local_workers import session_certificates, worker_processes
+@dataclass
+class Cluster:
+    """Two workers and a gateway routing to them, with the bench's tenants and their keys."""
+
+    server: RunningServer
+    workers: list[LocalWorker]
+    keys: dict[str, str]  # an API key per tenant slug
+    tenant_ids: dict[str, str]  # the tenants' ids (the workers' cache owners) per slug
+    run_dir: Path
+    worker_environment: dict[str, str]  # what each worker was started with, besides its own
+
+
+def worker_environment(kv_cache_bytes: int) -> dict[str, str]:
+    """A bench worker's settings: a pool of `kv_cache_bytes`, on one of this machine's cores."""
+    return {
+        "PREFIXGATE_KV_CACHE_BYTES": str(kv_cache_bytes),
+        "PREFIXGATE_MAX_NUM_SEQS": "16",
+        "OMP_NUM_THREADS": "1",  # two workers share this machine's cores
+        "PREFIXGATE_DTYPE": "float32",  # the pool's size in blocks is then what was asked
+    }
+
+
+def seed_tenants(
+    run_dir: Path, tenants: list[tuple[str, str]]
+) -> tuple[str, dict[str, str], dict[str, str]]:
+    """A fresh SQLite database in `run_dir` with `tenants` (slug, sharing mode), limits that no
+    bench reaches and one API key each: (database URL, keys by slug, tenant ids by slug)."""
     from tenancy import api_keys
     from tenancy import tenants as tenancy
     from tenancy.migrate import upgrade
     from tenancy.store import Store
     from tenancy.tenants import TenantLimits
 
-    run_dir = work / mode
-    run_dir.mkdir()
     database = f"sqlite:///{run_dir / 'bench.db'}"
     upgrade(database)
     store = Store.open(database, run_dir / "seed.spool", "bench-key", "bench-signing")
-    keys = {}
+    keys, ids = {}, {}
     with store.transaction() as session:
         limits = TenantLimits(requests_per_minute=100_000, tokens_per_minute=10**9,
                               max_concurrent=10_000, cache_quota_blocks=100_000)  # fmt: skip
         for slug, sharing in tenants:
             tenant = tenancy.create_tenant(session, slug, sharing_mode=sharing, limits=limits)
             keys[slug] = api_keys.create_key(session, tenant, "bench", "bench-key").secret
+            ids[slug] = str(tenant.id)
     store.close()
-    environment = {
-        "PREFIXGATE_KV_CACHE_BYTES": str(kv_cache_bytes),
-        "PREFIXGATE_MAX_NUM_SEQS": "16",
-        "OMP_NUM_THREADS": "1",  # two workers share this machine's cores
-        "PREFIXGATE_DTYPE": "float32",  # the pool's size in blocks is then what was asked
-    }
-    with worker_processes(2, model_dir, WORKER_SECRET, run_dir, environment=environment) as ws:
-        settings = {
+    return database, keys, ids
+
+
+@contextmanager
+def routed_gateway(
+    work: Path,
+    model_dir: Path,
+    kv_cache_bytes: int,
+    mode: str,
+    tenants: list[tuple[str, str]],
+    *,
+    name: str | None = None,
+    environment: dict[str, str] | None = None,
+    settings: dict[str, Any] | None = None,
+    side_by_side: bool = False,
+) -> Iterator[Cluster]:
+    """Two fresh workers and a gateway routing to them in `mode`, in `work`/`name` (default:
+    the mode); tenants (slug, sharing mode) with one key each. `environment` adds to the
+    workers' settings, `settings` to the gateway's; `side_by_side` starts both workers at once
+    (sooner, but each one's start-up timing shares the machine with the other's)."""
+    from bench.local_server import serve
+    from bench.local_workers import session_certificates, worker_process
+
+    run_dir = work / (name or mode)
+    run_dir.mkdir()
+    database, keys, ids = seed_tenants(run_dir, tenants)
+    env = {**worker_environment(kv_cache_bytes), **(environment or {})}
+    with ExitStack() as stack:
+        starting = [worker_process(model_dir, WORKER_SECRET, run_dir, env) for _ in range(2)]
+        if side_by_side:
+            ws = enter_together(stack, starting)
+        else:  # one after another: each loads the model alone
+            ws = [stack.enter_context(worker) for worker in starting]
+        gateway = {
             "database_url": database, "state_dir": run_dir, "key_hash_secret": "bench-key",
             "audit_signing_key": "bench-signing", "model_dir": model_dir,
             "workers": [worker.url for worker in ws], "worker_secret": WORKER_SECRET,
             "routing": mode, "worker_poll_s": 0.5, **session_certificates().gateway_settings(),
+            **(settings or {}),
         }  # fmt: skip
-        with serve(settings) as server:
-            yield server, ws, keys
+        server = stack.enter_context(serve(gateway))
+        yield Cluster(server, ws, keys, ids, run_dir, env)
+
+
+def enter_together(stack: ExitStack, managers: Sequence[AbstractContextManager[T]]) -> list[T]:
+    """Enter context managers side by side (processes that each take seconds to be ready);
+    each one entered is exited with `stack`, also when another failed to start."""
+    with ThreadPoolExecutor(len(managers)) as pool:
+        futures = [pool.submit(manager.__enter__) for manager in managers]
+        wait(futures)
+    for manager, future in zip(managers, futures, strict=True):
+        if future.exception() is None:
+            stack.push(manager)
+    return [future.result() for future in futures]
 
 
 def spread(server: Any) -> dict[str, int]:
@@ -236,17 +320,13 @@ def compare(
     with tempfile.TemporaryDirectory() as scratch:
         for mode in MODES:
             progress(f"{mode}: starting two workers and a gateway")
-            with routed_gateway(Path(scratch), model_dir, kv_cache_bytes, mode, tenants) as (
-                server,
-                _,
-                keys,
-            ):
+            with routed_gateway(Path(scratch), model_dir, kv_cache_bytes, mode, tenants) as run:
                 started = time.perf_counter()
-                gsp = run_gsp(server.url, keys, model, sizes)
+                gsp = run_gsp(run.server.url, run.keys, model, sizes)
                 gsp_s = time.perf_counter() - started
-                gsp_spread = spread(server)
+                gsp_spread = spread(run.server)
                 started = time.perf_counter()
-                chats = run_chats(server.url, keys["chat"], model, sizes)
+                chats = run_chats(run.server.url, run.keys["chat"], model, sizes)
                 chat_s = time.perf_counter() - started
                 results[mode] = {
                     "gsp": {**gsp.report(), "seconds": round(gsp_s, 2)},
@@ -265,18 +345,10 @@ def main() -> None:
         "--kv-cache-mib", type=float, default=None,
         help="KV pool per worker in MiB (default: 60%% of what the gsp prompts take)",
     )  # fmt: skip
-    parser.add_argument("--groups", type=int, default=Workloads.groups)
-    parser.add_argument("--per-group", type=int, default=Workloads.per_group)
-    parser.add_argument("--conversations", type=int, default=Workloads.conversations)
-    parser.add_argument("--turns", type=int, default=Workloads.turns)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--out", help="also write the JSON here")
+    add_workload_options(parser)
     parser.add_argument("--plot", help="write a PNG bar chart here")
     args = parser.parse_args()
-    sizes = Workloads(
-        groups=args.groups, per_group=args.per_group,
-        conversations=args.conversations, turns=args.turns,
-    )  # fmt: skip
+    sizes = workloads_of(args)
     say = (lambda _: None) if args.json else print
     with tempfile.TemporaryDirectory() as scratch:
         model_dir, model = args.model, args.model.name if args.model else BENCH_MODEL
@@ -304,6 +376,24 @@ def main() -> None:
             print(f"{workload}: round robin {shares[0]:.3f}, cache-aware {shares[1]:.3f}")
     if args.plot:
         plot(args.plot, results)
+
+
+def add_workload_options(parser: argparse.ArgumentParser) -> None:
+    """The workloads' sizes and the output options, as bench.routing and bench.tier take them."""
+    parser.add_argument("--groups", type=int, default=Workloads.groups)
+    parser.add_argument("--per-group", type=int, default=Workloads.per_group)
+    parser.add_argument("--conversations", type=int, default=Workloads.conversations)
+    parser.add_argument("--turns", type=int, default=Workloads.turns)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--out", help="also write the JSON here")
+
+
+def workloads_of(args: argparse.Namespace) -> Workloads:
+    """The workloads `add_workload_options`' arguments ask for."""
+    return Workloads(
+        groups=args.groups, per_group=args.per_group,
+        conversations=args.conversations, turns=args.turns,
+    )  # fmt: skip
 
 
 def ratio(results: dict[str, Any], workload: str) -> float | None:

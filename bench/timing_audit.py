@@ -1,7 +1,7 @@
 """Timing audit: can one client tell, by timing alone, that another's prompt is in the cache?
 
     python -m bench.timing_audit [--samples 250] [--prompt-tokens 512] [--model tiny|embedded|DIR]
-        [--cases a,b,c,d,e,f] [--seed 0] [--json] [--out F] [--plot F.png]
+        [--cases a,b,c,d,e,f,g,h] [--seed 0] [--json] [--out F] [--plot F.png]
 
 The attacker's own method: published audits of commercial APIs detected global prompt caching
 with a one-sided two-sample Kolmogorov-Smirnov test on 250 timings per group. Here it runs
@@ -28,13 +28,31 @@ greedy, `max_tokens` 1, timed by the client, each with the `cached_tokens` of it
     (f) queued: the victim's request (2 L tokens) is not waited for: the probe (tenant B) is
         sent once the victim's body is on the wire, so it waits behind (or is batched with)
         the victim's prefill; `finished_after_victim` counts those that did -> not detected
+    (g) the second tier, another tenant: as (c), on a server of its own with a disk tier
+        (PREFIXGATE_KV_TIER=disk) and a pool one block larger than a prompt. Between the
+        victim's request and the probe a third tenant (C) sends a filler prompt that takes
+        every block of the pool, so at probe time the victim's blocks are in the tier and
+        nowhere in the pool. After the probe, the victim's own control probe (the victim's
+        first 95% and a fresh tail, after hits and misses alike) must be read back from the
+        tier: it shows that the victim's blocks were there to be found      -> not detected
+    (h) the second tier, same key and user: (g)'s server and trials, the victim's own probe
+        in place of the attacker's: a positive control, whose hits come from the tier
+                                                                             -> detected
+
+The filler is one prompt for the whole run: after its first use it is read back from the tier,
+yet it still takes a block of the pool for each of its own. In the tier cases /readyz's
+`kv_tier.loaded_blocks` is read just before each probe and just after it (after the control,
+where there is one); each trial's probe and control must owe every cached token to the tier.
+Nothing is ever evicted from the tier in these cases: each tenant's quota and the tier hold
+all the blocks the run writes (see `tier_server`).
 
 Statistics per case: `scipy.stats.ks_2samp(hit, miss, alternative="greater")`, whose
 alternative is that hits are stochastically faster (the CDF of hit latencies lies above the
 misses'); median, p10 and p90 per group; cached tokens per group. The same test runs on the
 engine time the server reports in `Server-Timing` (free of network noise, and readable by any
 client). A case holds when: detected cases have p < 1e-6, every hit cached and no miss cached;
-not-detected cases have p >= 0.01 and not one probe cached. Only the client-side p decides.
+not-detected cases have p >= 0.01 and not one probe cached; tier cases also need every cached
+token of theirs from the tier and every control probe cached. Only the client-side p decides.
 Below 12 samples per group no p-value reaches 1e-6 (the smallest is 1 / C(2n, n)).
 
 Models: `tiny` (default) is a seeded random Llama (hidden 256, 4 layers) with SmolLM2's
@@ -46,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import secrets
 import statistics
 import sys
 import tempfile
@@ -69,9 +88,10 @@ from bench.local_server import tiny_chat_model
 from bench.peers import machine_info
 from bench.served_gateway import ServedGateway, ServedTenant, served_tenants
 from engine.model.loader import embedded_model_dir
+from engine.precision import resolve_device, resolve_dtype
 from policies.templates import system_prompt_tokens
 
-CASES = "abcdef"
+CASES = "abcdefgh"
 SHARED_FRACTION = 0.95  # of a hit probe's tokens, taken from the victim's prompt
 DETECTED_P = 1e-6  # a case that must be detected: the KS p-value is below this
 NOT_DETECTED_P = 0.01  # a case that must not be: the KS p-value is at least this
@@ -81,6 +101,11 @@ BLOCK_SIZE = 16  # the server's default
 PUBLIC_PREFIX = "audit"
 TIMEOUT_S = 120.0  # one request; the server answers a prompt of 2 L tokens far sooner
 BODY_SENT = "http11.send_request_body.complete"  # httpcore's trace event
+TIER_KIND = "disk"  # the tier cases' second tier
+# What the tier charges for a block, at most, beyond its KV: token ids, the identity, the
+# seal's header and tag, a slot's header and alignment (engine/cache/tier/entry.py).
+TIER_ENTRY_SLACK = 4096
+CALIBRATION_SAMPLES = 8  # blocks `KVTier.calibrate` stores, twice over, while the server starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +127,8 @@ class Case:
     must_detect: bool
     public: bool = False  # chats on the registered public system prompt
     queued: bool = False  # the probe is sent while the victim's request is in flight
+    tier: bool = False  # the tier's server: a filler pushes the victim's blocks to the tier
+    control: bool = False  # the victim's own probe follows the attacker's
 
 
 CATALOGUE = {
@@ -113,19 +140,27 @@ CATALOGUE = {
     "e": Case("e", "another key of the tenant, no user", "key_1", "key_2", must_detect=False),
     "f": Case("f", "queued behind the victim, another tenant", "alice", "tenant_b",
               must_detect=False, queued=True),
+    "g": Case("g", "another tenant, victim's blocks in the tier", "alice", "tenant_b",
+              must_detect=False, tier=True, control=True),
+    "h": Case("h", "same key and user, blocks in the tier", "alice", "alice",
+              must_detect=True, tier=True),
 }  # fmt: skip
 
 
 def parties(served: ServedGateway) -> dict[str, Party]:
-    """Tenant A has two keys; tenant B one. B's attacker claims A's victim's `user` string."""
+    """Tenant A has two keys; tenant B one. B's attacker claims A's victim's `user` string.
+    The tier's server also has tenant C, whose filler requests push blocks out of the pool."""
     key_1, key_2 = served.keys["tenant-a"]
-    return {
+    who = {
         "alice": Party(key_1, "alice"),
         "mallory": Party(key_1, "mallory"),
         "key_1": Party(key_1, None),
         "key_2": Party(key_2, None),
         "tenant_b": Party(served.keys["tenant-b"][0], "alice"),
     }
+    if "tenant-c" in served.keys:
+        who["filler"] = Party(served.keys["tenant-c"][0], "filler")
+    return who
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +173,28 @@ class Probe:
     engine_s: float | None  # from `Server-Timing`
     finished_s: float  # perf_counter() when its answer was parsed
     after_victim: bool | None = None  # queued cases: it finished after the victim's request
+
+
+@dataclass(frozen=True, slots=True)
+class Bodies:
+    """The request bodies of one trial: the victim's and the attacker's probe; in tier cases
+    also the filler sent between them and the victim's control probe sent after them."""
+
+    victim: dict[str, Any]
+    probe: dict[str, Any]
+    filler: dict[str, Any] | None = None
+    control: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    """One trial as the clients saw it: the attacker's probe; in tier cases the victim's
+    control probe and how many of the two's cached tokens the tier loaded (from /readyz's
+    `kv_tier.loaded_blocks`, read just before the probe and just after the last of them)."""
+
+    probe: Probe
+    control: Probe | None = None
+    tier_tokens: int | None = None
 
 
 # -- prompts ---------------------------------------------------------------------------------
@@ -176,19 +233,25 @@ class Prompts:
     def text(self, words: int) -> str:
         return " ".join(self.rng.choices(self.words, k=words))
 
-    def trial(self, case: Case, hit: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The victim's request body and the attacker's probe body for one trial."""
+    def trial(self, case: Case, hit: bool, filler: list[int] | None = None) -> Bodies:
+        """The request bodies of one trial (`filler`: the tier cases' filler prompt)."""
         if case.public:
             user_words = self.length - self.shared
             victim = chat(self.public_text, self.text(user_words))
             system = self.public_text if hit else self.text(self.public_words)
-            return victim, chat(system, self.text(user_words))
+            return Bodies(victim, chat(system, self.text(user_words)))
         victim_tokens = self.tokens(self.length * (2 if case.queued else 1))
-        if hit:
-            probe = victim_tokens[: self.shared] + self.tokens(self.length - self.shared)
-        else:
-            probe = self.tokens(self.length)
-        return {"prompt": victim_tokens}, {"prompt": probe}
+        probe = self.hit_probe(victim_tokens) if hit else self.tokens(self.length)
+        if not case.tier:
+            return Bodies({"prompt": victim_tokens}, {"prompt": probe})
+        if filler is None:
+            raise ValueError(f"case ({case.letter}) needs a filler prompt")
+        control = {"prompt": self.hit_probe(victim_tokens)} if case.control else None
+        return Bodies({"prompt": victim_tokens}, {"prompt": probe}, {"prompt": filler}, control)
+
+    def hit_probe(self, victim_tokens: list[int]) -> list[int]:
+        """The victim's first `shared` tokens and a fresh random tail."""
+        return victim_tokens[: self.shared] + self.tokens(self.length - self.shared)
 
 
 def chat(system: str, user: str) -> dict[str, Any]:
@@ -250,19 +313,35 @@ class Sender:
         self.victim.close()
         self.attacker.close()
 
+    def body(self, body: dict[str, Any]) -> dict[str, Any]:
+        return {**body, "model": self.model}
+
     def trial(
         self,
         case: Case,
-        victim: Party,
-        attacker: Party,
-        bodies: tuple[dict[str, Any], dict[str, Any]],
-    ) -> Probe:
-        """The victim's request, then the attacker's probe: after the victim's answer, or for
-        a queued case once the victim's body has been written to its socket."""
-        victim_body, probe_body = ({**body, "model": self.model} for body in bodies)
+        who: dict[str, Party],
+        bodies: Bodies,
+        loaded_blocks: Callable[[], int] | None = None,
+    ) -> Sent:
+        """The victim's request, then the attacker's probe: after the victim's answer (and
+        the filler's, in a tier case), or for a queued case once the victim's body has been
+        written to its socket. A tier case reads `loaded_blocks` around the probe and the
+        victim's control probe."""
+        victim, attacker = who[case.victim], who[case.attacker]
+        victim_body, probe_body = self.body(bodies.victim), self.body(bodies.probe)
         if not case.queued:
             send(self.victim, victim, victim_body)
-            return send(self.attacker, attacker, probe_body)
+            if bodies.filler is None:
+                return Sent(send(self.attacker, attacker, probe_body))
+            send(self.victim, who["filler"], self.body(bodies.filler))  # empties the pool
+            before = loaded_blocks() if loaded_blocks else 0
+            probe = send(self.attacker, attacker, probe_body)
+            control = None
+            if bodies.control is not None:
+                control = send(self.victim, victim, self.body(bodies.control))
+            if loaded_blocks is None:
+                return Sent(probe, control)
+            return Sent(probe, control, (loaded_blocks() - before) * BLOCK_SIZE)
         sent = threading.Event()
 
         def on_event(event: str, _: dict[str, Any]) -> None:
@@ -275,7 +354,7 @@ class Sender:
             raise RuntimeError("the victim's request was never sent")
         probe = send(self.attacker, attacker, probe_body)
         victim_finished = in_flight.result(TIMEOUT_S).finished_s
-        return replace(probe, after_victim=probe.finished_s > victim_finished)
+        return Sent(replace(probe, after_victim=probe.finished_s > victim_finished))
 
 
 # -- statistics ------------------------------------------------------------------------------
@@ -321,9 +400,34 @@ def server_timing_test(hits: Sequence[Probe], misses: Sequence[Probe]) -> dict[s
     }
 
 
-def case_result(case: Case, hits: Sequence[Probe], misses: Sequence[Probe]) -> dict[str, Any]:
+def tier_check(trials: Sequence[Sent]) -> dict[str, Any]:
+    """Whether the tier served every cached token of a tier case's probes and controls (none
+    came from the pool: in each trial the blocks it loaded account for all of them), and
+    every control probe was cached."""
+    controls = [trial.control for trial in trials if trial.control is not None]
+    cached = [
+        trial.probe.cached_tokens + (trial.control.cached_tokens if trial.control else 0)
+        for trial in trials
+    ]
+    from_tier = [trial.tier_tokens for trial in trials]
+    served = sum(tokens == tier for tokens, tier in zip(cached, from_tier, strict=True))
+    return {
+        "cached_tokens": sum(cached),
+        "tier_tokens": sum(tier or 0 for tier in from_tier),
+        "trials_served_by_tier": served,
+        "control": group_stats(controls) if controls else None,
+        "held": served == len(trials) and all(control.cached_tokens > 0 for control in controls),
+    }
+
+
+def case_result(
+    case: Case,
+    hits: Sequence[Probe],
+    misses: Sequence[Probe],
+    tier: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The KS test on client timings, each group's stats, the verdict, and the KS test on
-    server timings beside it."""
+    server timings beside it; a tier case's `tier_check` too."""
     statistic, p_value = ks_hits_faster([p.latency_s for p in hits], [p.latency_s for p in misses])
     hit_stats, miss_stats = group_stats(hits), group_stats(misses)
     if case.must_detect:
@@ -332,6 +436,16 @@ def case_result(case: Case, hits: Sequence[Probe], misses: Sequence[Probe]) -> d
     else:
         timing_held = p_value >= NOT_DETECTED_P
         cache_held = hit_stats["cached_tokens_max"] == 0 and miss_stats["cached_tokens_max"] == 0
+    verdict = {
+        "expected": "detected" if case.must_detect else "not detected",
+        "required": f"p < {DETECTED_P:g}" if case.must_detect else f"p >= {NOT_DETECTED_P:g}",
+        "timing_held": timing_held,
+        "cache_held": cache_held,
+        "held": timing_held and cache_held,
+    }
+    if tier is not None:
+        verdict["tier_held"] = tier["held"]
+        verdict["held"] = verdict["held"] and tier["held"]
     return {
         **asdict(case),
         "ks_statistic": statistic,
@@ -339,13 +453,8 @@ def case_result(case: Case, hits: Sequence[Probe], misses: Sequence[Probe]) -> d
         "hit": hit_stats,
         "miss": miss_stats,
         "server_timing": server_timing_test(hits, misses),
-        "verdict": {
-            "expected": "detected" if case.must_detect else "not detected",
-            "required": f"p < {DETECTED_P:g}" if case.must_detect else f"p >= {NOT_DETECTED_P:g}",
-            "timing_held": timing_held,
-            "cache_held": cache_held,
-            "held": timing_held and cache_held,
-        },
+        **({"tier_check": tier} if tier is not None else {}),
+        "verdict": verdict,
         "latencies_ms": {
             "hit": [p.latency_s * 1000 for p in hits],
             "miss": [p.latency_s * 1000 for p in misses],
@@ -356,19 +465,37 @@ def case_result(case: Case, hits: Sequence[Probe], misses: Sequence[Probe]) -> d
 # -- the audit -------------------------------------------------------------------------------
 
 
-def run_case(
-    case: Case, sender: Sender, who: dict[str, Party], prompts: Prompts, samples: int
-) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A served gateway as the cases see it: the clients and parties, and on the tier's
+    server the filler prompt and a reading of the blocks the tier has loaded so far."""
+
+    sender: Sender
+    who: dict[str, Party]
+    filler: list[int] | None = None
+    loaded_blocks: Callable[[], int] | None = None
+
+
+def run_case(case: Case, target: Target, prompts: Prompts, samples: int) -> dict[str, Any]:
     """Warm-up trials, then `samples` hits and `samples` misses in a shuffled order."""
-    victim, attacker = who[case.victim], who[case.attacker]
+    if case.tier and target.loaded_blocks is None:
+        raise ValueError(f"case ({case.letter}) runs on the tier's server")
     labels = [True] * samples + [False] * samples
     prompts.rng.shuffle(labels)
-    probes: dict[bool, list[Probe]] = {True: [], False: []}
+    trials: dict[bool, list[Sent]] = {True: [], False: []}
+
+    def trial(hit: bool) -> Sent:
+        bodies = prompts.trial(case, hit, target.filler)
+        return target.sender.trial(case, target.who, bodies, target.loaded_blocks)
+
     for index in range(WARMUP_TRIALS):
-        sender.trial(case, victim, attacker, prompts.trial(case, hit=index % 2 == 0))
+        trial(hit=index % 2 == 0)
     for hit in tqdm(labels, desc=f"case ({case.letter})", file=sys.stderr):
-        probes[hit].append(sender.trial(case, victim, attacker, prompts.trial(case, hit)))
-    return case_result(case, probes[True], probes[False])
+        trials[hit].append(trial(hit))
+    hits = [sent.probe for sent in trials[True]]
+    misses = [sent.probe for sent in trials[False]]
+    tier = tier_check([*trials[True], *trials[False]]) if case.tier else None
+    return case_result(case, hits, misses, tier)
 
 
 def audit_model(directory: Path, tokenizer_dir: Path) -> Path:
@@ -396,40 +523,123 @@ def model_directory(model: str) -> Iterator[Path]:
         yield Path(model).absolute()
 
 
+@contextmanager
+def plain_server(model_dir: Path, prompts: Prompts) -> Iterator[ServedGateway]:
+    """The server of cases (a)-(f): a pool that never fills, and the public system prompt."""
+    # Each tenant's quota is a quarter of the pool (counted in fp32, the largest KV):
+    # quotas never refuse a request, and the pool itself never fills.
+    quota = KV_CACHE_BYTES // (BLOCK_SIZE * fp32_kv_bytes_per_token(model_dir)) // 4
+    tenants = [ServedTenant("tenant-a", keys=2), ServedTenant("tenant-b")]
+    settings = {"KV_CACHE_BYTES": str(KV_CACHE_BYTES)}
+    public = {PUBLIC_PREFIX: prompts.public_text}
+    with served_tenants(model_dir, settings, tenants, quota, public) as served:
+        yield served
+
+
+@contextmanager
+def tier_server(
+    model_dir: Path, prompt_tokens: int, trials: int, metrics_token: str
+) -> Iterator[ServedGateway]:
+    """The server of the tier cases: a second tier (`TIER_KIND`), a pool of one block more
+    than a prompt and its answer take, and tenant C for the fillers.
+
+    Only the filler evicts, and only from the pool: in the `trials` to come nothing leaves
+    the tier. Each tenant's quota (in the pool, and so in the tier) holds two prompts' blocks
+    per trial (a victim's and a probe's), and the tier all tenants' quotas at once. Eviction
+    from the tier would make the audit test less than it says: eviction by value drops a
+    fresh prompt's first blocks (the cheapest to compute) before older prompts' later ones,
+    and a chain whose first block is gone is never read back.
+    """
+    kv_dtype = resolve_dtype("auto", resolve_device("auto"))  # what the server will choose
+    block_bytes = BLOCK_SIZE * fp32_kv_bytes_per_token(model_dir) * kv_dtype.itemsize // 4
+    pool_blocks = -(-(prompt_tokens + 1) // BLOCK_SIZE) + 1
+    quota_blocks = 2 * trials * pool_blocks
+    tenants = [
+        ServedTenant("tenant-a", keys=2), ServedTenant("tenant-b"), ServedTenant("tenant-c")
+    ]  # fmt: skip
+    tier_blocks = len(tenants) * quota_blocks + 2 * CALIBRATION_SAMPLES
+    settings = {
+        "KV_CACHE_BYTES": str(pool_blocks * block_bytes),
+        "KV_TIER": TIER_KIND,
+        "KV_TIER_CAPACITY_BYTES": str(tier_blocks * (block_bytes + TIER_ENTRY_SLACK)),
+        "METRICS_TOKEN": metrics_token,
+    }
+    with served_tenants(model_dir, settings, tenants, quota_blocks) as served:
+        yield served
+
+
+def engine_now(url: str, metrics_token: str) -> dict[str, Any]:
+    """The engine's description in /readyz, as the metrics scraper reads it now."""
+    headers = {"Authorization": f"Bearer {metrics_token}"}
+    ready = httpx.get(f"{url}/readyz", headers=headers, timeout=30).json()
+    engine: dict[str, Any] = ready["engine"]
+    return engine
+
+
+def run_cases(
+    letters: str,
+    served: ServedGateway,
+    model_name: str,
+    prompts: Prompts,
+    samples: int,
+    metrics_token: str | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Run cases against one server; with `metrics_token` it is the tier's server, whose
+    filler takes every block of its pool."""
+    sender = Sender(served.url, model_name)
+    target = Target(sender, parties(served))
+    if metrics_token is not None:
+        token = metrics_token
+
+        def loaded_blocks() -> int:
+            return int(engine_now(served.url, token)["kv_tier"]["loaded_blocks"])
+
+        # One filler prompt for the whole run: read back from the tier after its first use,
+        # it still takes a block of the pool for each of its own.
+        filler = prompts.tokens(served.ready["engine"]["kv_blocks"] * BLOCK_SIZE)
+        target = replace(target, filler=filler, loaded_blocks=loaded_blocks)
+    try:
+        return {letter: run_case(CATALOGUE[letter], target, prompts, samples) for letter in letters}
+    finally:
+        sender.close()
+
+
 def audit(model: str, samples: int, prompt_tokens: int, cases: str, seed: int) -> dict[str, Any]:
-    """Run the cases against a fresh `prefixgate serve` and return the result object."""
+    """Run the cases against a fresh `prefixgate serve`, the tier cases against one of their
+    own after the others, and return the result object."""
     started = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    engines: dict[str, dict[str, Any]] = {}
+    plain = "".join(letter for letter in cases if not CATALOGUE[letter].tier)
+    tiered = "".join(letter for letter in cases if CATALOGUE[letter].tier)
     with model_directory(model) as model_dir:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         prompts = Prompts(tokenizer, prompt_tokens, seed)
-        # Each tenant's quota is a quarter of the pool (counted in fp32, the largest KV):
-        # quotas never refuse a request, and the pool itself never fills.
-        quota = KV_CACHE_BYTES // (BLOCK_SIZE * fp32_kv_bytes_per_token(model_dir)) // 4
-        tenants = [ServedTenant("tenant-a", keys=2), ServedTenant("tenant-b")]
-        settings = {"KV_CACHE_BYTES": str(KV_CACHE_BYTES)}
-        public = {PUBLIC_PREFIX: prompts.public_text}
-        with served_tenants(model_dir, settings, tenants, quota, public) as served:
-            engine = served.ready.get("engine", {})
-            sender = Sender(served.url, model_dir.name)
-            try:
-                who = parties(served)
-                results = {
-                    letter: run_case(CATALOGUE[letter], sender, who, prompts, samples)
-                    for letter in cases
-                }
-            finally:
-                sender.close()
+        if plain:
+            with plain_server(model_dir, prompts) as served:
+                engines["engine"] = served.ready.get("engine", {})
+                results |= run_cases(plain, served, model_dir.name, prompts, samples)
+        if tiered:
+            metrics_token = secrets.token_urlsafe(24)
+            trials = len(tiered) * (WARMUP_TRIALS + 2 * samples)
+            with tier_server(model_dir, prompt_tokens, trials, metrics_token) as served:
+                engines.setdefault("engine", served.ready.get("engine", {}))
+                results |= run_cases(
+                    tiered, served, model_dir.name, prompts, samples, metrics_token
+                )
+                # Read at the end: what the cost rule loaded and recomputed in all.
+                engines["tier_engine"] = engine_now(served.url, metrics_token)
     return {
         "benchmark": "timing_audit",
         "machine": machine_info(),
         "model": model,
         "model_name": model_dir.name,
-        "engine": engine,
+        **engines,
         "prompt_tokens": prompt_tokens,
         "samples_per_group": samples,
         "seed": seed,
         "thresholds": {"detected_p": DETECTED_P, "not_detected_p": NOT_DETECTED_P},
-        "cases": results,
+        "cases": {letter: results[letter] for letter in cases},
         "all_held": all(result["verdict"]["held"] for result in results.values()),
         "wall_s": time.perf_counter() - started,
     }
@@ -455,8 +665,26 @@ def print_table(result: dict[str, Any]) -> None:
             f"{case['hit']['median_ms']:>9.1f}{case['miss']['median_ms']:>9.1f}{cached:>17}"
             f"  {verdict['expected']}: {held}"
         )
+        if "tier_check" in case:
+            lines.append(f"    {tier_line(case['tier_check'])}")
     lines.append(f"wall time {result['wall_s']:.0f} s")
     print("\n".join(lines), file=sys.stderr)
+
+
+def tier_line(tier: dict[str, Any]) -> str:
+    """A tier case's check in words: trials whose cached tokens all came from the tier, and
+    the control probes."""
+    line = (
+        f"tier: {tier['tier_tokens']} of {tier['cached_tokens']} cached tokens loaded from "
+        f"the tier, all of them in {tier['trials_served_by_tier']} trials"
+    )
+    control = tier["control"]
+    if control is not None:
+        line += (
+            f"; {control['probes']} control probes, cached min {control['cached_tokens_min']}, "
+            f"median {control['median_ms']:.1f} ms"
+        )
+    return line + ("" if tier["held"] else ": DID NOT HOLD")
 
 
 def plot_cdfs(path: str, result: dict[str, Any]) -> None:
@@ -492,7 +720,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--samples", type=int, default=250, help="probes per group")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="L, a probe's length")
     parser.add_argument("--model", default="tiny", help="tiny, embedded or a model directory")
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of a-f")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of a-h")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", help="also write the JSON result to this file")

@@ -44,3 +44,27 @@ def test_audit_detects_same_user_sharing_and_nothing_across_scopes(tmp_path: Pat
         assert case["hit"]["cached_tokens_max"] == 0, letter
         assert case["miss"]["cached_tokens_max"] == 0, letter
     assert (tmp_path / "audit.json").exists() and (tmp_path / "audit.png").exists()
+
+
+@pytest.mark.slow
+def test_audit_finds_no_signal_across_tenants_from_blocks_in_the_tier(tmp_path: Path) -> None:
+    result = main(
+        ["--samples", "16", "--prompt-tokens", "512", "--cases", "g,h",
+         "--out", str(tmp_path / "audit.json")]
+    )  # fmt: skip
+    assert result["tier_engine"]["kv_tier"]["kind"] == "disk"
+    across, own = result["cases"]["g"], result["cases"]["h"]
+    # At every probe the victim's blocks were in the tier and not in the pool: the victim's
+    # control probe after it read them all back from the tier.
+    assert across["tier_check"]["held"], across["tier_check"]
+    assert across["tier_check"]["control"]["cached_tokens_min"] > 0
+    assert across["hit"]["cached_tokens_max"] == 0
+    assert across["miss"]["cached_tokens_max"] == 0
+    assert across["p_value"] >= 0.001, across["latencies_ms"]  # as for (c)-(e) above
+    # The positive control: the victim's own hits come from the tier, and are plainly faster.
+    # 16 samples a group are too few for the bench's 1e-6 on a noisy machine (one run gave
+    # 8e-6: hits 32 ms against misses' 138 ms median, three hits slowed past 80 ms).
+    assert own["tier_check"]["held"], own["tier_check"]
+    assert own["hit"]["cached_tokens_min"] > 0
+    assert own["miss"]["cached_tokens_max"] == 0
+    assert own["p_value"] < 1e-3, own["latencies_ms"]
