@@ -101,6 +101,8 @@ class KeyChain:
     # Blocks (by index) read back from the second tier and not yet admitted: their KV, loaded
     # once however many times the request is matched while it waits.
     staged: dict[int, torch.Tensor] = field(default_factory=dict)
+    staged_epoch: int = 0  # the tier link's epoch the staged blocks were read in
+    probed: int = -1  # the block the tier was last asked about from (-1: none)
     # Blocks (by index) whose KV came from the second tier at the latest admission.
     from_tier: set[int] = field(default_factory=set)
 

@@ -289,7 +289,10 @@ class KVCacheManager:
         if sequence is None:
             return
         if not keep_computed:
-            for block in sequence.blocks[sequence.cached_tokens // self.block_size :]:
+            computed = sequence.blocks[sequence.cached_tokens // self.block_size :]
+            if self.tier is not None:  # its tier copies, queued or stored, go too
+                self.tier.drop([block.key for block in computed if block.key is not None])
+            for block in computed:
                 self.quotas.unhook(block)
         for block in reversed(sequence.blocks):
             self.pool.unref(block)

@@ -20,10 +20,15 @@ from engine.cache.block_pool import Block, BlockPool
 from engine.cache.budget import Owner, owner_of
 from engine.cache.cache_request import CacheRequest, KeyChain
 from engine.cache.eviction import BlockCost, EvictionPolicy, value_per_byte
-from engine.cache.tier.entry import TierBlock, entry_id
+from engine.cache.tier.entry import TierBlock
 from engine.cache.tier.kv_tier import KVTier
 from engine.cache.tier.speed import TierSpeed
 from engine.cache.tier.store import TierBudget
+
+# Most blocks one admission reads back from the tier: the read is synchronous on the engine
+# thread, so a long prompt's run is bounded per step like a prefill chunk (the rest is read
+# back when the request is admitted again after a preemption, or computed).
+MAX_STAGED_BLOCKS = 128
 
 
 class TierLink:
@@ -50,6 +55,8 @@ class TierLink:
         # Tier hits read back, and those left to be computed because that was cheaper.
         self.loaded_blocks = 0
         self.recomputed_blocks = 0
+        # Bumped whenever blocks are dropped: KV staged before is not used after.
+        self.epoch = 0
         self._budgets: dict[Owner, TierBudget] = {}
 
     def apply_budget(self, owner: Owner, budget: TierBudget) -> None:
@@ -58,10 +65,12 @@ class TierLink:
             self.tier.set_budget(owner, budget)
             self._budgets[owner] = budget
 
-    def drop(self, keys: list[BlockHash]) -> int:
-        """Delete the tier's entries of these blocks now (a public prefix was dropped: its
-        data key is shredded too, so they could not be read anyway); returns how many."""
-        return self.tier.store.delete([entry_id(self.root, key) for key in keys])
+    def drop(self, keys: list[BlockHash]) -> None:
+        """Forget these blocks in the tier (a public prefix was withdrawn, or a failed request's
+        KV left the pool): queued offloads dropped, entries deleted in the background, and
+        nothing read back for them before now is written into a block any more."""
+        self.epoch += 1
+        self.tier.discard(keys)
 
     def offload(
         self, committed: list[tuple[int, Block]], request: CacheRequest, chain_blocks: int
@@ -79,14 +88,13 @@ class TierLink:
         if keys is None or not committed:
             return
         first = committed[0][0]
-        if self.eviction == "lru":
-            costs = [1.0] * (chain_blocks - first)
-        else:
-            costs = [self.block_cost(index) for index in range(first, chain_blocks)]
+        costs = [self.block_cost(index) for index in range(first, chain_blocks)]
         # after[k]: what blocks first + k .. the chain's end save, together.
         after = list(itertools.accumulate(reversed(costs)))[::-1]
         for index, block in committed:
             saved_ms = after[index - first] if index - first < len(after) else 0.0
+            if self.eviction == "lru":
+                saved_ms = 1.0
             seal_key = None if block.scope is None else keys.for_scope(block.scope)
             if seal_key is None or block.key is None or block.owner is None:
                 continue
@@ -104,12 +112,18 @@ class TierLink:
         keys = request.seal_keys
         if keys is None or self.speed is None:
             return 0
+        if chain.staged_epoch != self.epoch:  # blocks were dropped since: read them again
+            chain.staged.clear()
+            chain.staged_epoch = self.epoch
+            chain.probed = -1
+        limit = min(limit, start + MAX_STAGED_BLOCKS)
         staged = 0
         while start + staged < limit and start + staged in chain.staged:
             staged += 1
         first = start + staged
-        if first >= limit:
-            return staged
+        if first >= limit or first == chain.probed:
+            return staged  # a request that waits asks the tier about a block once
+        chain.probed = first
         present = self.tier.contains(chain.keys[first:limit])
         run = next((i for i, held in enumerate(present) if not held), len(present))
         if not run:

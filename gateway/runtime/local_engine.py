@@ -40,8 +40,13 @@ class LocalEngine(Engine):
         """Nothing to close: it opened no connections."""
 
     def know_tenants(self, budgets: Mapping[Owner, TenantBudget], deleted: frozenset[str]) -> None:
-        """Nothing to keep: each change reaches this engine as it comes (`set_budget`,
-        `purge_tenant`), and nothing here can miss one."""
+        """Each change reaches this engine as it comes (`set_budget`, `purge_tenant`); but a
+        disk tier reopened at start may hold entries of tenants deleted while it was down:
+        unreadable (their keys are gone), and deleted now."""
+        if self.kv_tier is None or not deleted:
+            return
+        for tenant_id in deleted & {str(owner) for owner in self.kv_tier.stats().owners}:
+            self.kv_tier.forget_owner(tenant_id)
 
     def pools(self) -> list[LocalPool]:
         return [LocalPool(self.served_name, self.cache_stats())]

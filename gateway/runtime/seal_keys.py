@@ -10,13 +10,17 @@ it, so nothing can read that owner's tier entries again (crypto-shredding).
 
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 
 from engine.cache.cache_request import SealKeys
 from engine.cache.tier.sealing import SealKey
 from tenancy import seal_keys
+from tenancy.errors import NotFound
 from tenancy.store import Store
+
+logger = logging.getLogger(__name__)
 
 
 class SealKeyCache:
@@ -31,13 +35,22 @@ class SealKeyCache:
         self._deleted: set[str] = set()
         self._lock = threading.Lock()
 
-    def for_request(self, tenant_id: str, prefix_id: str | None) -> SealKeys:
+    def for_request(self, tenant_id: str, prefix_id: str | None) -> SealKeys | None:
         """The keys of a request of `tenant_id` whose public span matched `prefix_id` (None:
-        none). Blocking on a first use (a database read): call it off the event loop."""
-        tenant = self._tenants.get(tenant_id) or self._load(tenant_id, None)
+        none); None when the tenant's key cannot be had (the tenant was just deleted, or the
+        stored key does not unwrap): the request is served without the tier. Blocking on a
+        first use (a database read): call it off the event loop."""
+        try:
+            tenant = self._tenants.get(tenant_id) or self._load(tenant_id, None)
+        except (NotFound, seal_keys.DataKeyUnreadable) as error:
+            logger.warning("no tier for a request of tenant %s: %s", tenant_id, error)
+            return None
         public = None
         if prefix_id is not None:
-            public = self._prefixes.get(prefix_id) or self._load(None, prefix_id)
+            try:
+                public = self._prefixes.get(prefix_id) or self._load(None, prefix_id)
+            except (NotFound, seal_keys.DataKeyUnreadable) as error:  # deleted meanwhile
+                logger.warning("public blocks of prefix %s not sealed: %s", prefix_id, error)
         return SealKeys(tenant, public)
 
     def forget_tenant(self, tenant_id: str) -> None:

@@ -222,7 +222,8 @@ class WorkerSet:
             self._purge_deleted(worker, held_deleted)
 
     def _deleted_held(self, worker: Worker) -> list[str]:
-        """Deleted tenants the worker reports blocks of (locked)."""
+        """Deleted tenants the worker reports blocks of, in its pool or its tier (a disk tier
+        reopened after a restart still lists entries it can no longer read) (locked)."""
         if worker.stats is None or not self._deleted:
             return []
         return [
@@ -230,7 +231,7 @@ class WorkerSet:
             for owner, held in worker.stats.owners.items()
             if isinstance(owner, str)
             and owner in self._deleted
-            and held.active_blocks + held.cached_blocks
+            and held.active_blocks + held.cached_blocks + held.tier_entries
         ]
 
     def _purge_deleted(self, worker: Worker, tenant_ids: list[str]) -> None:

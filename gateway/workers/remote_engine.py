@@ -297,6 +297,7 @@ class RemoteEngine:
             w.state.get("describe", {}) for w in self.workers.routable()
         ]
         step_costs = [d["step_cost"] for d in described if d.get("step_cost")]
+        tiers = [d["kv_tier"] for d in described if d.get("kv_tier")]
         return {
             "models": sorted(self.models()),
             "routing": self.config.mode,
@@ -305,6 +306,7 @@ class RemoteEngine:
             **{key: _agreed(d.get(key) for d in described) for key in _AGREED_CHOICES},
             "kv_blocks": self.pool.num_blocks or None,
             **({"step_cost": step_costs} if step_costs else {}),  # each worker's, unnamed
+            **({"kv_tier": tiers} if tiers else {}),  # each worker's tier and its cost rule
         }
 
 

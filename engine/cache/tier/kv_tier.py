@@ -56,6 +56,8 @@ logger = logging.getLogger(__name__)
 _PURGE_BATCH = 512
 # How long the worker waits before it retries a purge the store failed.
 _RETRY_S = 1.0
+# How long probes skip a store that just failed, in seconds.
+OUTAGE_S = 5.0
 # How often the background thread reads the store's usage for `snapshot`, in seconds.
 USAGE_EVERY_S = 1.0
 
@@ -109,6 +111,8 @@ class KVTier:
         self._counters: dict[Owner, TierCounters] = {}
         # The store's usage as the background thread last read it (`snapshot`), and when.
         self._usage: dict[Owner, OwnerUsage] = {}
+        # Until when probes answer "absent" without asking: the store failed just before.
+        self._down_until = 0.0
         self._usage_read = 0.0
         self._thread = threading.Thread(target=self._run, name="kv-tier", daemon=True)
         self._thread.start()
@@ -143,10 +147,15 @@ class KVTier:
         return False
 
     def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
-        """Whether the store holds each block now (one batched probe; False if it fails)."""
+        """Whether the store holds each block now (one batched probe; False if it fails, and
+        for `OUTAGE_S` after a failure, so an unreachable store costs the engine thread one
+        timeout, not one per request)."""
+        if time.monotonic() < self._down_until:
+            return [False] * len(keys)
         try:
             return self.store.contains([entry_id(self.root, key) for key in keys])
         except TierStoreError:
+            self._down_until = time.monotonic() + OUTAGE_S
             return [False] * len(keys)
 
     def load(
@@ -216,6 +225,7 @@ class KVTier:
         try:
             values = self.store.get_many([entry_id(self.root, wanted[i].key) for i in fetch])
         except TierStoreError:
+            self._down_until = time.monotonic() + OUTAGE_S
             values = []
             misses.update(dict.fromkeys(fetch, "error"))
         for i, value in zip(fetch, values, strict=False):
@@ -259,6 +269,18 @@ class KVTier:
             self._cond.notify()
         for _ in range(dropped):
             self._drop(owner, "forgotten")
+
+    def discard(self, keys: Sequence[BlockHash]) -> None:
+        """Forget these blocks: their queued offloads are dropped and their entries deleted in
+        the background (a failed request's KV, a withdrawn public prefix). Never blocks."""
+        if not keys:
+            return
+        ids = [entry_id(self.root, key) for key in keys]
+        wanted = set(keys)
+        with self._cond:
+            self._offloads = deque(job for job in self._offloads if job.block.key not in wanted)
+            self._controls.append(_Discard(ids))
+            self._cond.notify()
 
     def flush(self, timeout: float = 10.0) -> None:
         """Wait until every queued offload, budget and purge is done; TimeoutError if not."""
@@ -307,7 +329,7 @@ class KVTier:
                 counters.get(owner, TierCounters()),
             )
             for owner in usage.keys() | counters.keys()
-            if owner != CALIBRATION_OWNER
+            if not (isinstance(owner, str) and owner.startswith(str(CALIBRATION_OWNER)))
         }
         return TierStats(self.store.kind, self.store.capacity_bytes, queued, owners)
 
@@ -322,13 +344,16 @@ class KVTier:
         if samples < 2:
             raise ValueError("calibration needs at least 2 samples")
         key = SealKey("calibration", os.urandom(32))
+        # This start's own owner: engines calibrating at once on one store never take each
+        # other's samples.
+        owner = f"{CALIBRATION_OWNER}-{os.urandom(4).hex()}"
         blocks = [
             TierBlock(
                 BlockHash(os.urandom(32)),
                 BlockHash(os.urandom(32)),
                 Public("\x00calibration"),
                 bytes(4 * self.spec.block_size),
-                CALIBRATION_OWNER,
+                owner,
             )
             for _ in range(samples)
         ]
@@ -336,10 +361,10 @@ class KVTier:
         ids = [entry_id(self.root, block.key) for block in blocks]
         try:
             budget = TierBudget(2 * samples * self.bytes_per_entry)
-            self.store.set_budget(CALIBRATION_OWNER, budget)
+            self.store.set_budget(owner, budget)
             for block, block_id in zip(blocks, ids, strict=True):
                 sealed = seal(key, self.root, block.key, block_plaintext(block, kv_bytes))
-                stored = self.store.put(block_id, CALIBRATION_OWNER, sealed, 0.0)
+                stored = self.store.put(block_id, owner, sealed, 0.0)
                 if not isinstance(stored, PutPlan):
                     raise TierStoreError(f"the store refused calibration's blocks: {stored}")
                 self._count_evictions(stored.evictions)
@@ -347,6 +372,9 @@ class KVTier:
             many = statistics.median(self._time_load(blocks, key) for _ in range(3))
         finally:
             self.store.delete(ids)
+            self.store.forget_owner(owner, len(ids))
+            with self._counters_lock:
+                self._counters.pop(owner, None)
         return TierSpeed.fit(one, many, samples, self.spec.bytes_per_block)
 
     def _time_load(self, blocks: Sequence[TierBlock], key: SealKey) -> float:
