@@ -49,7 +49,7 @@ def test_a_failed_requests_blocks_leave_the_tier_too(
     manager, tier = tiered
     failed = dataclasses.replace(request("t1", PROMPT, User("t1", "u")), seal_keys=KEYS)
     run_prompt(manager, failed, free=False)  # committed, so queued for the tier
-    keys = [key for key in manager.prefix_cache.keys()]
+    keys = manager.prefix_cache.keys()
     assert len(keys) == 4
     manager.free(failed.request_id, keep_computed=False)
     tier.flush()
