@@ -257,9 +257,10 @@ class RedisTier:
         self.prefix = prefix
 
     def base(self) -> str:
-        """`<prefix>:tier:{<root>}`, from the one tier the server keeps."""
-        keys: list[bytes] = list(self.client.scan_iter(match=f"{self.prefix}:tier:*:bytes"))
-        bases = {key.decode().rsplit(":", 1)[0] for key in keys}
+        """`<prefix>:tier:{<root>}`, from the one tier the server keeps (any of its keys: the
+        calibration at start leaves its owner's tombstone, whatever else is there yet)."""
+        keys: list[bytes] = list(self.client.scan_iter(match=f"{self.prefix}:tier:{{*"))
+        bases = {key.decode().split("}:", 1)[0] + "}" for key in keys}
         assert len(bases) == 1, bases
         return bases.pop()
 
