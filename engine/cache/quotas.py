@@ -56,11 +56,11 @@ class OwnerCounters:
 
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    # Of the cached tokens, those read back from the second tier (the rest: from the pool).
-    tier_tokens: int = 0
     evicted_own_blocks: int = 0
     evicted_pressure_blocks: int = 0
     purged_blocks: int = 0
+    # Of the cached tokens, those read back from the second tier (the rest: from the pool).
+    tier_tokens: int = 0
 
     @property
     def evicted_blocks(self) -> int:
