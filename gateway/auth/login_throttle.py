@@ -48,6 +48,13 @@ class SlidingWindow:
                 self._events.popitem(last=False)
         return None
 
+    def give_back(self, key: str) -> None:
+        """Uncount the latest event under `key` (one that turned out not to count)."""
+        with self._lock:
+            events = self._events.get(key)
+            if events:
+                events.pop()
+
     def _wait(self, key: str, now: float) -> int | None:
         events = self._events.get(key)
         if events is None:
@@ -79,10 +86,10 @@ def login_source(address: str | None) -> str:
 
 
 class LoginThrottle:
-    """Allows `per_minute` login attempts per source, and at most `concurrent_hashes` password
-    checks at once in the process (each argon2 check costs tens of milliseconds of CPU and
-    64 MiB of memory: a login flood from many addresses must not take the CPU and memory that
-    inference needs)."""
+    """Allows `per_minute` failed (or pending) login attempts per source, and at most
+    `concurrent_hashes` password checks at once in the process (each argon2 check costs tens
+    of milliseconds of CPU and 64 MiB of memory: a login flood from many addresses must not
+    take the CPU and memory that inference needs)."""
 
     def __init__(self, per_minute: int, concurrent_hashes: int = 2) -> None:
         self._attempts = SlidingWindow(per_minute)
@@ -92,6 +99,12 @@ class LoginThrottle:
         """Count one attempt from `source` (`login_source`); None if allowed, else the seconds
         until the next one is."""
         return self._attempts.admit(f"source:{source}")
+
+    def succeeded(self, source: str) -> None:
+        """An attempt from `source` had the right credentials: it does not count, so that
+        guesses from a shared address (a NAT, a proxy that is not trusted) cannot make a
+        colleague's correct login wait; only failures and checks under way use up the limit."""
+        self._attempts.give_back(f"source:{source}")
 
     @contextmanager
     def password_check(self, wait_s: float = 5.0) -> Iterator[None]:

@@ -33,6 +33,13 @@ class CheckRefused(Exception):
         self.error = error
 
 
+def wrong_credentials(message: str, param: str) -> APIError:
+    """The answer to a wrong password (or code) checked for a caller already signed in: a 400
+    naming the field, coded `invalid_credentials` as a failed login is. Not a 401: the session
+    is fine, and a client (the console) that reads a 401 as "log in again" must not drop it."""
+    return APIError.invalid(message, param, "invalid_credentials")
+
+
 def guarded_check(
     state: GatewayState,
     username: str,
@@ -70,6 +77,7 @@ def guarded_check(
                 login_failures.record_failure(session, pair)
             else:
                 login_failures.clear(session, pair)
+                state.login_throttle.succeeded(source)
     except PasswordChecksBusy as busy:
         error = APIError.overloaded("too many password checks at once; retry shortly", 2)
         raise CheckRefused("busy", error) from busy

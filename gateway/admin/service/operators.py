@@ -18,8 +18,11 @@ from gateway.admin.audited_change import Action, Changed, apply_change, refuse
 from gateway.admin.callers import AdminCaller
 from gateway.admin.outputs import operator_out
 from gateway.admin.schemas import OperatorCreate, OperatorOut, OperatorUpdate, PasswordChange
-from gateway.admin.service.credential_checks import CheckRefused, guarded_check
-from gateway.errors import APIError
+from gateway.admin.service.credential_checks import (
+    CheckRefused,
+    guarded_check,
+    wrong_credentials,
+)
 from gateway.state import GatewayState
 from tenancy import admins
 from tenancy.models import Admin
@@ -102,7 +105,7 @@ def _check_current_password(state: GatewayState, caller: AdminCaller, password: 
             state,
             caller,
             action,
-            APIError.invalid("the current password is wrong", "current_password"),
+            wrong_credentials("the current password is wrong", "current_password"),
         )
 
 

@@ -20,7 +20,11 @@ from sqlalchemy.orm import Session
 from gateway.admin.audited_change import Action, Changed, apply_change, refuse
 from gateway.admin.callers import AdminCaller
 from gateway.admin.schemas import TotpConfirm, TotpDisable, TotpEnrolmentOut
-from gateway.admin.service.credential_checks import CheckRefused, guarded_check
+from gateway.admin.service.credential_checks import (
+    CheckRefused,
+    guarded_check,
+    wrong_credentials,
+)
 from gateway.errors import APIError
 from gateway.state import GatewayState
 from tenancy import admins, totp
@@ -52,7 +56,7 @@ def confirm_enrolment(state: GatewayState, caller: AdminCaller, body: TotpConfir
         return admins.password_matches(admins.get_admin(session, operator_id), body.password)
 
     _check_or_refuse(
-        state, caller, action, check, APIError.invalid("the password is wrong", "password")
+        state, caller, action, check, wrong_credentials("the password is wrong", "password")
     )
 
     def change(session: Session) -> Changed[None]:
@@ -78,7 +82,7 @@ def remove_own(state: GatewayState, caller: AdminCaller, body: TotpDisable) -> N
             return True  # nothing to remove: the change below says so
         return totp.accept_code(session, admin, body.code, rules.cipher) is None
 
-    wrong = APIError.invalid("the password or code is wrong", "code")
+    wrong = wrong_credentials("the password or code is wrong", "code")
     _check_or_refuse(state, caller, action, check, wrong)
 
     def change(session: Session) -> Changed[None]:

@@ -130,8 +130,10 @@ def test_a_password_change_ends_the_accounts_other_sessions(operators_gateway: G
             refused = client.post(
                 path, json={"password": new_password, "current_password": current}
             )
+            # A 400 coded like a failed login, never the 401 of a bad session token.
             assert refused.status_code == 400, refused.text
-            assert refused.json()["error"]["param"] == "current_password"
+            error = refused.json()["error"]
+            assert (error["param"], error["code"]) == ("current_password", "invalid_credentials")
         answer = client.post(path, json={"password": new_password, "current_password": PASSWORD})
         assert answer.status_code == 204, answer.text
     assert _works(gateway, first)  # the session that changed it goes on
