@@ -14,7 +14,8 @@ changes, purges and dropped public prefixes to every worker.
   out, one `{"delta": ...}` per delta and at most one `{"error": ...}`. A request the engine
   refuses at once gets a non-200 status with `{"error": ...}`, before anything streams.
 - `GET /internal/v1/state?epoch=E&since=S`: the model it serves (name and fingerprint), load,
-  cache statistics, the cached keys that changed since S (gateway/workers/key_log.py), and
+  cache statistics, the cached keys that changed since S (as digests under a key derived from
+  the signing key, so that they confirm no guessed prompt: gateway/workers/key_log.py), and
   its report: sequences per tenant with work, service per tenant served, recent step times
   (gateway/workers/activity.py; each bounded).
 - `GET /internal/v1/model`: the served model's tokenizer and config files (no weights) and its
@@ -53,7 +54,7 @@ from gateway.runtime.engine_setup import start_engine
 from gateway.settings import Settings
 from gateway.workers import wire
 from gateway.workers.activity import activity_json
-from gateway.workers.key_log import KeyLog
+from gateway.workers.key_log import KeyDigest, KeyLog
 from gateway.workers.link import SIGNING_KEY_MISSING
 from gateway.workers.signing import (
     SIGNATURE_HEADER,
@@ -100,10 +101,10 @@ class WorkerState:
     """The engine, the name it is served under, its key log, and whether the worker still
     takes requests."""
 
-    def __init__(self, engine: Engine, model_name: str) -> None:
+    def __init__(self, engine: Engine, model_name: str, digest: KeyDigest) -> None:
         self.engine = engine
         self.model_name = model_name
-        self.keys = KeyLog(engine.cached_keys)
+        self.keys = KeyLog(engine.cached_keys, digest)
         self.draining = False
 
 
@@ -120,6 +121,9 @@ def create_worker_app(
         raise ValueError(SIGNING_KEY_MISSING)
     secret = settings.worker_secret.get_secret_value().encode()
     signer = RequestSigner(settings.worker_signing_key.get_secret_value())
+    # Published block keys are digests under the signing key: /state lets no one without it
+    # check a guessed prompt against them (gateway/workers/key_log.py).
+    digest = KeyDigest(settings.worker_signing_key.get_secret_value())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -129,7 +133,7 @@ def create_worker_app(
         name = settings.served_model_name or engine.loaded.name
         announce(f"worker: serving {name} (fingerprint {engine.loaded.fingerprint[:16]})")
         announce("engine: " + ", ".join(f"{k} {v}" for k, v in engine.describe().items()))
-        app.state.worker = WorkerState(engine, name)
+        app.state.worker = WorkerState(engine, name, digest)
         try:
             yield
         finally:

@@ -117,7 +117,9 @@ class Dispatcher:
         for chain in set(ours):
             if chain is not None:
                 root, block_size = chain
-                chains[chain] = routing.request_keys(request, bytes.fromhex(root), block_size)
+                chains[chain] = routing.request_keys(
+                    request, bytes.fromhex(root), block_size, self.workers.link.digest
+                )
         return chains
 
     def _rank(

@@ -2,13 +2,20 @@
 
 A gateway asks for what changed since the sequence number it last saw; a gateway that is new,
 too far behind, or that saw another process (an `epoch` it does not know) gets the whole set.
-Keys travel as the first `KEY_PREFIX_BYTES` bytes in hex: routing only ranks workers, so a
-rare collision costs at most one less well placed request, never a wrong cache hit (the
-worker's cache still checks the whole key and the tokens).
+Keys never travel as themselves: a block key is an unkeyed hash of the model's root, the
+scope and the token ids, so anyone who read it (a stolen gateway certificate and worker secret
+reach /internal/v1/state) could check a guessed private prompt offline, block by block. What a
+worker publishes, and what routing compares, is a keyed digest of each key (`KeyDigest`:
+BLAKE2b under a key derived from the gateways' signing key), `KEY_PREFIX_BYTES` long, in hex.
+Without the signing key the published set says how many blocks a worker holds, never which
+text. Routing only ranks workers, so a rare collision costs at most one less well placed
+request, never a wrong cache hit (the worker's cache still checks the whole key and the tokens).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import secrets
 import threading
 from collections import deque
@@ -18,11 +25,22 @@ from dataclasses import dataclass
 KEY_PREFIX_BYTES = 8
 # How many batches of changes are kept for gateways that ask for changes only.
 _KEPT_CHANGES = 256
+# Derives the digest's key from the signing key: the two uses never share a key.
+_DIGEST_DOMAIN = b"prefixgate-published-block-keys-v1"
 
 
-def short_key(key: bytes) -> str:
-    """The part of a block key that routing uses."""
-    return key[:KEY_PREFIX_BYTES].hex()
+class KeyDigest:
+    """What a worker publishes of a block key and routing compares: a keyed digest, which
+    only the holders of the signing key (gateways and workers) can compute for a guess."""
+
+    __slots__ = ("_key",)
+
+    def __init__(self, signing_key: str) -> None:
+        self._key = hmac.new(signing_key.encode(), _DIGEST_DOMAIN, hashlib.sha256).digest()
+
+    def __call__(self, key: bytes) -> str:
+        # Keyed BLAKE2b: a MAC in one C call, cheap enough for every block of every request.
+        return hashlib.blake2b(key, digest_size=KEY_PREFIX_BYTES, key=self._key).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,12 +57,20 @@ class KeyUpdate:
 class KeyLog:
     """Turns snapshots of the cached keys into numbered batches of changes."""
 
-    def __init__(self, read_keys: Callable[[], Iterable[bytes]], min_interval_s: float = 0.2):
+    def __init__(
+        self,
+        read_keys: Callable[[], Iterable[bytes]],
+        digest: KeyDigest,
+        min_interval_s: float = 0.2,
+    ) -> None:
         self._read_keys = read_keys
+        self._digest = digest
         self._min_interval_s = min_interval_s
         self.epoch = secrets.token_hex(8)  # a new process is a new key history
         self._lock = threading.Lock()
         self._keys: set[str] = set()
+        # Each cached key's digest, computed once while it stays cached (a pool holds many).
+        self._digests: dict[bytes, str] = {}
         self._seq = 0
         self._changes: deque[tuple[int, list[str], list[str]]] = deque(maxlen=_KEPT_CHANGES)
         self._read_at = float("-inf")
@@ -67,7 +93,12 @@ class KeyLog:
             return KeyUpdate(self.epoch, self._seq, False, added, removed)
 
     def _refresh(self) -> None:
-        current = {short_key(key) for key in self._read_keys()}
+        held = set(self._read_keys())
+        for key in self._digests.keys() - held:
+            del self._digests[key]
+        for key in held - self._digests.keys():
+            self._digests[key] = self._digest(key)
+        current = set(self._digests.values())
         plus, minus = sorted(current - self._keys), sorted(self._keys - current)
         if plus or minus:
             self._seq += 1

@@ -1,6 +1,7 @@
 """How a gateway reaches its workers: the URL scheme, one TLS context, the shared secret (a
-bearer header) and the request signer, built once from the settings and shared by every
-client that talks to workers (polls and admin actions, model fetches, requests)."""
+bearer header), the request signer and the digest workers publish their block keys under
+(key_log.py), built once from the settings and shared by every client that talks to workers
+(polls and admin actions, model fetches, requests)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import httpx
 
 from gateway.settings import Settings
 from gateway.workers.addresses import WorkerSpecError, parse_worker_spec
+from gateway.workers.key_log import KeyDigest
 from gateway.workers.signing import SIGNATURE_HEADER, RequestSigner, action_view
 from gateway.workers.tls import WorkerTLS, scheme, worker_tls
 
@@ -27,6 +29,7 @@ class WorkerLink:
 
     secret: str
     signer: RequestSigner
+    digest: KeyDigest  # how workers publish their block keys (key_log.py), for routing
     tls: WorkerTLS | None  # None: plain HTTP, chosen explicitly
     _context: ssl.SSLContext | None = field(default=None, repr=False)
 
@@ -52,7 +55,7 @@ class WorkerLink:
     def create(cls, secret: str, signing_key: str, tls: WorkerTLS | None) -> WorkerLink:
         """The link with these secrets; its TLS context is built (and its files read) now."""
         context = None if tls is None else tls.client_context()
-        return cls(secret, RequestSigner(signing_key), tls, context)
+        return cls(secret, RequestSigner(signing_key), KeyDigest(signing_key), tls, context)
 
     def signed(self, action: str, body: dict[str, Any] | None) -> dict[str, str]:
         """The signature header of an admin action with this body."""

@@ -2,7 +2,8 @@
 weighed against load.
 
 A request's block keys are computed here exactly as its worker will compute them: the same
-hash chain over the same token ids and the same scopes (engine/cache/block_hash.py). Scope is part
+hash chain over the same token ids and the same scopes (engine/cache/block_hash.py), then
+digested under the key workers publish theirs with (key_log.py). Scope is part
 of every key, so a tenant's request can only match blocks its own policy may reuse: another
 tenant's private prefix never attracts it, while a public system prompt or a user's own earlier
 turns draw it to the worker that holds them. Routing sees keys and scopes, never text.
@@ -38,12 +39,15 @@ from engine.cache.block_hash import BlockHash, BlockHasher, encode_token_ids
 from engine.cache.scope import block_scopes
 from engine.math_utils import cdiv
 from engine.request import GenerationRequest
-from gateway.workers.key_log import short_key
+from gateway.workers.key_log import KeyDigest
 
 
-def request_keys(request: GenerationRequest, root: bytes, block_size: int) -> list[str]:
-    """The short keys of the request's prompt blocks a worker could serve from cache (every
-    full block before the last prompt token, up to the first uncacheable one)."""
+def request_keys(
+    request: GenerationRequest, root: bytes, block_size: int, digest: KeyDigest
+) -> list[str]:
+    """The published form (`digest`) of the keys of the request's prompt blocks a worker
+    could serve from cache (every full block before the last prompt token, up to the first
+    uncacheable one)."""
     if request.prompt_logprobs is not None:
         return []  # computed in full whatever is cached
     tokens = request.prompt_token_ids
@@ -54,7 +58,7 @@ def request_keys(request: GenerationRequest, root: bytes, block_size: int) -> li
     chain = BlockHasher(block_size).chain(
         BlockHash(root), encode_token_ids(tokens), scopes, end_block=limit
     )
-    return [short_key(key) for key in chain]
+    return [digest(key) for key in chain]
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,10 +27,12 @@ from bench.local_workers import (
     worker_processes,
 )
 from bench.routing import Workloads, kv_cache_bytes, run_chats, run_gsp
+from engine.cache.block_hash import BlockHash, BlockHasher, encode_token_ids
 from engine.cache.scope import Segment, Tenant
 from engine.request import GenerationRequest
 from engine.sampling.sampler import SamplingParams
 from gateway.workers import wire
+from gateway.workers.key_log import KEY_PREFIX_BYTES, KeyDigest
 from gateway.workers.remote_engine import RemoteEngine
 from gateway.workers.signing import SIGNATURE_HEADER, RequestSigner, generation_view
 from gateway.workers.wire import read_stats
@@ -597,6 +599,35 @@ def test_the_secret_alone_cannot_ask_for_a_tenants_cache(
     assert refused.status_code == 403
     signed = worker.request("POST", "/internal/v1/purge", json=purge, signed=(SECRET, "purge"))
     assert signed.status_code == 200, signed.text
+
+
+def test_published_keys_confirm_no_guess_without_the_signing_key(
+    cluster: tuple[Gateway, list[LocalWorker]],
+) -> None:
+    """/internal/v1/state, read with a gateway's certificate and the secret but not the signing
+    key, lists the blocks a worker caches in a form no guessed prompt can be checked against:
+    the worker publishes digests under the signing key, never the block keys themselves."""
+    _, workers = cluster
+    worker = workers[0]
+    state = worker_state(worker)
+    prompt = list(range(700, 700 + 96))
+    body, headers = signed_generation(state["fingerprint"], "secret-keeper", prompt)
+    assert generate_status(worker, body, headers) == 200
+    # The keys of the prompt's full blocks (all but the last token's), as anyone can compute
+    # them from a guess: the model's root, the scope and the token ids.
+    block_size = int(state["block_size"])
+    chain = BlockHasher(block_size).chain(
+        BlockHash(bytes.fromhex(state["root"])),
+        encode_token_ids(prompt),
+        [Tenant("secret-keeper")] * (len(prompt) // block_size),
+        end_block=(len(prompt) - 1) // block_size,
+    )
+    assert len(chain) >= 4
+    keyed = {KeyDigest(SIGNING_KEY)(key) for key in chain}
+    within(5, lambda: keyed <= set(worker_state(worker)["keys"]["added"]))  # cached, published
+    published = set(worker_state(worker)["keys"]["added"])
+    assert not {key[:KEY_PREFIX_BYTES].hex() for key in chain} & published
+    assert not {KeyDigest("a guess at the signing key, 32+ chars")(k) for k in chain} & published
 
 
 def prompt_tokens_counted(worker: LocalWorker) -> int:

@@ -17,11 +17,12 @@ from engine.request import GenerationDelta, GenerationRequest, Timings, Usage
 from engine.sampling.sampler import SamplingParams, TokenLogprobs
 from gateway.workers import routing, wire
 from gateway.workers.addresses import WorkerSpecError, parse_worker_spec, resolve
-from gateway.workers.key_log import KeyLog, short_key
+from gateway.workers.key_log import KEY_PREFIX_BYTES, KeyDigest, KeyLog
 from gateway.workers.remote_engine import _agreed, total_stats
 
 BLOCK = 4
 ROOT = BlockHasher(BLOCK).root("model", "", "float32")
+DIGEST = KeyDigest("the gateways' signing key, 32+ characters")
 
 
 def request(tenant: str, user: str, tokens: list[int], public: int = 0) -> GenerationRequest:
@@ -34,17 +35,17 @@ def request(tenant: str, user: str, tokens: list[int], public: int = 0) -> Gener
 
 def test_keys_follow_scope_not_text() -> None:
     tokens = list(range(100, 117))  # 17 tokens: 4 full blocks before the last token
-    alice = routing.request_keys(request("acme", "alice", tokens), ROOT, BLOCK)
+    alice = routing.request_keys(request("acme", "alice", tokens), ROOT, BLOCK, DIGEST)
     assert len(alice) == 4
-    assert alice == routing.request_keys(request("acme", "alice", tokens), ROOT, BLOCK)
+    assert alice == routing.request_keys(request("acme", "alice", tokens), ROOT, BLOCK, DIGEST)
     # The same tokens under another tenant, or another user, share no key at all.
-    other_tenant = routing.request_keys(request("globex", "alice", tokens), ROOT, BLOCK)
-    other_user = routing.request_keys(request("acme", "bob", tokens), ROOT, BLOCK)
+    other_tenant = routing.request_keys(request("globex", "alice", tokens), ROOT, BLOCK, DIGEST)
+    other_user = routing.request_keys(request("acme", "bob", tokens), ROOT, BLOCK, DIGEST)
     assert not set(alice) & set(other_tenant)
     assert not set(alice) & set(other_user)
     # A public prefix is the same key for every tenant; what follows it is not.
-    a = routing.request_keys(request("acme", "alice", tokens, public=8), ROOT, BLOCK)
-    b = routing.request_keys(request("globex", "gina", tokens, public=8), ROOT, BLOCK)
+    a = routing.request_keys(request("acme", "alice", tokens, public=8), ROOT, BLOCK, DIGEST)
+    b = routing.request_keys(request("globex", "gina", tokens, public=8), ROOT, BLOCK, DIGEST)
     assert a[:2] == b[:2] and not set(a[2:]) & set(b[2:])
 
 
@@ -55,18 +56,37 @@ def test_keys_match_what_the_worker_caches() -> None:
     from engine.cache.block_hash import encode_token_ids
 
     chain = BlockHasher(BLOCK).chain(ROOT, encode_token_ids(tokens), scopes)
-    wanted = [short_key(key) for key in chain]
+    wanted = [DIGEST(key) for key in chain]
     segments = [Segment(0, len(tokens), Tenant("acme"))]
     asked = GenerationRequest("r", "acme", tokens, segments=segments)
-    assert routing.request_keys(asked, ROOT, BLOCK) == wanted
+    assert routing.request_keys(asked, ROOT, BLOCK, DIGEST) == wanted
+
+
+def test_published_keys_confirm_no_guess_without_the_signing_key() -> None:
+    """Whoever reads a worker's published keys without the signing key (a stolen gateway
+    certificate and worker secret) cannot check a guessed prompt against them: neither the
+    plain block keys nor their digests under another key are what is published."""
+    from engine.cache.block_hash import encode_token_ids
+
+    tokens = list(range(9))
+    chain = BlockHasher(BLOCK).chain(ROOT, encode_token_ids(tokens), [Tenant("acme")] * 2)
+    published = {DIGEST(key) for key in chain}
+    plain = {key[:KEY_PREFIX_BYTES].hex() for key in chain}
+    guessed = {KeyDigest("an attacker's own key, 32+ characters")(key) for key in chain}
+    assert len(published) == 2 and all(len(key) == 2 * KEY_PREFIX_BYTES for key in published)
+    assert not published & plain and not published & guessed
+    # The same signing key on another process (a gateway, a worker) gives the same digests.
+    assert {KeyDigest("the gateways' signing key, 32+ characters")(key) for key in chain} == (
+        published
+    )
 
 
 def test_prompt_logprobs_and_short_prompts_have_no_keys() -> None:
     tokens = list(range(20))
     scored = GenerationRequest("r", "t", tokens, tail_scope=User("t", "u"), prompt_logprobs=1)
-    assert routing.request_keys(scored, ROOT, BLOCK) == []
+    assert routing.request_keys(scored, ROOT, BLOCK, DIGEST) == []
     short = GenerationRequest("r", "t", [1, 2, 3, 4], tail_scope=User("t", "u"))
-    assert routing.request_keys(short, ROOT, BLOCK) == []
+    assert routing.request_keys(short, ROOT, BLOCK, DIGEST) == []
 
 
 def candidate(
@@ -132,15 +152,15 @@ def test_round_robin_rotates() -> None:
 
 def test_key_log_sends_changes_then_everything_to_a_stranger() -> None:
     held: list[bytes] = [b"\x01" * 32, b"\x02" * 32]
-    log = KeyLog(lambda: list(held), min_interval_s=0)
+    log = KeyLog(lambda: list(held), DIGEST, min_interval_s=0)
     first = log.update(None, 0, now=0)
-    assert first.full and set(first.added) == {short_key(k) for k in held}
+    assert first.full and set(first.added) == {DIGEST(k) for k in held}
     held.remove(b"\x01" * 32)
     held.append(b"\x03" * 32)
     change = log.update(first.epoch, first.seq, now=1)
     assert not change.full and change.seq == first.seq + 1
-    assert change.added == [short_key(b"\x03" * 32)]
-    assert change.removed == [short_key(b"\x01" * 32)]
+    assert change.added == [DIGEST(b"\x03" * 32)]
+    assert change.removed == [DIGEST(b"\x01" * 32)]
     # Nothing new: no changes, same sequence number.
     same = log.update(first.epoch, change.seq, now=2)
     assert (same.added, same.removed, same.seq, same.full) == ([], [], change.seq, False)

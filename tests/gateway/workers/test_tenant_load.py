@@ -15,6 +15,7 @@ from engine.request import GenerationRequest
 from gateway.workers import routing
 from gateway.workers.activity import RECENT_STEPS, Activity, quantiles, read_activity, total_service
 from gateway.workers.dispatch import Dispatcher
+from gateway.workers.key_log import KeyDigest
 from gateway.workers.link import WorkerLink
 from gateway.workers.membership import WorkerSet
 from gateway.workers.routing import RoutingConfig
@@ -22,6 +23,8 @@ from gateway.workers.worker import Worker
 
 BLOCK = 4
 ROOT = BlockHasher(BLOCK).root("model", "", "float32")
+SIGNING_KEY = "s" * 32
+DIGEST = KeyDigest(SIGNING_KEY)  # what the workers publish under, as the link below computes
 PROMPT = 64  # tokens: 15 full blocks before the last one can be cached
 
 
@@ -34,7 +37,7 @@ def request(tenant: str, prefix: int, suffix: int = 0) -> GenerationRequest:
 
 def worker(url: str, holds: tuple[GenerationRequest, ...] = ()) -> Worker:
     """A worker in routing that reports its tenants and caches the prompts of `holds`."""
-    keys = {key for held in holds for key in routing.request_keys(held, ROOT, BLOCK)}
+    keys = {key for held in holds for key in routing.request_keys(held, ROOT, BLOCK, DIGEST)}
     return Worker(
         url,
         up=True,
@@ -49,7 +52,7 @@ def worker(url: str, holds: tuple[GenerationRequest, ...] = ()) -> Worker:
 
 @pytest.fixture
 def workers() -> Iterator[WorkerSet]:
-    link = WorkerLink.create("worker-secret", "s" * 32, tls=None)  # never dials a worker
+    link = WorkerLink.create("worker-secret", SIGNING_KEY, tls=None)  # never dials a worker
     known = WorkerSet([], link, poll_s=1.0, timeout_s=1.0, load_models=False)
     yield known
     known.stop()
@@ -84,7 +87,7 @@ def test_a_flood_does_not_repel_another_tenant_from_the_worker_holding_its_prefi
     # Counted by everything in flight, as before, the flood would have sent it away.
     candidates = [
         routing.Candidate(w.url, w.held(0.0), w.load, w.free_blocks, routing.request_keys(
-            acme, ROOT, BLOCK)) for w in (holder, idle)
+            acme, ROOT, BLOCK, DIGEST)) for w in (holder, idle)
     ]  # fmt: skip
     ranked = routing.rank(candidates, PROMPT, BLOCK, load_tokens, imbalance, sticky="s")
     assert ranked[0].name == idle.url
@@ -95,7 +98,7 @@ def test_a_flooding_tenants_own_requests_spread_by_its_own_load(workers: WorkerS
     holder, idle = worker("http://holder:1", holds=(globex,)), worker("http://idle:1")
     dispatch = dispatcher(workers, holder, idle, load_tokens=16, imbalance=100)
     acme_there = request("acme", prefix=3)
-    holder.keys |= set(routing.request_keys(acme_there, ROOT, BLOCK))
+    holder.keys |= set(routing.request_keys(acme_there, ROOT, BLOCK, DIGEST))
     for index in range(12):
         pick(dispatch, request("globex", prefix=9, suffix=index))
     there, elsewhere = holder.tenant_in_flight["globex"], idle.tenant_in_flight["globex"]
