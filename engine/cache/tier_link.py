@@ -1,14 +1,14 @@
 """The link between the block pool and the second tier: what goes down, what comes back.
 
 Down: a block is offloaded once, when it is committed (its KV is final then), sealed with the
-key of its scope's owner (`SealKeys`); the tier stores it in the background, so the step never
-waits for it, and a block that later leaves the pool (evicted, or its worker restarted) lives
-on there. Up: when a request's chain of cached blocks ends in the pool, the blocks that follow
-are looked for in the tier, and read back when that costs less than computing them again:
-bytes over the tier's measured bandwidth plus its latency against the prefill's measured time
-for those positions (`TierSpeed.cheaper_than`). What comes back is staged on the request's key
-chain, verified (key, scope, parent, tokens, model: a value that fails any of them is a miss)
-and written into the request's own blocks when it is admitted.
+key of its scope's owner (`SealKeys`), which also keys its entry id; the tier stores it in the
+background, so the step never waits for it, and a block that later leaves the pool (evicted, or
+its worker restarted) lives on there. Up: when a request's chain of cached blocks ends in the
+pool, the blocks that follow are looked for in the tier, and read back when that costs less
+than computing them again: bytes over the tier's measured bandwidth plus its latency against
+the prefill's measured time for those positions (`TierSpeed.cheaper_than`). What comes back is
+staged on the request's key chain, verified (key, scope, parent, tokens, model: a value that
+fails any of them is a miss) and written into the request's own blocks when it is admitted.
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ class TierLink:
 
     def drop(self, keys: list[BlockHash]) -> None:
         """Forget these blocks in the tier (a public prefix was withdrawn, or a failed request's
-        KV left the pool): queued offloads dropped, entries deleted in the background, and
-        nothing read back for them before now is written into a block any more."""
+        KV left the pool): queued offloads dropped, the entries whose ids this worker made
+        deleted in the background (ids are keyed by data keys a drop does not carry:
+        kv_tier.py), and nothing read back for them before now is written into a block any
+        more."""
         self.epoch += 1
         self.tier.discard(keys)
 
@@ -124,7 +126,11 @@ class TierLink:
         if first >= limit or first == chain.probed:
             return staged  # a request that waits asks the tier about a block once
         chain.probed = first
-        present = self.tier.contains(chain.keys[first:limit])
+        # Each block's id is keyed by its owner's data key: the public prefix's for the chain's
+        # public blocks, the tenant's for the rest (no key: not in the tier).
+        probed = chain.keys[first:limit]
+        seal_keys = [keys.for_scope(scope) for scope in chain.scopes[first : first + len(probed)]]
+        present = self.tier.contains(probed, seal_keys)
         run = next((i for i, held in enumerate(present) if not held), len(present))
         if not run:
             return staged
@@ -133,8 +139,7 @@ class TierLink:
             self.recomputed_blocks += run
             return staged
         wanted = [self._tier_block(request, chain, index) for index in range(first, first + run)]
-        seal_keys = [keys.for_scope(entry.scope) for entry in wanted]
-        for offset, kv in enumerate(self.tier.load(wanted, seal_keys, chain=True)):
+        for offset, kv in enumerate(self.tier.load(wanted, seal_keys[:run], chain=True)):
             if kv is None:
                 break
             chain.staged[first + offset] = kv

@@ -14,9 +14,10 @@ generation, and the read is then a miss.
 On open, a file written for the same root and slot size keeps its entries: the index is
 rebuilt from the slot headers (unsealed and small: an id, an owner, a length, a priority),
 so a restarted worker keeps its disk tier. Nothing in a header is secret beyond which owner
-holds how much, and a tampered slot fails its checksum or its value's tag. A file written for
-another model (root) or block size starts over. The directory is created 0700 and the file
-0600; a second worker opening the same file is refused (an advisory lock).
+holds how much (an id is keyed by its owner's data key: entry.py), and a tampered slot fails
+its checksum or its value's tag. A file written for another model (root), block size or
+format (the magic: version 2 has keyed ids) starts over. The directory is created 0700 and
+the file 0600; a second worker opening the same file is refused (an advisory lock).
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ from engine.cache.tier.store import (
 FILE_HEADER_BYTES = 4096
 SLOT_HEADER_BYTES = 256
 _SLOT_ALIGN = 512
-_FILE_MAGIC = b"PGTIER\x00\x01"
+# Version 2: entry ids keyed by their owner's data key; a version 1 file (unkeyed ids, which
+# name guessable blocks to whoever reads it) starts over.
+_FILE_MAGIC = b"PGTIER\x00\x02"
 _SLOT_MAGIC = b"PGS1"
 _OWNER_BYTES = 200
 _CHECKSUM_BYTES = 8

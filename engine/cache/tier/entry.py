@@ -7,22 +7,35 @@ counts only when its identity is exactly the one the caller expects (collision s
 the tag of the sealed value already ties it to its block key and root, and the identity ties
 the key to the tokens, scope and parent it was computed from, as the pool's prefix cache does.
 
-Stores never see block keys: an entry's id is a digest of (root, block key), so a key a
-worker publishes for routing names no entry, and two models' entries never share an id.
+Stores never see block keys, and an entry's id says nothing to whoever reads the store: it is
+keyed BLAKE2b of (version, root, block key) under an id key derived from the data key the
+block is sealed with (its tenant's, or its public prefix's; `entry_id_key`). Block keys are
+computable from public information (the root, the token ids, the scope), so an unkeyed digest
+would let anyone who reads the store check a guessed prompt offline; a keyed one cannot be
+computed without the owner's data key. Two models' entries never share an id (the root is
+hashed), nor two owners' (their keys differ). A tenant's entries are deleted through the
+store's owner index, never by recomputing ids.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.cache.block_hash import TOKEN_ID_BYTES, BlockHash, encode_scope, length_prefixed
 from engine.cache.budget import Owner
 from engine.cache.kv_spec import KVSpec
 from engine.cache.scope import CacheScope
+from engine.cache.tier.sealing import SealKey
 
 ENTRY_ID_BYTES = 16
-_ENTRY_ID_PERSON = b"pg-tier-entry"
+# 2: ids keyed by the owner's data key (1 was an unkeyed digest of root and block key).
+ENTRY_ID_VERSION = 2
+_ENTRY_ID_PERSON = b"pg-tier-entry-v2"
+# The id key is HMAC-SHA256(data key, this label): the AES key itself never keys a MAC.
+_ID_KEY_LABEL = b"prefixgate/tier/entry-id-key/v2"
 _IDENTITY_TAG = b"prefixgate/tier-block/v1"
 # Room in a sealed value besides KV and token ids: the identity's tag, lengths and parent key,
 # a scope of up to 1 KiB, and the seal's header (a key id of up to 800 bytes), nonce and tag.
@@ -41,11 +54,37 @@ class TierBlock:
     owner: Owner
 
 
-def entry_id(root: BlockHash, key: BlockHash) -> bytes:
-    """The store's id of block `key` of chain `root` (a digest, never the key itself)."""
+def entry_id_key(seal_key: SealKey) -> bytes:
+    """The key an owner's entry ids are made with, derived from its data key."""
+    return hmac.digest(seal_key.secret, _ID_KEY_LABEL, "sha256")
+
+
+def entry_id(seal_key: SealKey, root: BlockHash, key: BlockHash) -> bytes:
+    """The store's id of block `key` of chain `root`, sealed with `seal_key`: a digest keyed
+    by its owner's id key, never the block key itself."""
+    return _keyed_id(entry_id_key(seal_key), root, key)
+
+
+def entry_ids(
+    root: BlockHash, keys: Sequence[BlockHash], seal_keys: Sequence[SealKey]
+) -> list[bytes]:
+    """`entry_id` of each block of `keys` with the data key beside it (each distinct data
+    key's id key derived once)."""
+    id_keys: dict[SealKey, bytes] = {}
+    ids = []
+    for key, seal_key in zip(keys, seal_keys, strict=True):
+        id_key = id_keys.get(seal_key)
+        if id_key is None:
+            id_key = id_keys[seal_key] = entry_id_key(seal_key)
+        ids.append(_keyed_id(id_key, root, key))
+    return ids
+
+
+def _keyed_id(id_key: bytes, root: BlockHash, key: BlockHash) -> bytes:
     return hashlib.blake2b(
-        length_prefixed(root) + length_prefixed(key),
+        bytes([ENTRY_ID_VERSION]) + length_prefixed(root) + length_prefixed(key),
         digest_size=ENTRY_ID_BYTES,
+        key=id_key,
         person=_ENTRY_ID_PERSON,
     ).digest()
 

@@ -9,6 +9,13 @@ data. Forgetting an owner (its tenant deleted) drops its queued offloads, refuse
 deletes its entries in the background; its key is gone already, so they were unreadable from
 the moment it was deleted (crypto-shredding).
 
+Entry ids are keyed by the data key a block is sealed with (entry.py), so every offload,
+probe and load names each block's key. A discard names blocks by their keys alone (a failed
+request's, a withdrawn public prefix's), so the tier remembers the ids it made for the most
+recent blocks it offloaded, probed or loaded, and deletes those: on a shared store every
+worker is told of a discard and deletes the ids it made. Ids it no longer remembers stay
+until they are evicted (a withdrawn prefix's key is shredded: they are unreadable already).
+
 Whether a hit is worth loading is the caller's call, with the speed `calibrate` measured:
 `TierSpeed.cheaper_than` (speed.py) is that rule's one home.
 """
@@ -20,7 +27,7 @@ import os
 import statistics
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,7 +44,13 @@ from engine.cache.tier.counters import (
     TierOwnerStats,
     TierStats,
 )
-from engine.cache.tier.entry import TierBlock, block_plaintext, entry_id, kv_of, sealed_size_bound
+from engine.cache.tier.entry import (
+    TierBlock,
+    block_plaintext,
+    entry_ids,
+    kv_of,
+    sealed_size_bound,
+)
 from engine.cache.tier.sealing import SealKey, open_sealed, seal
 from engine.cache.tier.speed import TierSpeed as TierSpeed  # its users import it from here
 from engine.cache.tier.store import (
@@ -60,11 +73,14 @@ _RETRY_S = 1.0
 OUTAGE_S = 5.0
 # How often the background thread reads the store's usage for `snapshot`, in seconds.
 USAGE_EVERY_S = 1.0
+# Block keys whose entry ids the tier remembers for discards (about 150 bytes each).
+REMEMBERED_BLOCKS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
 class _Offload:
     block: TierBlock
+    block_id: bytes
     seal_key: SealKey
     kv: torch.Tensor
     value: float
@@ -93,12 +109,22 @@ class KVTier:
     """Offloads, probes and loads of sealed blocks in a `TierStore`, for one worker."""
 
     def __init__(
-        self, store: TierStore, spec: KVSpec, root: BlockHash, *, queue_blocks: int = 256
+        self,
+        store: TierStore,
+        spec: KVSpec,
+        root: BlockHash,
+        *,
+        queue_blocks: int = 256,
+        remembered_blocks: int = REMEMBERED_BLOCKS,
     ) -> None:
         self.store = store
         self.spec = spec
         self.root = root
         self.queue_blocks = queue_blocks
+        self.remembered_blocks = remembered_blocks
+        # Block key -> the entry ids made for it (one per data key), least recent first.
+        self._ids_lock = threading.Lock()
+        self._ids: OrderedDict[BlockHash, tuple[bytes, ...]] = OrderedDict()
         self.shape = (spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
         self._cond = threading.Condition()
         self._offloads: deque[_Offload] = deque()
@@ -133,6 +159,7 @@ class KVTier:
                 f"a tier block is a CPU tensor {self.shape} of {self.spec.dtype}, "
                 f"not {kv.device.type} {tuple(kv.shape)} of {kv.dtype}"
             )
+        (block_id,) = self._ids_of([block.key], [seal_key])
         reason: DropReason
         with self._cond:
             if block.owner in self._forgotten:
@@ -140,23 +167,34 @@ class KVTier:
             elif len(self._offloads) >= self.queue_blocks or self._closed:
                 reason = "queue"
             else:
-                self._offloads.append(_Offload(block, seal_key, kv, value))
+                self._offloads.append(_Offload(block, block_id, seal_key, kv, value))
                 self._cond.notify()
                 return True
         self._drop(block.owner, reason)
         return False
 
-    def contains(self, keys: Sequence[BlockHash]) -> list[bool]:
-        """Whether the store holds each block now (one batched probe; False if it fails, and
-        for `OUTAGE_S` after a failure, so an unreachable store costs the engine thread one
+    def contains(
+        self, keys: Sequence[BlockHash], seal_keys: Sequence[SealKey | None]
+    ) -> list[bool]:
+        """Whether the store holds each block, sealed with the data key beside it, now (one
+        batched probe; False for a block without a key, for all if the probe fails, and for
+        `OUTAGE_S` after a failure, so an unreachable store costs the engine thread one
         timeout, not one per request)."""
-        if time.monotonic() < self._down_until:
-            return [False] * len(keys)
+        if len(seal_keys) != len(keys):
+            raise ValueError("one seal key per block key")
+        keyed = [(i, seal_key) for i, seal_key in enumerate(seal_keys) if seal_key is not None]
+        present = [False] * len(keys)
+        if not keyed or time.monotonic() < self._down_until:
+            return present
+        ids = self._ids_of([keys[i] for i, _ in keyed], [seal_key for _, seal_key in keyed])
         try:
-            return self.store.contains([entry_id(self.root, key) for key in keys])
+            held = self.store.contains(ids)
         except TierStoreError:
             self._down_until = time.monotonic() + OUTAGE_S
-            return [False] * len(keys)
+            return present
+        for (i, _), is_held in zip(keyed, held, strict=True):
+            present[i] = is_held
+        return present
 
     def load(
         self,
@@ -177,11 +215,9 @@ class KVTier:
         """
         if len(seal_keys) != len(wanted) or (values is not None and len(values) != len(wanted)):
             raise ValueError("one seal key (and value) per wanted block")
-        results, misses = self._open(wanted, seal_keys, chain)
+        results, misses, ids = self._open(wanted, seal_keys, chain)
         unreadable = [
-            entry_id(self.root, wanted[i].key)
-            for i, reason in misses.items()
-            if reason in ("tag", "identity", "malformed")
+            ids[i] for i, reason in misses.items() if reason in ("tag", "identity", "malformed")
         ]
         if unreadable:
             with self._cond:
@@ -198,8 +234,7 @@ class KVTier:
         if hits:
             try:
                 self.store.touch(
-                    [entry_id(self.root, wanted[i].key) for i in hits],
-                    [None if values is None else values[i] for i in hits],
+                    [ids[i] for i in hits], [None if values is None else values[i] for i in hits]
                 )
             except TierStoreError:
                 logger.warning("kv tier: raising the priority of %d hits failed", len(hits))
@@ -207,14 +242,15 @@ class KVTier:
 
     def _open(
         self, wanted: Sequence[TierBlock], seal_keys: Sequence[SealKey | None], chain: bool
-    ) -> tuple[list[torch.Tensor | None], dict[int, MissReason]]:
-        """Fetch, unseal and check blocks: each one's KV or None, and why each miss missed
-        (with `chain`, up to the first miss only)."""
+    ) -> tuple[list[torch.Tensor | None], dict[int, MissReason], dict[int, bytes]]:
+        """Fetch, unseal and check blocks: each one's KV or None, why each miss missed (with
+        `chain`, up to the first miss only), and the entry id of each block fetched."""
         results: list[torch.Tensor | None] = [None] * len(wanted)
         misses: dict[int, MissReason] = {}
         with self._cond:
             forgotten = set(self._forgotten)
-        fetch = []
+        fetch: list[int] = []
+        fetch_keys: list[SealKey] = []
         for i, (block, key) in enumerate(zip(wanted, seal_keys, strict=True)):
             if key is None or block.owner in forgotten:
                 misses[i] = "key"
@@ -222,8 +258,11 @@ class KVTier:
                     break
             else:
                 fetch.append(i)
+                fetch_keys.append(key)
+        fetch_ids = self._ids_of([wanted[i].key for i in fetch], fetch_keys)
+        ids = dict(zip(fetch, fetch_ids, strict=True))
         try:
-            values = self.store.get_many([entry_id(self.root, wanted[i].key) for i in fetch])
+            values = self.store.get_many(fetch_ids)
         except TierStoreError:
             self._down_until = time.monotonic() + OUTAGE_S
             values = []
@@ -246,7 +285,7 @@ class KVTier:
             else:
                 flat = torch.frombuffer(bytearray(kv), dtype=self.spec.dtype)
                 results[i] = flat.view(self.shape)
-        return results, misses
+        return results, misses, ids
 
     def set_budget(self, owner: Owner, budget: TierBudget) -> None:
         """Give an owner its tier budget (applied in the background: a shrink evicts)."""
@@ -271,11 +310,13 @@ class KVTier:
             self._drop(owner, "forgotten")
 
     def discard(self, keys: Sequence[BlockHash]) -> None:
-        """Forget these blocks: their queued offloads are dropped and their entries deleted in
-        the background (a failed request's KV, a withdrawn public prefix). Never blocks."""
+        """Forget these blocks: their queued offloads are dropped and the entries this tier
+        made ids for (see the module docstring) deleted in the background (a failed request's
+        KV, a withdrawn public prefix). Never blocks."""
         if not keys:
             return
-        ids = [entry_id(self.root, key) for key in keys]
+        with self._ids_lock:
+            ids = [i for key in keys for i in self._ids.pop(key, ())]
         wanted = set(keys)
         with self._cond:
             self._offloads = deque(job for job in self._offloads if job.block.key not in wanted)
@@ -358,7 +399,7 @@ class KVTier:
             for _ in range(samples)
         ]
         kv_bytes = os.urandom(self.spec.bytes_per_block)
-        ids = [entry_id(self.root, block.key) for block in blocks]
+        ids = entry_ids(self.root, [block.key for block in blocks], [key] * samples)
         try:
             budget = TierBudget(2 * samples * self.bytes_per_entry)
             self.store.set_budget(owner, budget)
@@ -373,6 +414,9 @@ class KVTier:
         finally:
             self.store.delete(ids)
             self.store.forget_owner(owner, len(ids))
+            with self._ids_lock:  # its loads remembered the samples' ids
+                for block in blocks:
+                    self._ids.pop(block.key, None)
             with self._counters_lock:
                 self._counters.pop(owner, None)
         return TierSpeed.fit(one, many, samples, self.spec.bytes_per_block)
@@ -461,7 +505,7 @@ class KVTier:
         if forgotten:  # taken off the queue just before forget_owner looked at it
             self._drop(block.owner, "forgotten")
             return
-        block_id = entry_id(self.root, block.key)
+        block_id = job.block_id
         try:
             if self.store.contains([block_id])[0]:
                 self.store.touch([block_id], [job.value])
@@ -482,6 +526,20 @@ class KVTier:
             counters = self._tally(block.owner)
             counters.offloads += 1
             counters.offloaded_bytes += len(sealed)
+
+    # -- entry ids ------------------------------------------------------------------------------
+
+    def _ids_of(self, keys: Sequence[BlockHash], seal_keys: Sequence[SealKey]) -> list[bytes]:
+        """The entry ids of these blocks under these data keys, remembered for `discard`."""
+        ids = entry_ids(self.root, keys, seal_keys)
+        with self._ids_lock:
+            for key, block_id in zip(keys, ids, strict=True):
+                known = self._ids.pop(key, ())
+                # A public block may be held under several prefixes' keys: keep each id.
+                self._ids[key] = known if block_id in known else (*known, block_id)
+            while len(self._ids) > self.remembered_blocks:
+                self._ids.popitem(last=False)
+        return ids
 
     # -- counting -------------------------------------------------------------------------------
 

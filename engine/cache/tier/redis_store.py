@@ -3,7 +3,8 @@
 Keys live under `<prefix>:tier:{<root>}`: the chain root (model, adapter, KV dtype, block
 size) is part of every key, so two models never mix, and it is the key's hash tag, so a
 Redis Cluster keeps one tier in one slot (the lock and the transactions need that).
-- `v:<id>`: an entry's sealed value;
+- `v:<id>`: an entry's sealed value (ids are keyed by their owner's data key: entry.py; an
+  entry of an older format's id is never looked up again and ages out like any other);
 - `meta` (hash): id -> "size value owner" (the value its priority is aged from);
 - `z:<owner>` (sorted set): the owner's entry ids, scored by priority;
 - `bytes`, `entries` (hashes): owner -> bytes and entries held;

@@ -53,7 +53,7 @@ def test_a_failed_requests_blocks_leave_the_tier_too(
     assert len(keys) == 4
     manager.free(failed.request_id, keep_computed=False)
     tier.flush()
-    assert tier.contains(keys) == [False] * 4
+    assert tier.contains(keys, [KEYS.tenant] * 4) == [False] * 4
 
 
 def test_a_dropped_public_prefix_leaves_the_tier_and_staged_copies_are_not_used(
@@ -85,4 +85,4 @@ def test_a_dropped_public_prefix_leaves_the_tier_and_staged_copies_are_not_used(
     tier.flush()
     assert other.match(waiting, chain).cached_tokens == 0
     assert not chain.staged
-    assert tier.contains(chain.keys[:4]) == [False] * 4
+    assert tier.contains(chain.keys[:4], [KEYS.public] * 4) == [False] * 4

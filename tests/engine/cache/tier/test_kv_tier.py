@@ -17,7 +17,7 @@ from engine.cache.scope import Public
 from engine.cache.tier.counters import MissReason
 from engine.cache.tier.entry import TierBlock, block_plaintext, entry_id
 from engine.cache.tier.kv_tier import KVTier, TierSpeed
-from engine.cache.tier.sealing import seal_overhead
+from engine.cache.tier.sealing import SealKey, seal_overhead
 from engine.cache.tier.store import PutPlan, Refused, TierBudget, TierStore
 from tests.engine.cache.tier.conftest import (
     ROOT,
@@ -41,14 +41,20 @@ def offload_all(tier: KVTier, blocks: Sequence[TierBlock], seed: int = 0) -> lis
 
 
 def stored(tier: KVTier, block: TierBlock) -> bytes:
-    value = tier.store.get_many([entry_id(ROOT, block.key)])[0]
+    value = tier.store.get_many([entry_id(KEY, ROOT, block.key)])[0]
     assert value is not None
     return value
 
 
-def overwrite(tier: KVTier, block: TierBlock, value: bytes) -> None:
-    """Write `value` as `block`'s entry, as anyone with write access to the store could."""
-    assert isinstance(tier.store.put(entry_id(ROOT, block.key), block.owner, value, 1.0), PutPlan)
+def overwrite(tier: KVTier, block: TierBlock, value: bytes, key: SealKey = KEY) -> None:
+    """Write `value` as `block`'s entry under `key`, as anyone with write access to the store
+    who knew the entry's id could (the id is the one a reader holding `key` looks up)."""
+    block_id = entry_id(key, ROOT, block.key)
+    assert isinstance(tier.store.put(block_id, block.owner, value, 1.0), PutPlan)
+
+
+def held(tier: KVTier, blocks: Sequence[TierBlock], key: SealKey = KEY) -> list[bool]:
+    return tier.contains([block.key for block in blocks], [key] * len(blocks))
 
 
 def misses(tier: KVTier, owner: Owner) -> dict[MissReason, int]:
@@ -60,7 +66,7 @@ def test_offloaded_blocks_load_back_identical(
 ) -> None:
     tier = open_tier(backend)
     kvs = offload_all(tier, tenant_blocks)
-    assert tier.contains([b.key for b in tenant_blocks]) == [True] * len(tenant_blocks)
+    assert held(tier, tenant_blocks) == [True] * len(tenant_blocks)
     loaded = tier.load(tenant_blocks, [KEY] * len(tenant_blocks))
     for kv, back in zip(kvs, loaded, strict=True):
         assert back is not None and back.dtype == SPEC.dtype
@@ -103,14 +109,16 @@ def test_replayed_value_under_an_old_key_is_a_key_miss(
     offload_all(tier, tenant_blocks)  # under KEY
     old_value = stored(tier, tenant_blocks[0])
     newer = seal_key("tenant-t1/2")
-    tier.store.delete([entry_id(ROOT, tenant_blocks[0].key)])
     assert tier.offload(tenant_blocks[0], newer, random_kv(9), 1.0)
     tier.flush()
     assert tier.load([tenant_blocks[0]], [newer])[0] is not None
-    overwrite(tier, tenant_blocks[0], old_value)
+    overwrite(tier, tenant_blocks[0], old_value, newer)
     assert tier.load([tenant_blocks[0]], [newer]) == [None]
-    # The old key with the same id but another secret opens nothing either.
+    # The old key's id with another secret names no entry, and the old value copied onto
+    # the entry that secret would look up opens nothing either.
     forged = seal_key(KEY.key_id)
+    assert held(tier, tenant_blocks[:1], forged) == [False]
+    overwrite(tier, tenant_blocks[0], old_value, forged)
     assert tier.load([tenant_blocks[0]], [forged]) == [None]
     assert misses(tier, "t1") == {"key": 1, "tag": 1}
     tier.close()
@@ -222,8 +230,8 @@ def test_forget_owner_drops_queued_offloads_refuses_new_ones_and_deletes_entries
     assert not tier.offload(tenant_blocks[0], KEY, random_kv(0), 1.0)  # refused
     gated.gate.set()
     tier.flush()
-    assert tier.contains([b.key for b in tenant_blocks]) == [False] * 4
-    assert tier.contains([public[0].key]) == [True]
+    assert held(tier, tenant_blocks) == [False] * 4
+    assert held(tier, public[:1]) == [True]
     assert tier.load(tenant_blocks[:1], [KEY]) == [None]
     stats = tier.stats()
     counters = stats.owners["t1"].counters
@@ -241,14 +249,14 @@ def test_shared_store_forget_deletes_entries_another_worker_wrote(
     first, second = open_tier(backend), open_tier(backend)
     offload_all(first, tenant_blocks[:2])
     offload_all(second, tenant_blocks[2:], seed=2)
-    assert second.contains([b.key for b in tenant_blocks]) == [True] * 4
+    assert held(second, tenant_blocks) == [True] * 4
     first.forget_owner("t1")
     first.flush()
-    assert second.contains([b.key for b in tenant_blocks]) == [False] * 4
+    assert held(second, tenant_blocks) == [False] * 4
     # The other worker, not told yet, has its offloads refused by the shared store.
     assert second.offload(tenant_blocks[0], KEY, random_kv(0), 1.0)
     second.flush()
-    assert second.contains([tenant_blocks[0].key]) == [False]
+    assert held(second, tenant_blocks[:1]) == [False]
     assert second.stats().owners["t1"].counters.drops == {"forgotten": 1}
     first.close()
     second.close()
@@ -284,7 +292,7 @@ def test_refused_offload_is_counted_as_a_drop(
     tier.set_budget("t1", TierBudget(0))
     assert tier.offload(tenant_blocks[0], KEY, random_kv(0), 1.0)  # queued; refused later
     tier.flush()
-    assert tier.contains([tenant_blocks[0].key]) == [False]
+    assert held(tier, tenant_blocks[:1]) == [False]
     assert tier.stats().owners["t1"].counters.drops == {"quota": 1}
     tier.close()
 
@@ -299,7 +307,7 @@ def test_hit_with_a_higher_value_keeps_a_block_over_newer_ones(backend: Backend)
     tier.flush()
     assert tier.load(blocks[:1], [KEY], values=[10.0])[0] is not None  # ...until it is hit
     offload_all(tier, blocks[3:])  # the store is full: the lowest goes
-    present = tier.contains([b.key for b in blocks])
+    present = held(tier, blocks)
     assert present[0] and present[3] and sum(present) == 3
     tier.close()
 
@@ -313,7 +321,7 @@ def test_calibration_measures_positive_finite_speed_and_leaves_nothing(
     assert 0 < speed.latency_ms < math.inf and 0 < speed.bytes_per_s < math.inf
     assert speed.load_ms(SPEC.bytes_per_block) > speed.latency_ms
     assert set(tier.stats().owners) == {"t1"}
-    assert tier.contains([tenant_blocks[0].key]) == [True]
+    assert held(tier, tenant_blocks[:1]) == [True]
     assert sum(u.entries for u in tier.store.usage().values()) == 1
     tier.close()
 
@@ -358,7 +366,7 @@ def test_an_unreadable_entry_is_discarded_so_the_next_offload_replaces_it(
     overwrite(tier, tenant_blocks[0], bytes(value))
     assert tier.load(tenant_blocks[:1], [KEY]) == [None]
     tier.flush()
-    assert tier.contains([tenant_blocks[0].key]) == [False]
+    assert held(tier, tenant_blocks[:1]) == [False]
     tier.offload(tenant_blocks[0], KEY, kvs[0], 1.0)  # the block computed again
     tier.flush()
     again = tier.load(tenant_blocks[:1], [KEY])[0]
