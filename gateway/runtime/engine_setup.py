@@ -24,6 +24,7 @@ from gateway.workers.link import worker_link
 from gateway.workers.membership import WorkerSet
 from gateway.workers.remote_engine import RemoteEngine
 from gateway.workers.routing import RoutingConfig
+from tenancy.private_paths import private_directory
 
 
 def check_engine(settings: Settings) -> None:
@@ -105,6 +106,9 @@ def tier_config(settings: Settings) -> TierConfig | None:
     the served model and the port, so a restarted worker finds its own file again."""
     if settings.kv_tier == "off":
         return None
+    if settings.kv_tier == "disk" and settings.kv_tier_dir is None:
+        # The tier's files go under the state directory: whoever makes it first makes it 0700.
+        private_directory(settings.state_dir)
     return TierConfig(
         settings.kv_tier,
         settings.kv_tier_capacity_bytes,

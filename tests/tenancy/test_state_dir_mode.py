@@ -55,3 +55,25 @@ def test_an_existing_directory_keeps_the_mode_its_operator_gave_it(tmp_path: Pat
     shared.chmod(0o750)
     private_directory(shared)
     assert mode_of(shared) == 0o750
+
+
+@pytest.mark.usefixtures("permissive_umask")
+def test_a_disk_tier_that_creates_the_state_directory_creates_it_private(
+    tmp_path: Path,
+) -> None:
+    # A worker has no database and no generated secrets: with PREFIXGATE_KV_TIER=disk its
+    # tier file (under <state_dir>/kv-tier by default) may be the first thing made there.
+    from engine.cache.tier.backends import make_tier
+    from gateway.runtime.engine_setup import tier_config
+    from gateway.settings import Settings
+    from tests.engine.cache.tier.conftest import ROOT, SPEC
+
+    settings = Settings(state_dir=tmp_path / "fresh" / "state", kv_tier="disk")
+    config = tier_config(settings)  # as the engine's set-up asks for the tier
+    assert config is not None and config.directory == settings.tier_dir
+    tier = make_tier(
+        "disk", spec=SPEC, root=ROOT, capacity_bytes=1 << 20, directory=config.directory
+    )
+    tier.close()
+    assert mode_of(settings.tier_dir) == 0o700
+    assert mode_of(settings.state_dir) == 0o700
