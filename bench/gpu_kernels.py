@@ -29,7 +29,6 @@ import torch
 import triton
 
 from bench.common import emit, machine
-from engine.kernels.triton.common import multiprocessors
 from engine.kernels.triton.decode import decode_attention, plan_splits
 from engine.kernels.triton.prefill import prefill_attention
 from engine.kernels.triton.zero import zero_blocks
@@ -131,7 +130,7 @@ def bench_decode(
     sequences, context = shapes.decode_sequences, shapes.decode_context
     inputs = paged_inputs(device, shapes, [(1, context)] * sequences)
     output = torch.empty_like(inputs[0])
-    splits = plan_splits(context, sequences * shapes.kv_heads, multiprocessors(device))
+    splits = plan_splits([context] * sequences)
     scale = shapes.head_dim**-0.5
     took = seconds(lambda: decode_attention(output, *inputs, scale, 0, splits))
     kv_bytes = 2 * sequences * context * shapes.kv_heads * shapes.head_dim * 2
@@ -140,7 +139,7 @@ def bench_decode(
     return {
         "shape": f"{sequences} sequences x {context} context, heads {shapes.heads}/"
         f"{shapes.kv_heads}, head_dim {shapes.head_dim}, bf16, block {shapes.block_size}",
-        "splits": splits.count,
+        "splits": splits,
         "microseconds": took * 1e6,
         "gb_per_s": bandwidth / GB,
         "peak_gb_per_s": peak / GB if peak else None,

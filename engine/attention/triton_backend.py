@@ -3,7 +3,9 @@ zeroing, on a CUDA device (or on CPU tensors in Triton's interpreter, `TRITON_IN
 which is how they are tested without a GPU).
 
 Nothing here reads the device: kernel grids and decode splits come from the step's lengths,
-which the host already has, so a layer launches its kernels without waiting on the GPU.
+which the host already has, so a layer launches its kernels without waiting on the GPU. How a
+decoding sequence's context is split depends on that sequence alone (`decode`'s docstring), so
+its output does not change with what shares its step; the batch sets only the grid.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import torch
 
 from engine.attention.paged import PagedBatch
 from engine.kernels import KernelUnavailable
-from engine.kernels.triton.common import interpreting, multiprocessors
-from engine.kernels.triton.decode import Splits, decode_attention, plan_splits
+from engine.kernels.triton.common import interpreting
+from engine.kernels.triton.decode import decode_attention, plan_splits
 from engine.kernels.triton.kv_write import write_kv
 from engine.kernels.triton.prefill import prefill_attention
 from engine.kernels.triton.zero import zero_blocks
@@ -25,7 +27,7 @@ from engine.kernels.triton.zero import zero_blocks
 class _Plan:
     """One step's launch shapes, shared by every layer with the same sliding window."""
 
-    decode_splits: Splits | None  # None: no sequence decodes this step
+    decode_splits: int | None  # the decode grid's split dimension; None: no sequence decodes
     longest_prefill: int  # 0: no sequence prefills this step
 
 
@@ -66,7 +68,7 @@ class TritonAttention:
         window = sliding_window or 0
         plan = batch.plans.get(window)
         if plan is None:
-            plan = batch.plans[window] = _make_plan(batch, window, int(layer_kv.shape[3]))
+            plan = batch.plans[window] = _make_plan(batch, window)
         dtype = query.dtype
         if dtype != layer_kv.dtype:  # a KV dtype other than the model's
             query = query.to(layer_kv.dtype)
@@ -91,15 +93,12 @@ class TritonAttention:
         zero_blocks(kv, block_ids)
 
 
-def _make_plan(batch: PagedBatch, window: int, kv_heads: int) -> _Plan:
+def _make_plan(batch: PagedBatch, window: int) -> _Plan:
     decode_spans = [
         min(context, window) if window else context
         for query_len, context in zip(batch.query_lens, batch.context_lens, strict=True)
         if query_len == 1
     ]
-    splits = None
-    if decode_spans:
-        programs = len(decode_spans) * kv_heads
-        splits = plan_splits(max(decode_spans), programs, multiprocessors(batch.kv_cache.device))
+    splits = plan_splits(decode_spans) if decode_spans else None
     longest = max(batch.query_lens)
     return _Plan(splits, longest if longest > 1 else 0)

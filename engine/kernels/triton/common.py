@@ -1,4 +1,4 @@
-"""What the Triton attention kernels share: the product helper and per-device facts.
+"""What the Triton attention kernels share: the product helper, key loads and softmax step.
 
 Triton's interpreter (`TRITON_INTERPRET=1`, how the kernels are tested on a CPU) miscomputes
 `tl.dot` on bf16 operands, so there the operands are widened to fp32 first. That changes no
@@ -9,7 +9,6 @@ the value dtype before the product either way.
 from __future__ import annotations
 
 import os
-from functools import cache
 
 import torch
 import triton
@@ -74,11 +73,3 @@ def key_tile(head_dim: int, dtype: torch.dtype) -> int:
     """Key positions per iteration: 64, or 32 where one K row passes 512 bytes (fp32 heads
     over 128), so that the tiles fit an A100's shared memory."""
     return 64 if triton.next_power_of_2(head_dim) * dtype.itemsize <= 512 else 32
-
-
-@cache
-def multiprocessors(device: torch.device) -> int:
-    """How many programs run at once on `device` (1 in the interpreter)."""
-    if device.type != "cuda":
-        return 1
-    return int(torch.cuda.get_device_properties(device).multi_processor_count)

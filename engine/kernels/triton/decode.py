@@ -6,10 +6,22 @@ are read in place through the block table, `key_tile` positions per iteration, e
 position's block looked up on its own, so any block size works. The softmax runs online in
 base 2 (the scale is folded into `scale * log2(e)`).
 
-Long contexts are split across programs (split-K) so that a small batch still fills the
-device; each split writes its normalized output and log-sum-exp, and a second kernel merges
-the splits. With one split the first kernel writes the output directly. The split count is a
-run-time argument: whatever a step needs, the kernels are compiled once per model.
+Long contexts are split across programs (split-K); each split writes its normalized output and
+log-sum-exp, and a second kernel merges the splits. How a sequence is cut depends on that
+sequence alone, never on the batch: its split size comes from its own attended span
+(`split_tokens`: SPLIT_TOKENS positions, more only where that would take over MAX_SPLITS
+splits), counted from its own first attended position. So a sequence's reduction order, and
+with it every bit of its output, is the same whatever shares its step (batch invariance): its
+splits cover the same positions, a sequence of one split writes its output directly in every
+grid (the merge leaves it alone), and the merge reduces over a fixed tile of MAX_SPLITS splits
+in which a sequence's own splits are the only ones not masked to zero. The grid's split
+dimension is the most splits any sequence of the step needs (`plan_splits`, from the lengths
+the host has); the programs past a sequence's own splits return at once. The split count is a
+run-time argument kept out of Triton's specialization, so every grid runs the same compiled
+kernels, and they are compiled once per model.
+
+The price of invariance: a large batch of long contexts is cut as finely as a lone sequence
+(more programs and partials to merge) where a batch-sized plan would not have split it.
 
 Sequences whose step has more than one query token are left to the prefill kernel: the
 grid covers the whole batch and such programs return at once.
@@ -17,7 +29,7 @@ grid covers the whole batch and such programs return at once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 import triton
@@ -33,11 +45,51 @@ from engine.kernels.triton.common import (
 )
 
 SPLIT_ALIGN = 64  # splits cover whole multiples of this many positions
-MIN_SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it saves
-MAX_SPLITS = 64
+SPLIT_TOKENS = 256  # a split shorter than this costs more in merging than it saves
+MAX_SPLITS = 64  # the merge's tile: no sequence is cut into more splits
+
+# The same numbers for the kernels (a jitted function reads only constexpr globals).
+_SPLIT_ALIGN = tl.constexpr(SPLIT_ALIGN)
+_SPLIT_TOKENS = tl.constexpr(SPLIT_TOKENS)
+_MAX_SPLITS = tl.constexpr(MAX_SPLITS)
+
+
+def split_tokens(span: int) -> int:
+    """Positions per split of a sequence attending `span` positions: SPLIT_TOKENS, or as many
+    whole SPLIT_ALIGN tiles as keep it to MAX_SPLITS splits (`_own_splits` in the kernels)."""
+    aligned = int(triton.cdiv(triton.cdiv(span, MAX_SPLITS), SPLIT_ALIGN)) * SPLIT_ALIGN
+    return max(SPLIT_TOKENS, aligned)
+
+
+def split_count(span: int) -> int:
+    """How many splits a sequence attending `span` positions is cut into (at least 1)."""
+    return max(1, int(triton.cdiv(span, split_tokens(span))))
+
+
+def plan_splits(spans: Iterable[int]) -> int:
+    """The decode grid's split dimension for a step whose decoding sequences attend `spans`
+    positions (their contexts, cut to the sliding window): the most splits any one needs."""
+    return max((split_count(span) for span in spans), default=1)
 
 
 @triton.jit
+def _own_splits(context, window):
+    """A sequence's first attended position, split size and split count, from its context
+    length and the window alone (as `split_tokens` and `split_count` on the host)."""
+    low = 0
+    if window > 0:
+        low = tl.maximum(context - window, 0)
+    span = context - low
+    per = tl.cdiv(tl.cdiv(span, _MAX_SPLITS), _SPLIT_ALIGN) * _SPLIT_ALIGN
+    per = tl.maximum(per, _SPLIT_TOKENS)
+    count = tl.maximum(tl.cdiv(span, per), 1)
+    return low, per, count
+
+
+# `num_splits` (the grid's split dimension) is left out of Triton's specialization on values
+# (1, multiples of 16): every grid then runs the same compiled kernel, so nothing a sequence
+# computes depends on how many splits the rest of its batch needs.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_kernel(
     out_ptr,
     part_out_ptr,
@@ -50,7 +102,6 @@ def _decode_kernel(
     context_lens_ptr,
     scale_log2,
     window,
-    tokens_per_split,
     num_splits,
     stride_qt,
     stride_qh,
@@ -69,7 +120,6 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
     HEADS: tl.constexpr,
     PRECISION: tl.constexpr,
     WIDEN: tl.constexpr,
@@ -81,11 +131,11 @@ def _decode_kernel(
     if tl.load(query_starts_ptr + sequence + 1) - query_start != 1:
         return
     context = tl.load(context_lens_ptr + sequence)
-    low = 0
-    if window > 0:
-        low = tl.maximum(context - window, 0)
-    split_low = low + split * tokens_per_split
-    split_high = tl.minimum(split_low + tokens_per_split, context)
+    low, per, count = _own_splits(context, window)
+    if split >= count:  # past this sequence's own splits (others in the batch need more)
+        return
+    split_low = low + split * per
+    split_high = tl.minimum(split_low + per, context)
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
@@ -123,7 +173,8 @@ def _decode_kernel(
     store_mask = row_mask[:, None] & dim_mask[None, :]
     safe_total = tl.where(total == 0.0, 1.0, total)
     output = acc / safe_total[:, None]
-    if not SPLIT:
+    if count == 1:
+        # One split: the output, directly, in every grid (the merge skips this sequence).
         tl.store(
             out_ptr
             + query_start.to(tl.int64) * stride_ot
@@ -133,19 +184,22 @@ def _decode_kernel(
             mask=store_mask,
         )
     else:
-        # Partials are [sequence, head, split, dim] and [sequence, head, split], contiguous.
+        # Partials are [sequence, head, split, dim] and [sequence, head, split], contiguous;
+        # every split below `count` holds at least one position, so its lse is finite.
         part = (sequence.to(tl.int64) * HEADS + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], output, mask=store_mask)
-        lse = tl.where(total == 0.0, float("-inf"), best + tl.log2(safe_total))
+        lse = best + tl.log2(safe_total)
         tl.store(part_lse_ptr + part, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
     query_starts_ptr,
+    context_lens_ptr,
+    window,
     num_splits,
     stride_ot,
     stride_oh,
@@ -159,14 +213,20 @@ def _merge_splits_kernel(
     query_start = tl.load(query_starts_ptr + sequence)
     if tl.load(query_starts_ptr + sequence + 1) - query_start != 1:
         return
+    _, _, count = _own_splits(tl.load(context_lens_ptr + sequence), window)
+    if count == 1:  # the decode kernel wrote its output
+        return
+    # The sequence's own splits, in a tile of BLOCK_S (MAX_SPLITS) whatever the grid: the
+    # rest are masked to lse -inf (weight 0) and output 0, so the sums below add the same
+    # values in the same order in every batch.
     splits = tl.arange(0, BLOCK_S)
-    split_mask = splits < num_splits
+    split_mask = splits < count
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     part = (sequence.to(tl.int64) * HEADS + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + part, mask=split_mask, other=float("-inf"))
-    # Split 0 always holds the context's first position, so the largest lse is finite; an
-    # empty split has lse -inf and weighs nothing. Each split's output is already normalized.
+    # Each split's output is already normalized; the largest lse is finite (no split below
+    # `count` is empty).
     weights = tl.exp2(lse - tl.max(lse, 0))
     partial = tl.load(
         part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :],
@@ -181,26 +241,6 @@ def _merge_splits_kernel(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class Splits:
-    """How a step's decode contexts are cut: `count` splits of `tokens` positions."""
-
-    count: int
-    tokens: int
-
-
-def plan_splits(longest_span: int, programs: int, multiprocessors: int) -> Splits:
-    """Cut contexts of up to `longest_span` attended positions so that `programs` (sequences x
-    KV heads) times the split count fills about two waves of `multiprocessors`, with no split
-    shorter than MIN_SPLIT_TOKENS."""
-    count = 1
-    if programs < 2 * multiprocessors:
-        count = min(triton.cdiv(2 * multiprocessors, programs), MAX_SPLITS)
-        count = max(1, min(count, longest_span // MIN_SPLIT_TOKENS))
-    tokens = triton.cdiv(triton.cdiv(max(longest_span, 1), count), SPLIT_ALIGN) * SPLIT_ALIGN
-    return Splits(triton.cdiv(max(longest_span, 1), tokens), tokens)
-
-
 def decode_attention(
     output: torch.Tensor,
     query: torch.Tensor,
@@ -211,14 +251,16 @@ def decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     window: int,
-    splits: Splits,
+    splits: int,
 ) -> None:
     """Attend every sequence of the batch that has exactly one query token this step.
 
     `query`/`output`: `[tokens, heads, head_dim]` (last dim contiguous); caches:
     `[blocks, block_size, kv_heads, head_dim]`; `block_tables` int32 `[sequences, max_blocks]`;
     `query_starts` int32 `[sequences + 1]`; `context_lens` int32 `[sequences]`; `window` 0 for
-    none. Rows of other sequences are left as they are.
+    none; `splits` the grid's split dimension, at least `plan_splits` of the decoding
+    sequences' spans (more only adds programs that return at once). Rows of other sequences
+    are left as they are.
     """
     sequences = block_tables.shape[0]
     heads, head_dim = query.shape[1], query.shape[2]
@@ -228,14 +270,12 @@ def decode_attention(
         query = query.contiguous()
     parts = torch.empty(0, device=query.device, dtype=torch.float32)
     lse = parts
-    if splits.count > 1:
+    if splits > 1:
         parts = torch.empty(
-            (sequences, heads, splits.count, head_dim), device=query.device, dtype=torch.float32
+            (sequences, heads, splits, head_dim), device=query.device, dtype=torch.float32
         )
-        lse = torch.empty(
-            (sequences, heads, splits.count), device=query.device, dtype=torch.float32
-        )
-    _decode_kernel[(sequences, kv_heads, splits.count)](
+        lse = torch.empty((sequences, heads, splits), device=query.device, dtype=torch.float32)
+    _decode_kernel[(sequences, kv_heads, splits)](
         output,
         parts,
         lse,
@@ -247,8 +287,7 @@ def decode_attention(
         context_lens,
         scale * LOG2E,
         window,
-        splits.tokens,
-        splits.count,
+        splits,
         query.stride(0),
         query.stride(1),
         output.stride(0),
@@ -266,17 +305,18 @@ def decode_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=key_cache.shape[1],
         BLOCK_N=key_tile(head_dim, query.dtype),
-        SPLIT=splits.count > 1,
         HEADS=heads,
         **product_options(query.dtype),
     )
-    if splits.count > 1:
+    if splits > 1:
         _merge_splits_kernel[(sequences, heads)](
             output,
             parts,
             lse,
             query_starts,
-            splits.count,
+            context_lens,
+            window,
+            splits,
             output.stride(0),
             output.stride(1),
             HEADS=heads,

@@ -1,5 +1,6 @@
 """The Triton kernels against plain references: paged attention (decode with and without
-split-K, prefill and extend), KV writes and block zeroing.
+split-K, prefill and extend), KV writes and block zeroing; and decode's batch invariance (a
+sequence's output bits do not depend on what shares its step).
 
 Without a GPU they run in Triton's interpreter on CPU tensors (tests/conftest.py sets
 TRITON_INTERPRET=1), so the shapes stay small; `bench/gpu_check.sh` runs this file natively on
@@ -14,7 +15,13 @@ import pytest
 import torch
 
 from engine.attention.triton_backend import TritonAttention
-from engine.kernels.triton.decode import Splits, decode_attention, plan_splits
+from engine.kernels.triton.decode import (
+    MAX_SPLITS,
+    decode_attention,
+    plan_splits,
+    split_count,
+    split_tokens,
+)
 from engine.kernels.triton.kv_write import write_kv
 from engine.kernels.triton.prefill import prefill_attention
 from engine.kernels.triton.zero import zero_blocks
@@ -25,7 +32,7 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 
 
-def attend(inputs: Inputs, case: Case, splits: Splits | None = None) -> torch.Tensor:
+def attend(inputs: Inputs, case: Case, splits: int | None = None) -> torch.Tensor:
     """Both kernels over the batch, as the backend calls them; untouched rows stay NaN."""
     on_device = [
         tensor.to(DEVICE)
@@ -34,9 +41,13 @@ def attend(inputs: Inputs, case: Case, splits: Splits | None = None) -> torch.Te
     ]  # fmt: skip
     output = torch.full(inputs.query.shape, float("nan"), dtype=inputs.query.dtype, device=DEVICE)
     arguments = (*on_device, case.head_dim**-0.5, case.window)
-    if splits is None:
-        spans = [min(context, case.window or context) for _, context in case.lengths]
-        splits = plan_splits(max(spans), len(case.lengths) * case.kv_heads, 1)
+    if splits is None:  # as the backend plans it
+        spans = [
+            min(context, case.window or context)
+            for query_len, context in case.lengths
+            if query_len == 1
+        ]
+        splits = plan_splits(spans)
     decode_attention(output, *arguments, splits)
     if case.longest_query > 1:
         prefill_attention(output, *arguments, case.longest_query)
@@ -54,11 +65,13 @@ def test_attention_matches_the_float64_reference(name: str, dtype: torch.dtype) 
 
 
 SPLIT_CASES = {
-    # Contexts cut into 3 and 5 splits; the shorter sequences leave later splits empty.
-    "three-splits": (Case([(1, 300), (1, 17), (1, 600)], num_blocks=80), Splits(3, 256)),
-    "five-splits": (Case([(1, 300), (1, 17), (1, 600)], num_blocks=80), Splits(5, 128)),
-    "splits-in-a-window": (Case([(1, 300), (1, 90), (4, 50)], window=100), Splits(2, 64)),
-    "gqa-4-splits": (Case([(1, 200), (1, 130)], heads=8, kv_heads=2), Splits(4, 64)),
+    # 600 positions in 3 splits of 256, 300 in 2, 17 in one (written directly).
+    "three-splits": (Case([(1, 300), (1, 17), (1, 600)], num_blocks=80), None),
+    # A grid wider than any sequence needs: the programs past a sequence's splits do nothing.
+    "grid-of-five-splits": (Case([(1, 300), (1, 17), (1, 600)], num_blocks=80), 5),
+    # A window of 300 over 700 positions: 2 splits from position 400, a prefill beside them.
+    "splits-in-a-window": (Case([(1, 700), (1, 90), (4, 50)], window=300), None),
+    "gqa-4-splits": (Case([(1, 600), (1, 130)], heads=8, kv_heads=2), None),
 }
 
 
@@ -73,18 +86,29 @@ def test_split_k_decode_matches_the_reference(name: str, dtype: torch.dtype) -> 
     torch.testing.assert_close(output, expected, atol=tolerance, rtol=tolerance)
 
 
-def test_split_plan_fills_the_device_without_tiny_splits() -> None:
-    # 32 sequences x 8 KV heads already fill 128 multiprocessors twice: no split.
-    assert plan_splits(4096, 32 * 8, 128) == Splits(1, 4096)
-    # One sequence of 4k on 132 multiprocessors: cut, but no split under 256 positions.
-    one = plan_splits(4096, 8, 132)
-    assert one.count == 16 and one.tokens == 256
-    # Short contexts are never split; every split covers whole 64-position tiles.
-    assert plan_splits(200, 1, 132) == Splits(1, 256)
-    for span, programs in ((1000, 3), (4097, 8), (65_000, 1)):
-        splits = plan_splits(span, programs, 132)
-        assert splits.tokens % 64 == 0 and splits.count * splits.tokens >= span
-        assert (splits.count - 1) * splits.tokens < span  # no split is empty for the longest
+def test_splits_grow_past_max_splits_of_256_positions() -> None:
+    # 16,448 positions: 52 splits of 320, as the host plans them (fp32 only: 9 s a dtype).
+    case = Case([(1, 16_448), (1, 40)], heads=2, kv_heads=1, head_dim=16, block_size=64,
+                num_blocks=260, shared_blocks=0)  # fmt: skip
+    inputs = make_inputs(case, torch.float32, seed=3)
+    expected = reference(inputs, case.lengths, case.window)
+    tolerance = TOLERANCE[torch.float32]
+    torch.testing.assert_close(attend(inputs, case), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_a_sequences_splits_follow_from_its_own_span_alone() -> None:
+    # Up to MAX_SPLITS x 256 positions, splits of 256: short contexts are never split.
+    assert [split_count(span) for span in (1, 200, 256, 257, 700, 4096)] == [1, 1, 1, 2, 3, 16]
+    assert split_tokens(16_384) == 256 and split_count(16_384) == MAX_SPLITS
+    # Longer, the splits grow by whole 64-position tiles to keep to MAX_SPLITS.
+    assert split_tokens(16_385) == 320 and split_count(16_448) == 52
+    for span in (1, 255, 1000, 4097, 16_385, 65_000, 1 << 20):
+        per, count = split_tokens(span), split_count(span)
+        assert per % 64 == 0 and per >= 256 and 1 <= count <= MAX_SPLITS
+        assert count * per >= span and (count - 1) * per < span  # none of its own is empty
+    # The grid needs as many splits as the most any sequence needs; nothing else counts.
+    assert plan_splits([100, 700, 300]) == 3 and plan_splits([100] * 500) == 1
+    assert plan_splits([]) == 1
 
 
 def test_attention_reads_nothing_outside_the_tables_blocks() -> None:
@@ -104,6 +128,90 @@ def test_attention_reads_nothing_outside_the_tables_blocks() -> None:
     output = attend(inputs, case)
     assert not output.isnan().any()
     assert torch.equal(output, expected)
+
+
+# Batch invariance: the same sequences, alone and among others of every kind (longer ones that
+# widen the grid to 6 splits, shorter ones, prefills), give the same output bits.
+INVARIANCE_POOL = Case([], heads=6, kv_heads=2, head_dim=32, block_size=16, num_blocks=96)
+# Three splits of their own (700) and one (100: written directly whatever the grid).
+TARGETS = [(1, 700), (1, 100)]
+
+
+def other_lengths(count: int) -> list[tuple[int, int]]:
+    """`count` sequences beside the targets: the first longer than both (a grid of 6 splits),
+    then short and long decodes, and every fifth a prefill or extend."""
+    contexts = [1300, 5, 300, 64, 600, 17, 270, 130]
+    return [
+        (2 + 3 * (i % 7), 40 + 13 * i) if i % 5 == 2 else (1, contexts[i % 8] + i)
+        for i in range(count)
+    ]
+
+
+def first_rows(
+    sequences: list[tuple[int, int, int]], dtype: torch.dtype, window: int = 0
+) -> list[torch.Tensor]:
+    """Attend a batch of `(query_len, context, seed)` over one shared K/V pool and return each
+    sequence's first output row. A sequence's query rows and block table come from its own
+    seed, so it is the same sequence in every batch it joins."""
+    pool = INVARIANCE_POOL
+    generator = torch.Generator().manual_seed(0)
+    shape = (pool.num_blocks, pool.block_size, pool.kv_heads, pool.head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype)
+    value_cache = torch.randn(shape, generator=generator).to(dtype)
+    widths = [-(-context // pool.block_size) for _, context, _ in sequences]
+    tables = torch.zeros(len(sequences), max(widths), dtype=torch.int32)
+    queries, starts = [], [0]
+    for row, (query_len, _, seed) in enumerate(sequences):
+        own = torch.Generator().manual_seed(seed)
+        tables[row, : widths[row]] = torch.randperm(pool.num_blocks, generator=own)[: widths[row]]
+        queries.append(torch.randn(query_len, pool.heads, pool.head_dim, generator=own))
+        starts.append(starts[-1] + query_len)
+    inputs = Inputs(
+        torch.cat(queries).to(dtype),
+        key_cache,
+        value_cache,
+        tables,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor([context for _, context, _ in sequences], dtype=torch.int32),
+    )
+    lengths = [(query_len, context) for query_len, context, _ in sequences]
+    case = Case(lengths, pool.heads, pool.kv_heads, pool.head_dim, pool.block_size, window)
+    output = attend(inputs, case)
+    return [output[start] for start in starts[:-1]]
+
+
+def targets_alone_and_among(
+    others: list[tuple[int, int]], dtype: torch.dtype, window: int = 0
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The targets' output rows each alone, and in one batch with `others`: the first target
+    in the middle, the second last."""
+    targets = [(*target, seed) for seed, target in enumerate(TARGETS, start=1)]
+    alone = [first_rows([target], dtype, window)[0] for target in targets]
+    rest = [(*other, 100 + i) for i, other in enumerate(others)]
+    middle = len(rest) // 2
+    among = first_rows([*rest[:middle], targets[0], *rest[middle:], targets[1]], dtype, window)
+    return alone, [among[middle], among[-1]]
+
+
+@DTYPES
+@pytest.mark.parametrize("others", [1, 7, 31])
+def test_a_decoding_sequences_bits_do_not_depend_on_its_batch(
+    others: int, dtype: torch.dtype
+) -> None:
+    lengths = other_lengths(others)
+    spans = [context for query_len, context in lengths if query_len == 1]
+    assert plan_splits(spans) == 6  # a wider grid than either target needs alone
+    alone, among = targets_alone_and_among(lengths, dtype)
+    for target, own, shared in zip(TARGETS, alone, among, strict=True):
+        assert not own.isnan().any()
+        assert torch.equal(own, shared), f"context {target[1]} alone vs among {others} others"
+
+
+def test_a_decoding_sequences_bits_do_not_depend_on_its_batch_under_a_window() -> None:
+    # A window of 500: the 700 context's two splits start at position 200.
+    alone, among = targets_alone_and_among(other_lengths(7), torch.float32, window=500)
+    for own, shared in zip(alone, among, strict=True):
+        assert torch.equal(own, shared)
 
 
 @DTYPES
