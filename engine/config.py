@@ -47,6 +47,9 @@ class EngineConfig:
     max_waiting: int = 4096
     queue_timeout_s: float = 30.0
     enable_prefix_caching: bool = True
+    # Warm the engine thread up before it serves (engine/warm_up.py): a server's first
+    # requests then run as fast as its later ones; a one-request command need not.
+    warm_up: bool = True
     attention_backend: str = "auto"  # auto, cpu, torch or triton: see engine/attention/selection.py
     adapter_id: str = ""
     # Which idle cached block is evicted first: "value" (the least expected prefill time saved

@@ -78,6 +78,8 @@ class EngineCore:
         )
         # Restarts after a crashed step (see `_restart`), and the wall-clock time of the last.
         self.restarts = 0
+        # Seconds the engine thread's warm-up took before it served (0: not run yet).
+        self.warm_up_s = 0.0
         self.last_restart_at: float | None = None
         self._restarting = False
         pool = BlockPool(spec, num_blocks, self.device, backend.zero_blocks)
@@ -223,9 +225,12 @@ class EngineCore:
             "linear_kernel": "matrix" if self.runner.matrix_linears else "library",
             "kv_blocks": self.pool.num_blocks,
             "kv_tier": self._describe_tier(),
+            "warm_up_s": round(self.warm_up_s, 3),
             "restarts": self.restarts,
             "last_restart_at": self.last_restart_at,
             "scheduling": self.config.scheduling,
+            # None where nothing is governed (a GPU, one thread, threads that sleep when idle).
+            "cpu_threads": self.threads.describe() if self.threads else None,
             "step_cost": {
                 **self.step_cost.describe(),
                 "target_ms": round(self.step_target_ms, 3),

@@ -28,6 +28,7 @@ from engine.request import GenerationDelta, GenerationRequest
 from engine.sequence import Sequence, Sink
 from engine.structured.grammar import Grammars
 from engine.validation import ModelLimits, validate
+from engine.warm_up import warm_up
 
 # How long a stopping engine waits for the second tier to store its queued offloads.
 TIER_FLUSH_S = 5.0
@@ -52,9 +53,20 @@ class Engine(EngineCore):
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> Engine:
-        """Start the engine thread (idempotent)."""
+        """Start the engine thread (idempotent) and, the first time, warm it up
+        (engine/warm_up.py): the first requests run as fast as the later ones."""
         # A lambda: a restart replaces the scheduler.
         self._inbox.start(self._step_or_restart, lambda: self.scheduler.has_work())
+        warm = self.config.warm_up and not self.warm_up_s
+        if warm and self.pool.num_available == self.pool.num_blocks:
+            self.warm_up_s = self._inbox.call(
+                lambda: warm_up(
+                    self.runner,
+                    self.pool,
+                    self.config.max_num_batched_tokens,
+                    self.max_model_len,
+                )
+            )
         return self
 
     @property

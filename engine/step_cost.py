@@ -272,26 +272,38 @@ class _Calibration:
         return min(self._time(tokens, start, threads) for _ in range(runs))
 
     def _time(self, tokens: int, start: int, threads: int | None = None) -> float:
-        """Milliseconds of one step computing `tokens` synthetic tokens from `start`."""
-        chunk = Chunk(
-            request_id="calibration",
-            token_ids=[0] * tokens,
-            start=start,
-            block_ids=self.blocks,
-            prompt_positions=0,
-            needs_logits=True,
-        )
-        before = torch.get_num_threads()
-        if threads is not None:
-            torch.set_num_threads(threads)
-        try:
-            _synchronize(self.kv.device)
-            started = time.perf_counter()
-            self.runner.run([chunk])
-            _synchronize(self.kv.device)
-            return (time.perf_counter() - started) * 1000.0
-        finally:
-            torch.set_num_threads(before)
+        return synthetic_step_ms(self.runner, self.blocks, tokens, start, threads)
+
+
+def synthetic_step_ms(
+    runner: ModelRunner,
+    block_ids: list[int],
+    tokens: int,
+    start: int,
+    threads: int | None = None,
+) -> float:
+    """Milliseconds of one step computing `tokens` synthetic tokens from position `start` in
+    `block_ids` (the caller's scratch blocks: it zeroes them), on `threads` CPU threads or as
+    many as now."""
+    chunk = Chunk(
+        request_id="calibration",
+        token_ids=[0] * tokens,
+        start=start,
+        block_ids=block_ids,
+        prompt_positions=0,
+        needs_logits=True,
+    )
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        _synchronize(runner.device)
+        started = time.perf_counter()
+        runner.run([chunk])
+        _synchronize(runner.device)
+        return (time.perf_counter() - started) * 1000.0
+    finally:
+        torch.set_num_threads(before)
 
 
 def _synchronize(device: torch.device) -> None:

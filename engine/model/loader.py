@@ -32,6 +32,7 @@ from transformers import (
     GenerationConfig,
     PreTrainedModel,
 )
+from transformers.utils import logging as hf_logging
 
 EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
 # SmolLM2's own chat template plus tools (it renders everything else exactly as SmolLM2's).
@@ -243,6 +244,8 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
         if weights:
+            # Loading local files takes a second: no progress bar in a command's output.
+            hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
             model = AutoModelForCausalLM.from_pretrained(
                 directory, dtype=dtype, local_files_only=True, config=config
             )

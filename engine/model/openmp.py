@@ -127,6 +127,10 @@ class ThreadGovernor:
 
         self.all_threads = self.threads = threads
         self.narrowed = 0  # times the engine gave up threads it had all of
+        # When it last did (wall-clock seconds) and why: the share of the window's steps its
+        # thread spent waiting for a CPU. None while it never has.
+        self.last_narrowed_at: float | None = None
+        self.last_waited_share = 0.0
         self._clock, self._waited = clock, waited
         self._set_threads = set_threads or torch.set_num_threads
         self._retry_s = self.FIRST_RETRY_S
@@ -197,6 +201,7 @@ class ThreadGovernor:
             fewer = min(fewer, self._narrow)
         elif self.threads == self.all_threads:
             self.narrowed += 1
+            self.last_narrowed_at, self.last_waited_share = time.time(), share
             self._schedule_retry(now, longer=now - self._widened_at < self.LAST_RETRY_S)
             if now - self._warned_at >= self.WARN_EVERY_S:
                 self._warned_at = now
@@ -209,6 +214,17 @@ class ThreadGovernor:
                     self.all_threads,
                 )
         self._use(fewer)
+
+    def describe(self) -> dict[str, object]:
+        """The threads steps compute with now, and when and why the engine last gave some up."""
+        return {
+            "threads": self.threads,
+            "all_threads": self.all_threads,
+            "trying_all": self._trying,
+            "narrowings": self.narrowed,
+            "last_narrowed_at": self.last_narrowed_at,
+            "last_waited_share": round(self.last_waited_share, 3),
+        }
 
     def _schedule_retry(self, now: float, longer: bool) -> None:
         """The next try: after twice the last wait (up to LAST_RETRY_S), or FIRST_RETRY_S."""

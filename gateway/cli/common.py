@@ -100,6 +100,23 @@ def load_settings(**overrides: Any) -> Settings:
         env_file_unreadable(error)
 
 
+def log_to_state_dir(settings: Settings) -> Path:
+    """Send this command's log (the engine's notes: its warm-up, threads given up while the CPUs
+    are busy) to `<state_dir>/prefixgate.log`, never into the command's output; its path."""
+    import logging
+
+    from tenancy.private_paths import create_private_file
+
+    path = settings.state_dir / "prefixgate.log"
+    create_private_file(path)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return path
+
+
 def env_file_unreadable(error: UnicodeDecodeError) -> NoReturn:
     """The one line for a .env that is not text (the only bytes settings decode are .env's)."""
     fail(f"cannot read .env in the working directory: not UTF-8 text at byte {error.start}")

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from gateway.cli.common import app, fail, load_settings
+from gateway.cli.common import app, fail, load_settings, log_to_state_dir
 
 
 def human_bytes(count: float) -> str:
@@ -99,6 +99,7 @@ def demo(
     from gateway.runtime.engine_setup import check_engine, load_configured_model
 
     settings = load_settings()
+    log_to_state_dir(settings)
     try:
         check_engine(settings)
         loaded = load_configured_model(settings, model)
@@ -155,6 +156,7 @@ def generate(
     from policies.templates import TemplateRejected, render
 
     settings = load_settings()
+    log_to_state_dir(settings)
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
         check_engine(settings)
@@ -174,6 +176,7 @@ def generate(
     try:
         config = EngineConfig(
             max_num_seqs=1,
+            warm_up=False,  # one request: warming up would cost it as much as it saves
             attention_backend=settings.attention_backend,
             kv_cache_bytes=settings.kv_cache_bytes,
             gpu_memory_fraction=settings.gpu_memory_fraction,

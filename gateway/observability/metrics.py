@@ -297,6 +297,17 @@ def _thread_metrics(threads: ThreadGovernor) -> Iterator[Metric]:
         "Times the engine went from all its threads to fewer because its thread waited for a CPU.",
         value=threads.narrowed,
     )
+    if threads.last_narrowed_at is not None:
+        yield GaugeMetricFamily(
+            "prefixgate_engine_cpu_last_narrowing_timestamp_seconds",
+            "When the engine last went from all its threads to fewer (Unix time).",
+            value=threads.last_narrowed_at,
+        )
+        yield GaugeMetricFamily(
+            "prefixgate_engine_cpu_last_narrowing_waited_ratio",
+            "Why: the share of its recent steps' time the engine thread had waited for a CPU.",
+            value=threads.last_waited_share,
+        )
 
 
 def _service_metrics(

@@ -143,6 +143,21 @@ def test_a_window_of_waiting_narrows_to_the_share_run_then_all_are_tried_after_a
     assert (governor.threads, governor.narrowed, machine.set) == (4, 1, [2, 4])
 
 
+def test_the_governor_says_when_and_why_it_last_gave_threads_up() -> None:
+    machine = Machine()
+    governor = machine.governor()
+    assert governor.describe() == {
+        "threads": 4, "all_threads": 4, "trying_all": False, "narrowings": 0,
+        "last_narrowed_at": None, "last_waited_share": 0.0,
+    }  # fmt: skip
+    before = time.time()
+    machine.window(governor, waiting=0.5)
+    shown = governor.describe()
+    assert (shown["threads"], shown["narrowings"], shown["last_waited_share"]) == (2, 1, 0.5)
+    assert isinstance(shown["last_narrowed_at"], float)
+    assert before <= shown["last_narrowed_at"] <= time.time()
+
+
 def test_narrowed_windows_that_still_wait_narrow_further() -> None:
     machine = Machine()
     governor = machine.governor(threads=16)

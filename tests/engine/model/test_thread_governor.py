@@ -71,6 +71,11 @@ def test_busy_processes_narrow_the_engine_and_it_widens_again_once_they_stop(
             process.kill()
             process.wait()
     assert governor.narrowed >= 1
+    # /readyz shows when and why (engine.describe()["cpu_threads"]).
+    shown = engine.describe()["cpu_threads"]
+    assert shown["narrowings"] == governor.narrowed
+    assert shown["last_waited_share"] > ThreadGovernor.WAITED_SHARE
+    assert time.time() - 10 < shown["last_narrowed_at"] <= time.time()
     # Mostly narrowed: a try may pass by chance, but most steps run with fewer threads.
     assert sum(count < governor.all_threads for count in crowded) > len(crowded) / 2
 

@@ -88,10 +88,21 @@ def test_demo_reports_the_public_prompts_reuse_by_the_blocks_read(
     ), tenants[1]
 
 
-def test_generate_streams_an_answer_from_the_embedded_model(smollm2_dir: Path) -> None:
+def test_generate_streams_an_answer_and_keeps_the_engines_notes_in_the_log(
+    smollm2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PREFIXGATE_STATE_DIR", str(tmp_path / "state"))
     completed = prefixgate("generate", "--prompt", "What is the capital of France?")
     assert completed.returncode == 0, completed.stderr
-    assert "Paris" in completed.stdout
+    # The answer alone on stdout, the usage line alone on stderr: no progress bar, and none of
+    # the engine's notes (its calibration, threads it gives up on a busy machine).
+    assert len(completed.stdout.splitlines()) == 1 and "Paris" in completed.stdout
+    assert re.fullmatch(r"\[\d+ prompt tokens, \d+ generated, finish: \w+\]\n", completed.stderr), (
+        completed.stderr
+    )
+    log = tmp_path / "state" / "prefixgate.log"
+    assert "engine: step cost calibrated" in log.read_text()
+    assert log.stat().st_mode & 0o777 == 0o600
 
 
 def test_generate_rejects_a_bad_model_directory_in_one_line(tmp_path: Path) -> None:

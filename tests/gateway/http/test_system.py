@@ -46,6 +46,8 @@ def test_readyz_reports_every_check_passing_to_the_scraper(gateway: Gateway) -> 
     assert body["engine"]["dtype"] == dtype_name(resolve_dtype("auto"))
     assert body["engine"]["attention_backend"] == "cpu"
     assert body["engine"]["kv_blocks"] == engine.pool.num_blocks
+    # The engine thread warmed up before the gateway said it was ready (engine/warm_up.py).
+    assert body["engine"]["warm_up_s"] > 0
 
 
 def test_metrics_for_the_scraper_count_requests_tokens_and_cache_per_tenant(
