@@ -67,7 +67,7 @@ ANSWER_TIMEOUT_S = 900  # vLLM's start-up (compiling its graphs) or one phase, a
 
 @dataclass(frozen=True, slots=True)
 class Phase:
-    """Requests submitted together; `kind` is warmup, cold, prime, warm or streams."""
+    """Requests submitted together; `kind` is first, cold, prime, warm or streams."""
 
     name: str
     kind: str

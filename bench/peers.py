@@ -9,7 +9,10 @@ same ids for every engine), a 1,024-token shared prefix + 512 unique tokens per 
 greedy output tokens with EOS ignored. It runs as phases, each a set of requests submitted
 together, in this order:
 
-    warmup       one prompt with its own prefix (code paths, allocators; not measured)
+    first        the first request after the engine's start, a prompt with its own prefix:
+                 first TTFT and decode, against the cold and warm medians (an engine that
+                 pays for code paths, allocators or threads at its first request shows it
+                 here, not in the later phases)
     cold-i       `--samples` prompts, each with its own prefix: nothing cached -> cold TTFT
     prime        the shared prefix's first request: it fills the prefix cache
     warm-i       `--samples` prompts on the shared prefix -> warm TTFT, single-stream decode
@@ -77,7 +80,7 @@ import os
 import random
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +125,9 @@ class EngineResult:
     warm_cached_tokens: tuple[int | None, int | None]  # least and most, shared-prefix requests
     notes: dict[str, Any]
     samples: dict[str, list[float]]  # cold_ttft_s...at_once_tok_s, per sample, phase order
+    # The first request after start: its TTFT over the cold median, its decode over the warm
+    # median (1.0: as fast as the later requests).
+    first_request: dict[str, float] = field(default_factory=dict)
 
 
 # -- the workload ----------------------------------------------------------------------------
@@ -141,7 +147,7 @@ def build_workload(args: argparse.Namespace, model_dir: Path, tokenizer: Any) ->
         return [prefix + rng.choices(normal, k=args.unique_tokens) for _ in range(count)]
 
     streams = sorted({min(4, args.concurrency), args.concurrency} - {1})
-    phases = [Phase("warmup", "warmup", fresh())]
+    phases = [Phase("first", "first", fresh())]
     phases += [Phase(f"cold-{i}", "cold", fresh()) for i in range(args.samples)]
     phases += [Phase("prime", "prime", shared(1))]
     phases += [Phase(f"warm-{i}", "warm", shared(1)) for i in range(args.samples)]
@@ -190,9 +196,9 @@ def agreement(run: EngineRun, reference: EngineRun, tokenizer: Any) -> float:
     same = []
     for phase, theirs in reference.traces.items():
         for mine, their in zip(run.traces[phase], theirs, strict=True):
-            if phase != "warmup" and mine.token_ids is not None:
+            if mine.token_ids is not None:
                 same.append(mine.token_ids == their.token_ids)
-            elif phase != "warmup":
+            else:
                 same.append(
                     mine.text == tokenizer.decode(their.token_ids, skip_special_tokens=True)
                 )
@@ -226,6 +232,14 @@ def measure(
         "at_once_tok_s": [at_once(phase) for phase in at_once_phases],
     }
     medians = {metric: statistics.median(values) for metric, values in samples.items()}
+    (first,) = workload.of_kind("first")
+    first_ttft, first_decode = first_tokens(first), decode(first)
+    first_request = {
+        "ttft_s": first_ttft,
+        "decode_tok_s": first_decode,
+        "ttft_vs_cold": first_ttft / medians["cold_ttft_s"],
+        "decode_vs_warm": first_decode / medians["decode_tok_s"],
+    }
     aggregate: dict[int, float | None] = {1: medians["decode_tok_s"]}
     for width, phases in sorted(by_width.items()):
         rates = [aggregate_decode(run.traces[phase.name]) for phase in phases]
@@ -237,6 +251,7 @@ def measure(
         dtype=run.dtype,
         **medians,
         aggregate_decode_tok_s=aggregate,
+        first_request=first_request,
         agreement=agreement(run, reference, tokenizer),
         warm_cached_tokens=(min(cached, default=None), max(cached, default=None)),
         notes=run.notes,
@@ -439,6 +454,13 @@ def print_table(
     engines = list(results.values())
     rows = [
         ("dtype", [e.dtype for e in engines]),
+        ("first request's TTFT (s)", [f"{e.first_request['ttft_s']:.3f}" for e in engines]),
+        ("  over cold TTFT", [f"{e.first_request['ttft_vs_cold']:.2f}" for e in engines]),
+        (
+            "first request's decode (tok/s)",
+            [f"{e.first_request['decode_tok_s']:.1f}" for e in engines],
+        ),
+        ("  over warm decode", [f"{e.first_request['decode_vs_warm']:.2f}" for e in engines]),
         ("cold TTFT (s)", [f"{e.cold_ttft_s:.3f}" for e in engines]),
         ("warm TTFT (s)", [f"{e.warm_ttft_s:.3f}" for e in engines]),
         ("single-stream decode (tok/s)", [f"{e.decode_tok_s:.1f}" for e in engines]),

@@ -71,6 +71,13 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
         assert engine["at_once_tok_s"] > 0 and engine["decode_tok_s"] > 0, name
         assert set(engine["aggregate_decode_tok_s"]) == {1, 2}, name
         assert 0 <= engine["agreement"] <= 1, name
+        # The first request after start, beside the later ones.
+        first = engine["first_request"]
+        assert first["ttft_s"] > 0 and first["decode_tok_s"] > 0, name
+        assert first["ttft_vs_cold"] == pytest.approx(first["ttft_s"] / engine["cold_ttft_s"])
+        assert first["decode_vs_warm"] == pytest.approx(
+            first["decode_tok_s"] / engine["decode_tok_s"]
+        )
     # Every shared-prefix request after the first reuses the whole 32-token prefix.
     assert engines["prefixgate_engine"]["warm_cached_tokens"] == (32, 32)
     assert engines["prefixgate_api"]["warm_cached_tokens"] == (32, 32)
@@ -91,7 +98,7 @@ def test_tiny_run_reports_every_metric_and_warm_requests_hit_the_cache(
     assert scaling["of_floor"] == expected
     # The machine was probed before every phase, in the engines' dtype.
     speed = result["machine_speed"]
-    phases = ["warmup", "cold-0", "prime", "warm-0", "streams-2-0"]
+    phases = ["first", "cold-0", "prime", "warm-0", "streams-2-0"]
     assert list(speed["before_phase"]) == phases
     assert speed["matmul"] == "1536x576x3072 float32"
     for rate in ("matmul_tflops", "memory_gb_s", "read_gb_s"):
