@@ -21,35 +21,41 @@ _NAMED_KEYWORDS = (
     "maxItems", "minimum", "maximum", "pattern", "$ref", "enum", "const", "anyOf", "oneOf",
     "allOf", "format", "required",
 )  # fmt: skip
-# xgrammar's words for a keyword's subject, where it does not name the keyword.
-_SUBJECTS = (("regex", "pattern"), ("Regex", "pattern"), ("Unsupported type", "type"))
+# xgrammar's words for a keyword's subject, where it does not name the keyword (or names one
+# the schema does not hold: "Integer exceeds maximum limit" for a `minimum`).
+_BOUNDS = ("minimum", "maximum")  # and their exclusive forms, by `_held`
+_SUBJECTS = (
+    ("regex", ("pattern",)), ("Regex", ("pattern",)), ("Unsupported type", ("type",)),
+    ("Integer", _BOUNDS), ("integer", _BOUNDS), ("Invalid range", _BOUNDS),
+)  # fmt: skip
 
 
 def schema_refusal(schema: Any, detail: str) -> str:
     """Why `schema` cannot be compiled, given xgrammar's `detail`, without its words."""
-    keyword = _keyword(detail)
-    for subschema, path in subschemas(schema):
-        held = _held(subschema, keyword)
-        if held is not None:
-            return f"the schema cannot be compiled: {held!r} (at {path}) is not one it can hold"
+    for keyword in _keywords(detail):
+        for subschema, path in subschemas(schema):
+            held = _held(subschema, keyword)
+            if held is not None:
+                return f"the schema cannot be compiled: {held!r} (at {path}) is not one it can hold"
     return "the schema cannot be compiled at #"
 
 
-def _keyword(detail: str) -> str | None:
-    """The keyword xgrammar's text names first (the longest where two start together)."""
+def _keywords(detail: str) -> list[str]:
+    """The keywords xgrammar's text names, first named first (the longest where two start
+    together), then those of the subjects it names."""
     found = [
         (match.start(), -len(keyword), keyword)
         for keyword in _NAMED_KEYWORDS
         if (match := re.search(rf"(?<![\w$]){re.escape(keyword)}(?!\w)", detail))
     ]
-    if found:
-        return min(found)[2]
-    return next((keyword for words, keyword in _SUBJECTS if words in detail), None)
+    named = [keyword for _, _, keyword in sorted(found)]
+    subjects = [keyword for words, keywords in _SUBJECTS if words in detail for keyword in keywords]
+    return list(dict.fromkeys(named + subjects))
 
 
-def _held(schema: Any, keyword: str | None) -> str | None:
+def _held(schema: Any, keyword: str) -> str | None:
     """`keyword` if `schema` holds it (or, for a bound, its exclusive form), else None."""
-    if keyword is None or not isinstance(schema, dict):
+    if not isinstance(schema, dict):
         return None
     exclusive = f"exclusive{keyword[0].upper()}{keyword[1:]}"
     return next((held for held in (keyword, exclusive) if held in schema), None)

@@ -12,7 +12,9 @@ that needs it.
 Processes are forked from multiprocessing's fork server, never from the serving process (it
 has threads; a fork would copy their locks held): the server imported xgrammar once, so a
 process starts in tens of milliseconds rather than the second or two an import takes (the
-fork server itself starts with the first process). They start when first needed, and end
+fork server itself starts with the first process). A process does not run the serving
+process's main script again either (`_Popen`): that would import the whole gateway, seconds
+that the job after a killed compile would wait. They start when first needed, and end
 when the pool closes, when it is garbage-collected or its process exits (multiprocessing
 ends daemonic children then), or, should the serving process die, when their pipe closes
 (between compiles) or their CPU limit runs out (during one).
@@ -22,14 +24,18 @@ A job waits at most `wait_s` for a free process, then is refused as `EngineOverl
 
 from __future__ import annotations
 
+import io
 import multiprocessing
+import os
 import queue
 import threading
 import weakref
 from dataclasses import dataclass
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerProcess, set_spawning_popen
 from multiprocessing.process import BaseProcess
-from typing import Literal
+from typing import Any, Literal
 
 from engine.errors import EngineOverloaded
 from engine.structured import compile_worker
@@ -142,11 +148,11 @@ class _CompileProcess:
         return _result(answer)
 
     def _start(self, tokenizer_info: str, limits: CompileLimits) -> _Started:
-        # The fork server imports the main module once, so that no process forked from it
-        # imports it again (it is imported as `__mp_main__`: its `__main__` block never runs).
-        _CONTEXT.set_forkserver_preload(["__main__", compile_worker.__name__])
+        # The fork server imports this module (and so the worker's, and xgrammar) once, for
+        # every process: a process unpickles `_WorkerProcess` and runs `compile_worker.serve`.
+        _CONTEXT.set_forkserver_preload([__name__])
         parent, child = _CONTEXT.Pipe()
-        process = _CONTEXT.Process(
+        process = _WorkerProcess(
             target=compile_worker.serve,
             args=(child, tokenizer_info, limits.memory_mb, limits.timeout_s),
             name="grammar-compile",
@@ -195,3 +201,52 @@ def _result(answer: bytes) -> str:
 def _kill_all(processes: list[_CompileProcess]) -> None:
     for process in processes:
         process.kill()
+
+
+class _WorkerProcess(ForkServerProcess):
+    """A compile process, started by `_Popen`."""
+
+    @staticmethod
+    def _Popen(process_obj: Any) -> _Popen:
+        return _Popen(process_obj)
+
+
+# What would make the child run the parent's main script (or module) again, as `__mp_main__`.
+_MAIN_KEYS = ("init_main_from_path", "init_main_from_name")
+
+
+class _Popen(popen_forkserver.Popen):
+    """The fork server's start of a process, less the main script.
+
+    multiprocessing runs the parent's main script again in each child (to unpickle what it
+    defines) unless the fork server preloaded it, and Python 3.11's fork server never does: it
+    looks for a `main_path` that `get_preparation_data` does not give. For `prefixgate serve`
+    that is an import of the whole gateway per compile process, seconds on a busy machine; the
+    compile process needs nothing from it (its target is `compile_worker.serve`). So it is
+    started as multiprocessing starts one (Python 3.11's `_launch`), with the main left out.
+    """
+
+    def _launch(self, process_obj: Any) -> None:
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        for key in _MAIN_KEYS:
+            prep_data.pop(key, None)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        fds: list[int] = self._fds  # type: ignore[attr-defined]  # the base class's
+        self.sentinel, w = forkserver.connect_to_new_process(fds)
+        # A duplicate of the data pipe's write end: the child's sign that its parent lives.
+        parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, _close_fds, (parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as data:
+            data.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)

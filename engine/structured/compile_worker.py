@@ -25,10 +25,11 @@ from typing import Literal
 import xgrammar as xgr
 
 from engine.structured.schema_grammar import MAX_WHITESPACE, json_schema_ebnf
+from engine.structured.tool_grammar import ToolCalls, tool_calls_grammar
 
-# What a job compiles: a JSON schema's text, any JSON object (OpenAI's JSON mode), xgrammar
-# EBNF, or a grammar serialized by `Grammar.serialize_json`.
-JobKind = Literal["schema", "json_object", "ebnf", "grammar"]
+# What a job compiles: a JSON schema's text, any JSON object (OpenAI's JSON mode), a grammar
+# serialized by `Grammar.serialize_json`, or forced tool calls (`ToolCalls.to_json`).
+JobKind = Literal["schema", "json_object", "grammar", "tools"]
 # How an answer starts: the compiled grammar's JSON follows, or the failure's text.
 COMPILED, UNREADABLE, REFUSED, OUT_OF_MEMORY = b"C", b"U", b"R", b"M"
 READY = b"ready"
@@ -92,7 +93,7 @@ def _grammar(job: Job) -> str | xgr.Grammar:
         )
     if job.kind == "grammar":
         return xgr.Grammar.deserialize_json(job.text)
-    return job.text
+    return tool_calls_grammar(ToolCalls.from_json(job.text))
 
 
 def _failure(tag: bytes, error: BaseException) -> bytes:

@@ -39,6 +39,7 @@ from engine.structured.schema_checks import (
     tools_refused,
     unsupported,
 )
+from engine.structured.tool_grammar import ToolCalls, refused_call
 
 COMPACT = (",", ":")  # JSON's separators, without the spaces
 COMPILE_WAIT_S = 1.0  # how long a request waits for a free compile process
@@ -104,16 +105,17 @@ class Grammars:
         except CompileFailed as failed:
             raise unsupported(schema_refusal(schema, failed.detail)) from None
 
-    def compile_ebnf(self, ebnf: str) -> xgr.CompiledGrammar:
-        """The grammar for `ebnf` (xgrammar's EBNF, root rule `root`), for a request's tool
-        calls; `InvalidRequest` on `tools` for a grammar xgrammar refuses or that is too
-        costly to compile."""
+    def compile_tools(self, calls: ToolCalls) -> xgr.CompiledGrammar:
+        """The grammar of the tool calls `calls` allows, for a request's forced `tool_choice`:
+        written from the call schemas and compiled in a compile process, within its limits.
+        `InvalidRequest` on `tools` naming the function whose parameters xgrammar refuses, or
+        for a grammar that cannot be compiled or is too costly to compile."""
         if self._tokenizer is None:
             raise tools_refused("forced tool calls need a model with a tokenizer")
         try:
-            return self._compiled(Job("ebnf", ebnf), tools_refused)
-        except CompileFailed:
-            raise tools_refused("the grammar cannot be compiled") from None
+            return self._compiled(Job("tools", calls.to_json()), tools_refused)
+        except CompileFailed as failed:
+            raise tools_refused(_tools_refusal(calls, failed)) from None
 
     def compile_serialized(self, text: str) -> xgr.CompiledGrammar:
         """A grammar another process compiled and sent as `serialized(compiled)`, compiled
@@ -191,6 +193,17 @@ class _CompiledCache:
             while self._bytes > self._limit and len(self._grammars) > 1:
                 _, dropped = self._grammars.popitem(last=False)
                 self._bytes -= dropped.memory_size_bytes
+
+
+def _tools_refusal(calls: ToolCalls, failed: CompileFailed) -> str:
+    """Why the grammar of `calls` cannot be compiled, without xgrammar's words: the function
+    and the keyword in its parameters, as the checks before name them."""
+    refused = refused_call(failed.detail) if failed.kind == "unreadable" else None
+    if refused is None or refused[0] >= len(calls.parameters):
+        return "the grammar cannot be compiled"
+    index, detail = refused
+    reason = schema_refusal(json.loads(calls.parameters[index]), detail)
+    return f"function {calls.names[index]!r}: {reason}"
 
 
 def serialized(compiled: xgr.CompiledGrammar) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,10 @@ _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SCHEMAS = ("items", "additionalProperties")
 JSON_TYPES = frozenset({"null", "boolean", "object", "array", "number", "integer", "string"})
+# Keywords whose value must be a count: a whole number xgrammar can hold (a C++ int).
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+MAX_COUNT = 2**31 - 1
+_NUMBERS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 # Lower and upper bounds that xgrammar refuses when they cross.
 _BOUNDS = (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
            ("minProperties", "maxProperties"))  # fmt: skip
@@ -153,10 +158,42 @@ def _check_keywords(schema: Any, root: Any, where: str, depth: int) -> None:
             raise unsupported(f"$ref (at {where}) must point into #/$defs or #/definitions")
         if keyword == "$ref" and not _resolves(root, value):
             raise unsupported(f"$ref (at {where}) points to no definition: {value!r}")
+        _check_value(keyword, value, where)
     _check_combination(schema, where)
     for keyword, value in schema.items():
         for child, at in _children(keyword, value, where):
             _check_keywords(child, root, at, depth + 1)
+
+
+def _check_value(keyword: str, value: Any, where: str) -> None:
+    """Refuse a keyword whose value has the wrong type or range, naming it: xgrammar's own
+    refusal would not say which keyword (nor where)."""
+    expected = _expected(keyword, value)
+    if expected is not None:
+        raise unsupported(f"{keyword!r} (at {where}) is not {expected}")
+
+
+def _expected(keyword: str, value: Any) -> str | None:
+    """What `value` should be for `keyword`, when it is not; None when it is (or any value
+    goes)."""
+    if keyword in _SCHEMA_MAPS:
+        return None if isinstance(value, dict) else "an object"
+    if keyword in _SCHEMAS:
+        return None if isinstance(value, dict | bool) else "a schema (an object or a boolean)"
+    if keyword in _SCHEMA_LISTS or keyword == "enum":
+        return None if isinstance(value, list) else "an array"
+    if keyword == "required":
+        strings = isinstance(value, list) and all(isinstance(name, str) for name in value)
+        return None if strings else "an array of strings"
+    if keyword in ("type", "format", "pattern"):
+        return None if keyword == "type" or isinstance(value, str) else "a string"
+    if keyword in _COUNTS:
+        count = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT
+        return None if count else f"a whole number from 0 to {MAX_COUNT}"
+    if keyword in _NUMBERS:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        return None if number and math.isfinite(value) else "a finite number"
+    return None
 
 
 def _resolves(root: Any, reference: str) -> bool:
@@ -194,6 +231,10 @@ def _check_combination(schema: dict[str, Any], where: str) -> None:
         low, high = schema.get(lower), schema.get(upper)
         if isinstance(low, int | float) and isinstance(high, int | float) and low > high:
             raise unsupported(f"{lower!r} (at {where}) is greater than {upper!r}")
+    if schema.get("type") == "integer":  # xgrammar bounds an integer by whole numbers only
+        fraction = next((k for k in _NUMBERS if _fractional(schema.get(k))), None)
+        if fraction is not None:
+            raise unsupported(f"{fraction!r} (at {where}) of an integer is not a whole number")
     if not any(shape in schema for shape in _SHAPES):
         for keyword in schema:
             if keyword not in ANNOTATIONS:
@@ -230,6 +271,9 @@ def _check_object(schema: dict[str, Any], where: str) -> None:
     for name in required if isinstance(required, list) else []:
         if not isinstance(name, str) or name not in properties:
             raise unsupported(f"required property {name!r} (at {where}) is not in 'properties'")
+        if properties[name] is False:
+            message = f"required property {name!r} (at {where}) has the schema false"
+            raise unsupported(f"{message}: no value can follow it")
     # Telling whether a regex matches a property's name would run the client's regex here.
     if properties and "patternProperties" in schema:
         raise unsupported(f"'patternProperties' beside 'properties' (at {where}) is not enforced")
@@ -250,6 +294,11 @@ def _check_object(schema: dict[str, Any], where: str) -> None:
     if undeclared and unplain is not None:
         message = f"property {unplain!r} (at {where}) is not plain printable ASCII"
         raise unsupported(f"{message}: the grammar cannot keep it apart from additional ones")
+
+
+def _fractional(value: Any) -> bool:
+    """Whether `value` is a number with a fractional part."""
+    return isinstance(value, float) and not value.is_integer()
 
 
 def _json_types(value: Any) -> frozenset[str]:

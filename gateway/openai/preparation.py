@@ -27,6 +27,7 @@ from engine.errors import EngineOverloaded, InvalidRequest
 from engine.request import GenerationRequest
 from engine.sampling.sampler import InvalidSampling, SamplingParams
 from engine.structured.grammar import ResponseFormat
+from engine.structured.tool_grammar import ToolCalls
 from gateway.auth.key_auth import Caller
 from gateway.errors import APIError, from_engine_error
 from gateway.http.settlement import Settlement
@@ -90,7 +91,7 @@ class Prepared:
     tool_calls: bool = False
     # The response format or tool-call grammar `request` still needs, compiled by
     # `with_grammar` once the request has left the shared preparation slots.
-    grammar_wanted: ResponseFormat | str | None = None
+    grammar_wanted: ResponseFormat | ToolCalls | None = None
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -302,9 +303,10 @@ def _sampling(
         raise from_engine_error(error) from error
 
 
-def _forced_format(body: SamplingFields) -> ResponseFormat | str | None:
-    """What the output is held to: a response format, a tool call grammar (EBNF text) for
-    tool_choice "required" or a named function, or None. Both at once is a 400."""
+def _forced_format(body: SamplingFields) -> ResponseFormat | ToolCalls | None:
+    """What the output is held to: a response format, the tool calls tool_choice "required" or
+    a named function allows, or None. Both at once is a 400. Only checks run here, inside the
+    shared preparation slots; the grammar is written and compiled by `with_grammar`."""
     response_format = body.response_format
     wanted: ResponseFormat | None = None
     if isinstance(response_format, JsonSchemaFormat):
@@ -327,12 +329,12 @@ def _forced_format(body: SamplingFields) -> ResponseFormat | str | None:
         raise from_engine_error(error) from None
 
 
-def _compile_grammar(model: ServedModel, wanted: ResponseFormat | str) -> Any:
+def _compile_grammar(model: ServedModel, wanted: ResponseFormat | ToolCalls) -> Any:
     """A response format or a tool call grammar compiled for the model (on this preparation
     thread, never the engine's); what it cannot enforce is a 400 naming what."""
     try:
-        if isinstance(wanted, str):
-            return model.engine.grammars.compile_ebnf(wanted)
+        if isinstance(wanted, ToolCalls):
+            return model.engine.grammars.compile_tools(wanted)
         return model.engine.grammars.compile(wanted)
     except (InvalidRequest, EngineOverloaded) as error:
         raise from_engine_error(error) from None

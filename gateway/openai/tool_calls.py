@@ -13,8 +13,9 @@ JSON, no name, arguments that are not an object, no closing tag) stays in the co
 text the model wrote: parsing never fails.
 
 `tool_choice` "required" or a named function forces the answer into such blocks with a
-grammar (`tool_choice_grammar`), compiled like a response format's (`Grammars.compile_ebnf`);
-each function's `parameters` pass the same checks as a response format's schema.
+grammar: `tool_choice_grammar` checks each function's `parameters` as a response format's schema
+is checked and describes the calls; `Grammars.compile_tools` writes their grammar and compiles
+it in a compile process, within its limits, as a response format's.
 """
 
 from __future__ import annotations
@@ -28,13 +29,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import xgrammar as xgr
 from jinja2 import TemplateError
 
 from engine.errors import InvalidRequest
-from engine.structured.compile_errors import schema_refusal
 from engine.structured.schema_checks import check_tool_parameters, check_tool_set, tools_refused
-from engine.structured.schema_grammar import json_schema_ebnf
+from engine.structured.tool_grammar import ToolCalls
 from gateway.openai.schemas import check_json_value
 
 OPEN = "<tool_call>"
@@ -272,26 +271,28 @@ def _renders_probe(tokenizer: Any) -> bool:
 
 def tool_choice_grammar(
     tools: Sequence[Mapping[str, Any]], choice: str | Mapping[str, Any], parallel: bool
-) -> str | None:
-    """The EBNF grammar (root rule `root`) `choice` forces the answer into, or None for
-    "auto" and "none", which force nothing.
+) -> ToolCalls | None:
+    """The tool calls `choice` forces the answer into, for `Grammars.compile_tools`, or None
+    for "auto" and "none", which force nothing.
 
     "required" allows a call of any of `tools`, a named function (`{"type": "function",
     "function": {"name": ...}}`) a call of that one: `<tool_call>\\n{"name": ..., "arguments":
     ...}\\n</tool_call>`, with arguments that follow the function's `parameters`. With
     `parallel`, one or more calls, one per line. `InvalidRequest` on `tools` for parameters
-    the grammar cannot enforce, on `tool_choice` for a choice no tool answers.
+    the grammar cannot enforce, on `tool_choice` for a choice no tool answers. Only checks run
+    here: the grammar is written and compiled in a compile process, within its limits.
     """
     if choice in ("auto", "none"):
         return None
     functions = _chosen_functions(tools, choice)
     check_tool_set([function.get("parameters") or {} for function in functions])
-    calls = xgr.Grammar.union(*(_call_grammar(function) for function in functions))
-    if not parallel:
-        return str(calls)
-    # xgrammar prints a grammar's root rule as `root` (renaming any other rule of that name).
-    repeated = f"{calls}\nparallel_calls ::= root ({json.dumps(CALL_SEPARATOR)} root)*\n"
-    return str(xgr.Grammar.from_ebnf(repeated, root_rule_name="parallel_calls"))
+    return ToolCalls(
+        names=tuple(str(function["name"]) for function in functions),
+        parameters=tuple(json.dumps(_parameters(function)) for function in functions),
+        open=OPEN,
+        close=CLOSE,
+        separator=CALL_SEPARATOR if parallel else None,
+    )
 
 
 def _chosen_functions(
@@ -311,34 +312,12 @@ def _chosen_functions(
     return chosen[:1]
 
 
-def _call_grammar(function: Mapping[str, Any]) -> xgr.Grammar:
-    """One `<tool_call>` block calling `function`, with arguments that follow its parameters."""
+def _parameters(function: Mapping[str, Any]) -> dict[str, Any]:
+    """The schema a call's arguments follow: `function`'s parameters, an object."""
     name = function["name"]
     given = function.get("parameters") or {}  # none: any object
     if not isinstance(given, Mapping) or given.get("type", "object") != "object":
         raise tools_refused(f"function {name!r}: parameters must describe an object")
     parameters = {"type": "object", **given}
     check_tool_parameters(parameters, name)
-    # The call object nests the parameters: their definitions move to its top, where their
-    # references ("#/$defs/...", "#/definitions/...") point.
-    definitions = {
-        key: parameters.pop(key) for key in ("$defs", "definitions") if key in parameters
-    }
-    schema = {
-        "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters},
-        "required": ["name", "arguments"],
-        "additionalProperties": False,
-        **definitions,
-    }
-    try:
-        body = xgr.Grammar.from_ebnf(json_schema_ebnf(json.dumps(schema)))
-    except RuntimeError as error:  # xgrammar's own refusal, e.g. a $ref it cannot resolve
-        reason = schema_refusal(schema, str(error))
-        raise tools_refused(f"function {name!r}: parameters cannot be compiled: {reason}") from None
-    return xgr.Grammar.concat(_literal(OPEN + "\n"), body, _literal("\n" + CLOSE))
-
-
-def _literal(text: str) -> xgr.Grammar:
-    """The grammar of exactly `text` (ASCII: JSON's escapes are EBNF's)."""
-    return xgr.Grammar.from_ebnf(f"root ::= {json.dumps(text)}")
+    return parameters

@@ -22,6 +22,7 @@ from engine.errors import InvalidRequest
 from engine.model.loader import LoadedModel, load_model
 from engine.structured.compile_limits import CompileLimits
 from engine.structured.grammar import Grammars, ResponseFormat
+from engine.structured.tool_grammar import ToolCalls
 
 # 50 declared properties beside additional ones: xgrammar spells "any name but these 50" as a
 # trie of rules, whose compile takes ~10 s over SmolLM2's vocabulary (2.3 KB of schema).
@@ -87,11 +88,39 @@ def test_a_schema_too_costly_to_compile_is_refused_and_the_pool_recovers(
     assert grammars.compile_pids() != [before]  # a new process took its place
 
 
+def tool_calls(parameters: Any) -> ToolCalls:
+    """A call of one function `f` with these parameters."""
+    return ToolCalls(("f",), (json.dumps(parameters),), "<tool_call>", "</tool_call>")
+
+
 def test_a_tool_grammar_too_costly_to_compile_is_refused_on_tools(grammars: Grammars) -> None:
-    ebnf = str(xgr.Grammar.from_json_schema(json.dumps(COSTLY)))
     with pytest.raises(InvalidRequest, match=r"^tools: the schema is too costly") as raised:
-        grammars.compile_ebnf(ebnf)
+        grammars.compile_tools(tool_calls(COSTLY))
     assert raised.value.param == "tools"
+
+
+# 600 properties, half of them required by count: xgrammar takes seconds (and hundreds of MB)
+# only to write this schema's grammar, before any compile (17 KB of schema).
+COSTLY_TO_WRITE = {
+    "type": "object",
+    "properties": {f"p{index}": {"type": "integer"} for index in range(600)},
+    "minProperties": 300,
+}
+
+
+@pytest.mark.parametrize("kind", ["response_format", "tools"])
+def test_writing_a_costly_grammar_counts_against_the_time_limit(
+    grammars: Grammars, kind: str
+) -> None:
+    assert compile_schema(grammars, SIMPLE)  # its compile process is running
+    started = time.monotonic()
+    with pytest.raises(InvalidRequest, match=r"too costly to compile within 0\.5 s"):
+        if kind == "tools":
+            grammars.compile_tools(tool_calls(COSTLY_TO_WRITE))
+        else:
+            compile_schema(grammars, COSTLY_TO_WRITE)
+    # The limit and no more: never the seconds the grammar takes to write.
+    assert time.monotonic() - started < 1.5
 
 
 def test_a_schema_that_needs_too_much_memory_is_refused(model: LoadedModel) -> None:
@@ -148,6 +177,46 @@ def test_no_compile_process_outlives_a_killed_parent(tmp_path: Path) -> None:
     assert not any(running(pid) for pid in pids)
 
 
+_MAIN_SCRIPT = """
+import sys
+import xgrammar as xgr
+from engine.structured.compile_limits import CompileLimits
+from engine.structured.compile_pool import CompilePool
+from engine.structured.compile_worker import Job
+
+with open(sys.argv[1], "a") as runs:  # each run of this script's top level leaves a line
+    print("ran", file=runs)
+
+if __name__ == "__main__":
+    info = xgr.TokenizerInfo(["a", "b"]).serialize_json()
+    pool = CompilePool(info, CompileLimits(processes=2))
+    pool.compile(Job("schema", '{"type": "integer"}'), 5)
+    pool.compile(Job("schema", '{"type": "boolean"}'), 5)
+    pool.close()  # and a third process, as after a compile killed at its limit
+    pool.compile(Job("schema", '{"type": "null"}'), 5)
+    pool.close()
+"""
+
+
+def test_a_compile_process_does_not_run_the_main_script_again(tmp_path: Path) -> None:
+    # multiprocessing would run the parent's main script in each process it starts; for
+    # `prefixgate serve` that imports the whole gateway, seconds per compile process.
+    script, runs = tmp_path / "main.py", tmp_path / "runs"
+    script.write_text(_MAIN_SCRIPT)
+    root = Path(__file__).resolve().parents[3]
+    environment = {**os.environ, "PYTHONPATH": str(root)}
+    parent = subprocess.run(
+        [sys.executable, str(script), str(runs)],
+        capture_output=True,
+        text=True,
+        env=environment,
+        check=False,
+        timeout=120,
+    )
+    assert parent.returncode == 0, parent.stderr
+    assert runs.read_text().splitlines() == ["ran"]  # the parent's run alone
+
+
 # Schemas xgrammar itself refuses (past schema_checks.py), and what the refusal says instead of
 # xgrammar's words.
 XGRAMMAR_REFUSES = [
@@ -157,14 +226,14 @@ XGRAMMAR_REFUSES = [
      "'enum' (at #/properties/a) is not one it can hold"),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "minItems": 3, "items": False},
      "'minItems' (at #) is not one it can hold"),
-    ({"type": "array", "items": {"type": "integer"}, "maxItems": -2},
-     "'maxItems' (at #) is not one it can hold"),
     ({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}},
      "'$ref' (at #) is not one it can hold"),
     ({"type": "integer", "maximum": 1e20}, "'maximum' (at #) is not one it can hold"),
-    ({"type": "integer", "minimum": 1.5, "maximum": 1.7}, "the schema cannot be compiled at #"),
-    ({"type": "object", "properties": {"a": False}, "required": ["a"]},
-     "the schema cannot be compiled at #"),
+    # xgrammar names another keyword ("Integer exceeds maximum limit"), or none ("Invalid range").
+    ({"type": "integer", "minimum": 1e300}, "'minimum' (at #) is not one it can hold"),
+    ({"type": "object", "properties": {"a": {"type": "number", "minimum": 1,
+                                             "exclusiveMaximum": 1}}},
+     "'minimum' (at #/properties/a) is not one it can hold"),
 ]  # fmt: skip
 XGRAMMAR_WORDS = ("json_schema_converter", ".cc", "Check failed", "Invalid range", "must be")
 
@@ -188,6 +257,27 @@ def test_an_xgrammar_refusal_names_the_keyword_and_path_in_our_words(
         ({"type": "object", "properties": {"a": {"type": "array", "minItems": 3,
                                                  "maxItems": 1}}},
          "'minItems' (at #/properties/a) is greater than 'maxItems'"),
+        # Values of the wrong type or range, which xgrammar refuses without naming them.
+        ({"type": "array", "items": {"type": "integer"}, "maxItems": -2},
+         "'maxItems' (at #) is not a whole number from 0 to 2147483647"),
+        ({"type": "string", "minLength": -1}, "'minLength' (at #) is not a whole number"),
+        ({"type": "array", "minItems": 10**12}, "'minItems' (at #) is not a whole number"),
+        ({"type": "array", "minItems": 2.0}, "'minItems' (at #) is not a whole number"),
+        ({"type": "object", "properties": []}, "'properties' (at #) is not an object"),
+        ({"type": "object", "properties": {"a": {"type": "array", "items": [{}]}}},
+         "'items' (at #/properties/a) is not a schema (an object or a boolean)"),
+        ({"type": "object", "additionalProperties": 3},
+         "'additionalProperties' (at #) is not a schema"),
+        ({"type": "integer", "minimum": "3"}, "'minimum' (at #) is not a finite number"),
+        ({"type": "number", "maximum": float("inf")}, "'maximum' (at #) is not a finite number"),
+        ({"type": "integer", "minimum": 1.5, "maximum": 1.7},
+         "'minimum' (at #) of an integer is not a whole number"),
+        ({"type": "string", "format": 3}, "'format' (at #) is not a string"),
+        ({"type": "object", "properties": {"a": {}}, "required": [1]},
+         "'required' (at #) is not an array of strings"),
+        ({"anyOf": {}}, "'anyOf' (at #) is not an array"),
+        ({"type": "object", "properties": {"a": False}, "required": ["a"]},
+         "required property 'a' (at #) has the schema false"),
     ],
 )  # fmt: skip
 def test_what_xgrammar_would_refuse_is_refused_first_by_keyword(

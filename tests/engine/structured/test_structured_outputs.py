@@ -149,7 +149,8 @@ UNSUPPORTED = [
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "'oneOf' (at #) is only enforced"),
     ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"]},
      "required property 'b' (at #)"),
-    ({"type": "object", "properties": {"a": {}}, "required": [["a"]]}, "required property"),
+    ({"type": "object", "properties": {"a": {}}, "required": [["a"]]},
+     "'required' (at #) is not an array of strings"),
     ({"type": "object", "properties": {"ab": {"type": "integer"}},
       "patternProperties": {"^a": {"type": "string"}}}, "'patternProperties' beside 'properties'"),
 ]  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from typing import Any
 
 import jsonschema
@@ -16,6 +17,7 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import EngineOverloaded, InvalidRequest
 from engine.sampling.sampler import SamplingParams
+from engine.structured.tool_grammar import ToolCalls, tool_calls_grammar
 from gateway.openai.tool_calls import (
     parse_tool_calls,
     template_supports_tools,
@@ -72,10 +74,13 @@ def call(name: str, arguments: str) -> str:
     return f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
 
 
-def accepts(ebnf: str, text: str) -> bool:
-    """Whether `text` is a whole answer the grammar allows (matched as text, no vocabulary)."""
+def accepts(calls: ToolCalls | None, text: str) -> bool:
+    """Whether `text` is a whole answer the calls' grammar allows (matched as text, no
+    vocabulary)."""
+    assert calls is not None
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False)
-    matcher = xgr.GrammarMatcher(compiler.compile_grammar(ebnf), terminate_without_stop_token=True)
+    grammar = compiler.compile_grammar(tool_calls_grammar(calls))
+    matcher = xgr.GrammarMatcher(grammar, terminate_without_stop_token=True)
     return matcher.accept_string(text) and matcher.is_terminated()
 
 
@@ -170,24 +175,51 @@ def tools_tokenizer(smollm2_tokenizer: Any) -> Any:
     return with_tools_template(smollm2_tokenizer)
 
 
-def test_a_grammar_xgrammar_refuses_is_an_invalid_tools_request(engine: Engine) -> None:
-    with pytest.raises(InvalidRequest, match="grammar cannot be compiled") as raised:
-        engine.grammars.compile_ebnf('root ::= "a" | undefined_rule')
+def calls_of(*parameters: Any) -> ToolCalls:
+    """Calls of functions f0, f1, ... with these parameters, past the gateway's checks."""
+    names = tuple(f"f{index}" for index in range(len(parameters)))
+    return ToolCalls(names, tuple(map(json.dumps, parameters)), "<tool_call>", "</tool_call>")
+
+
+def test_parameters_xgrammar_refuses_are_an_invalid_tools_request_naming_the_function(
+    engine: Engine,
+) -> None:
+    refused = {"type": "object", "properties": {"a": {"enum": []}}}  # past schema_checks.py
+    with pytest.raises(InvalidRequest) as raised:
+        engine.grammars.compile_tools(calls_of({"type": "object"}, refused))
+    message = str(raised.value)  # where in the parameters, as the checks before say it
+    assert message == (
+        "tools: function 'f1': the schema cannot be compiled: 'enum' (at #/properties/a) is not "
+        "one it can hold"
+    )
     assert raised.value.param == "tools"
 
 
+def test_checking_the_tools_writes_no_grammar() -> None:
+    # The grammar is written in a compile process, within its limits: what the gateway keeps,
+    # inside the preparation slots every tenant shares, is each call's schema. This one's
+    # grammar takes xgrammar seconds to write.
+    costly = {"type": "object", "minProperties": 300,
+              "properties": {f"p{index}": {"type": "integer"} for index in range(600)}}  # fmt: skip
+    started = time.monotonic()
+    calls = tool_choice_grammar([TIME, function("costly", costly)], "required", parallel=False)
+    assert time.monotonic() - started < 0.5
+    assert calls is not None and calls.names == ("get_time", "costly")
+    assert json.loads(calls.parameters[0]) == TIME["function"]["parameters"]
+
+
 def test_a_tool_grammar_waits_its_turn_for_at_most_a_second(engine: Engine) -> None:
-    grammar = tool_choice_grammar([TIME], "required", parallel=False)
-    assert grammar is not None
+    calls = tool_choice_grammar([TIME], "required", parallel=False)
+    assert calls is not None
     pool = engine.grammars._ready()[1]
     held = [pool._idle.get() for _ in range(pool.limits.processes)]  # all busy compiling
     try:
         with pytest.raises(EngineOverloaded, match="retry shortly"):
-            engine.grammars.compile_ebnf(grammar)
+            engine.grammars.compile_tools(calls)
     finally:
         for process in held:
             pool._idle.put(process)
-    assert engine.grammars.compile_ebnf(grammar)
+    assert engine.grammars.compile_tools(calls)
 
 
 def test_only_a_template_that_renders_tools_supports_them(
@@ -225,9 +257,9 @@ def generate(engine: Engine, tokenizer: Any, choice: Any, seeds: range) -> list[
         question, tools=[WEATHER, TIME], tokenize=False, add_generation_prompt=True
     )
     prompt = tokenizer.encode(text, add_special_tokens=False)
-    ebnf = tool_choice_grammar([WEATHER, TIME], choice, parallel=False)
-    assert ebnf is not None
-    grammar = engine.grammars.compile_ebnf(ebnf)
+    calls = tool_choice_grammar([WEATHER, TIME], choice, parallel=False)
+    assert calls is not None
+    grammar = engine.grammars.compile_tools(calls)
     sampling = [SamplingParams(max_tokens=64, temperature=1.0, seed=seed) for seed in seeds]
     requests = [
         dataclasses.replace(make_request(f"{choice}-{params.seed}", prompt, sampling=params),
