@@ -57,6 +57,15 @@ def grammars_for(model: LoadedModel, limits: CompileLimits) -> Grammars:
 
 @pytest.fixture
 def grammars(model: LoadedModel) -> Any:
+    """Grammars with time to compile ordinary schemas on a busy machine."""
+    grammars = grammars_for(model, CompileLimits(timeout_s=10, memory_mb=1024, processes=1))
+    yield grammars
+    grammars.close()
+
+
+@pytest.fixture
+def hasty(model: LoadedModel) -> Any:
+    """Grammars with half a second a compile: what the costly schemas are refused under."""
     grammars = grammars_for(model, CompileLimits(timeout_s=0.5, memory_mb=1024, processes=1))
     yield grammars
     grammars.close()
@@ -76,16 +85,16 @@ def running(pid: int) -> bool:
 
 
 def test_a_schema_too_costly_to_compile_is_refused_and_the_pool_recovers(
-    grammars: Grammars,
+    hasty: Grammars,
 ) -> None:
-    assert compile_schema(grammars, SIMPLE)
-    [before] = grammars.compile_pids()
+    assert compile_schema(hasty, SIMPLE)
+    [before] = hasty.compile_pids()
     with pytest.raises(InvalidRequest, match=r"too costly to compile within 0\.5 s") as raised:
-        compile_schema(grammars, COSTLY)
+        compile_schema(hasty, COSTLY)
     assert raised.value.param == "response_format"
     assert not running(before)  # killed, not left compiling
-    assert compile_schema(grammars, {"type": "array", "items": {"type": "boolean"}})
-    assert grammars.compile_pids() != [before]  # a new process took its place
+    assert compile_schema(hasty, {"type": "array", "items": {"type": "boolean"}})
+    assert hasty.compile_pids() != [before]  # a new process took its place
 
 
 def tool_calls(parameters: Any) -> ToolCalls:
@@ -93,9 +102,9 @@ def tool_calls(parameters: Any) -> ToolCalls:
     return ToolCalls(("f",), (json.dumps(parameters),), "<tool_call>", "</tool_call>")
 
 
-def test_a_tool_grammar_too_costly_to_compile_is_refused_on_tools(grammars: Grammars) -> None:
+def test_a_tool_grammar_too_costly_to_compile_is_refused_on_tools(hasty: Grammars) -> None:
     with pytest.raises(InvalidRequest, match=r"^tools: the schema is too costly") as raised:
-        grammars.compile_tools(tool_calls(COSTLY))
+        hasty.compile_tools(tool_calls(COSTLY))
     assert raised.value.param == "tools"
 
 
@@ -109,16 +118,14 @@ COSTLY_TO_WRITE = {
 
 
 @pytest.mark.parametrize("kind", ["response_format", "tools"])
-def test_writing_a_costly_grammar_counts_against_the_time_limit(
-    grammars: Grammars, kind: str
-) -> None:
-    assert compile_schema(grammars, SIMPLE)  # its compile process is running
+def test_writing_a_costly_grammar_counts_against_the_time_limit(hasty: Grammars, kind: str) -> None:
+    assert compile_schema(hasty, SIMPLE)  # its compile process is running
     started = time.monotonic()
     with pytest.raises(InvalidRequest, match=r"too costly to compile within 0\.5 s"):
         if kind == "tools":
-            grammars.compile_tools(tool_calls(COSTLY_TO_WRITE))
+            hasty.compile_tools(tool_calls(COSTLY_TO_WRITE))
         else:
-            compile_schema(grammars, COSTLY_TO_WRITE)
+            compile_schema(hasty, COSTLY_TO_WRITE)
     # The limit and no more: never the seconds the grammar takes to write.
     assert time.monotonic() - started < 1.5
 
