@@ -91,6 +91,8 @@ def demo(
     ] = None,
 ) -> None:
     """Chat as three users of two tenants through the prefix cache; show what each turn reused."""
+    settings = load_settings()  # a mistaken setting is told before torch imports
+    log_to_state_dir(settings)
     from rich.console import Console
     from rich.table import Table
 
@@ -98,8 +100,6 @@ def demo(
     from gateway.cli.engine_demo import reuse_lines, run_demo
     from gateway.runtime.engine_setup import check_engine, load_configured_model
 
-    settings = load_settings()
-    log_to_state_dir(settings)
     try:
         check_engine(settings)
         loaded = load_configured_model(settings, model)
@@ -145,6 +145,8 @@ def generate(
     seed: Annotated[int | None, typer.Option(help="Seed for sampling.")] = None,
 ) -> None:
     """Generate a chat answer on the paged engine and stream it to the terminal."""
+    settings = load_settings()  # a mistaken setting is told before torch imports
+    log_to_state_dir(settings)
     from engine.cache.scope import User
     from engine.config import EngineConfig
     from engine.engine import Engine
@@ -155,8 +157,6 @@ def generate(
     from gateway.runtime.engine_setup import check_engine, load_configured_model
     from policies.templates import TemplateRejected, render
 
-    settings = load_settings()
-    log_to_state_dir(settings)
     try:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
         check_engine(settings)

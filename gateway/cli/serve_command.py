@@ -49,13 +49,6 @@ def serve(
     below override the most used ones. `prefixgate settings` lists them all with the values
     in effect and their defaults.
     """
-    import uvicorn
-
-    from gateway.app import create_app, prepare_database
-    from gateway.http.connections import InvalidTrustedProxy, uvicorn_config
-    from gateway.runtime.engine_setup import check_workers
-    from policies.config import PolicyFileError, load_policy
-
     overrides: dict[str, Any] = {
         "host": host,
         "port": port,
@@ -63,7 +56,15 @@ def serve(
         "served_model_name": served_model_name,
         "workers": workers,
     }
+    # Settings first: a mistaken one is told in a second, before torch and the app import.
     settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
+    import uvicorn
+
+    from gateway.app import create_app, prepare_database
+    from gateway.http.connections import InvalidTrustedProxy, uvicorn_config
+    from gateway.runtime.engine_setup import check_workers
+    from policies.config import PolicyFileError, load_policy
+
     try:
         load_policy(settings.policy_file)
     except PolicyFileError as error:

@@ -43,19 +43,20 @@ def worker(
     model it announces; workers of several models may serve one gateway. The worker API is
     internal: never expose it to clients.
     """
-    import uvicorn
-
-    from gateway.worker_app import create_worker_app
-    from gateway.workers.link import SIGNING_KEY_MISSING
-    from gateway.workers.tls import WorkerTLSError, worker_tls
-
     overrides: dict[str, Any] = {
         "host": host,
         "port": port,
         "model_dir": model_dir,
         "served_model_name": served_model_name,
     }
+    # Settings first: a mistaken one is told in a second, before torch and the app import.
     settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
+    import uvicorn
+
+    from gateway.worker_app import create_worker_app
+    from gateway.workers.link import SIGNING_KEY_MISSING
+    from gateway.workers.tls import WorkerTLSError, worker_tls
+
     if settings.worker_secret is None:
         fail("a worker needs PREFIXGATE_WORKER_SECRET, the secret its gateways share")
     if settings.worker_signing_key is None:

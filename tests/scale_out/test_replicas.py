@@ -135,6 +135,9 @@ def replicas(
             {SMOL: smollm2_dir, QWEN: qwen_dir}, redis, qwen_link, settings, scratch, stack,
         )  # fmt: skip
         cluster.start_gateways(2)
+        # A gateway is ready once one worker answers; the tests start from both known to each.
+        for gateway in cluster.gateways:
+            seconds_until(lambda g=gateway: ready(g)["engine"]["workers_up"] == 2, 30)
         yield cluster
 
 
