@@ -18,7 +18,9 @@ Three rules, each measured (figures: docs/performance.md):
   threads until a later try with all of them runs without waiting.
 - One thread should do the engine's parallel torch work. libgomp keeps a pool of workers per
   thread that starts parallel regions, and while a second pool lives (the thread that loaded
-  the model, say) every region is slower to start, and so is every decode step.
+  the model, say) the process has more OpenMP threads than CPUs: libgomp then lets idle
+  threads spin only 100 loops, every region waits for sleeping threads to wake, and so does
+  every decode step.
   `on_passing_thread` runs set-up work (loading the model, building the engine) on a thread
   that then ends, taking its pool with it, so the engine thread's pool is the only one.
 """
