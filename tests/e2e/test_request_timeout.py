@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.local_server import tiny_chat_model
 from tenancy.tenants import TenantLimits
 from tests.support.gateway import MODEL, Gateway, start_gateway
 from tests.support.raw_http import read_to_close
@@ -24,11 +25,18 @@ UPLOAD_S = 2.0  # the body's second half comes this long after its first: the bu
 
 @pytest.fixture(scope="module")
 def hurried(
-    migrated_template: str, tiny_chat_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    migrated_template: str, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
+    # A model whose 2,000 tokens take seconds on any CPU (each step reads its 150 MB of
+    # weights), so that the answer outlasts the second left to it: the session's tiny model
+    # decoded 1,500 tokens within that second on a fast machine and ended before the deadline.
+    directory = tmp_path_factory.mktemp("models") / MODEL
+    slow = tiny_chat_model(
+        directory, smollm2_dir, hidden_size=384, intermediate_size=1536, num_hidden_layers=8
+    )
     state_dir = tmp_path_factory.mktemp("timeout-state")
     tenants = [("acme", "user", TenantLimits())]
-    with start_gateway(migrated_template, tiny_chat_dir, state_dir, tenants,
+    with start_gateway(migrated_template, slow, state_dir, tenants,
                        request_timeout_s=TIMEOUT_S) as started:  # fmt: skip
         yield started
 
@@ -38,7 +46,7 @@ def slow_request(gateway: Gateway, stream: bool) -> tuple[bytes, float]:
     and how long after the request's first byte the server closed the connection."""
     body = json.dumps({
         "model": MODEL, "messages": [{"role": "user", "content": "Count for ever."}],
-        "max_tokens": 1500, "stream": stream,
+        "max_tokens": 2000, "stream": stream,
     }).encode()  # fmt: skip
     head = (
         "POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nConnection: close\r\n"
