@@ -27,9 +27,9 @@ UPLOAD_S = 2.0  # the body's second half comes this long after its first: the bu
 def hurried(
     migrated_template: str, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
-    # A model whose 2,000 tokens take seconds on any CPU (each step reads its 150 MB of
-    # weights), so that the answer outlasts the second left to it: the session's tiny model
-    # decoded 1,500 tokens within that second on a fast machine and ended before the deadline.
+    # A model whose 2,000 tokens take seconds on any CPU (each step reads its 38 M weights),
+    # so that the answer outlasts the second left to it: the session's tiny model decoded
+    # 1,500 tokens within that second on a fast machine and ended before the deadline.
     directory = tmp_path_factory.mktemp("models") / MODEL
     slow = tiny_chat_model(
         directory, smollm2_dir, hidden_size=384, intermediate_size=1536, num_hidden_layers=8
