@@ -49,11 +49,10 @@ def worker(
         "model_dir": model_dir,
         "served_model_name": served_model_name,
     }
-    # Settings first: a mistaken one is told in a second, before torch and the app import.
+    # Settings and secrets first: a mistake is told in a second, before torch and the app import.
     settings = load_settings(**{k: v for k, v in overrides.items() if v is not None})
     import uvicorn
 
-    from gateway.worker_app import create_worker_app
     from gateway.workers.link import SIGNING_KEY_MISSING
     from gateway.workers.tls import WorkerTLSError, worker_tls
 
@@ -67,6 +66,8 @@ def worker(
     except WorkerTLSError as error:
         fail(str(error))
     check_engine_settings(settings, model_dir)
+    from gateway.worker_app import create_worker_app
+
     application = create_worker_app(settings, announce=typer.echo)
     config = uvicorn.Config(
         application,
