@@ -33,9 +33,9 @@ typecheck: $(STAMP)
 # pytest in two runs (both always run; either failing fails). The first shares two workers
 # (pytest-xdist) among tests whose checks hold on a loaded machine: the CLI through its
 # console script, tenancy, deploy files and the kernels' compiles and interpreter runs, most
-# of them waiting on subprocesses of their own. The second runs every other test one at a time, alone
-# on the machine, as the servers under load, benches, deadlines, fairness and timing audits
-# need: a test beside them would move the latencies they check.
+# of them waiting on subprocesses of their own. The second runs every other test one at a
+# time, alone on the machine, as the servers under load, benches, deadlines, fairness and
+# timing audits need: a test beside them would move the latencies they check.
 PARALLEL_TESTS := tests/gateway/cli tests/tenancy tests/deploy tests/policies tests/engine/kernels
 
 unit: $(STAMP)
